@@ -1,0 +1,59 @@
+"""Engine-wide settings: one EngineConfig per engine replica (CONTRACT.md §2)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+UnmaskingStrategy = Literal["low_confidence_dynamic", "low_confidence_static", "sequential"]
+LogprobsMode = Literal["raw_logits", "raw_logprobs"]
+
+
+class EngineConfig(BaseModel):
+    """How one engine replica runs. Every field is optional; defaults suit a CPU test machine.
+
+    `num_kv_blocks` may be an int (pages) or a float in (0, 1] (fraction of free device memory on
+    CUDA; on CPU a fraction of `cpu_kv_cache_bytes`).
+    """
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    tp: int = Field(1, ge=1, description="tensor-parallel size")
+    max_batch_size: int = Field(64, ge=1, description="most sequences in one forward")
+    max_model_len: int = Field(4096, ge=1, description="most tokens (prompt + output) per sequence")
+    kv_block_size: int = Field(16, ge=1, description="tokens per KV page")
+    num_kv_blocks: int | float | None = Field(
+        None, description="KV pages (int) or a memory fraction (float in (0, 1]); None = auto"
+    )
+    cpu_kv_cache_bytes: int = Field(
+        2 << 30, ge=1, description="KV budget on CPU when num_kv_blocks is None or a fraction"
+    )
+    max_prefill_token_num: int = Field(
+        2048, ge=1, description="chunked-prefill budget: most prompt tokens fed in one step"
+    )
+    enable_prefix_caching: bool = True
+    dllm_block_length: int | None = Field(None, ge=1)
+    dllm_unmasking_strategy: UnmaskingStrategy = "low_confidence_dynamic"
+    dllm_denoising_steps: int | None = Field(None, ge=1, description="default: the block length")
+    dllm_confidence_threshold: float = Field(0.85, ge=0.0, le=1.0)
+    dllm_commit_fusion: bool = Field(
+        True, description="fuse a block's commit forward with the next block's first step"
+    )
+    logprobs_mode: LogprobsMode | None = None
+    logprobs_chunk_rows: int = Field(
+        256, ge=1, description="rows per LM-head chunk when scoring: bounds logits memory"
+    )
+    attention_backend: Literal["auto", "torch", "flash"] = "auto"
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _check(self) -> EngineConfig:
+        n = self.num_kv_blocks
+        if isinstance(n, float) and not (0.0 < n <= 1.0):
+            raise ValueError("num_kv_blocks: a float is a memory fraction and must be in (0, 1]")
+        if isinstance(n, int) and not isinstance(n, bool) and n < 1:
+            raise ValueError("num_kv_blocks: must be at least 1 page")
+        return self

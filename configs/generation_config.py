@@ -1,0 +1,61 @@
+"""Per-request sampling and output settings (CONTRACT.md §2)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+class GenerationConfig(BaseModel):
+    """What one request asks for. Invalid values raise ValueError naming the field."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    max_new_tokens: int = Field(512, ge=0, description="0 only for scoring")
+    min_new_tokens: int = Field(0, ge=0)
+    do_sample: bool = False
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = 1.0
+    top_k: int = Field(0, ge=0, description="0 = disabled")
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(1.0, gt=0.0)
+    random_seed: int | None = None
+    stop_words: list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = Field(None, ge=0, description="None = none; k = chosen + top-k")
+    logprob_start_len: int = Field(-1, ge=-1)
+    return_step_trace: bool = False
+
+    @field_validator("top_p")
+    @classmethod
+    def _top_p_range(cls, v: float) -> float:
+        if not (0.0 < v <= 1.0):
+            raise ValueError("top_p must be in (0, 1]")
+        return v
+
+    @field_validator("stop_words")
+    @classmethod
+    def _stop_words_nonempty(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None and any(len(w) == 0 for w in v):
+            raise ValueError("stop_words must not contain empty strings")
+        return v
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_ids_nonneg(cls, v: list[int] | None) -> list[int] | None:
+        if v is not None and any(i < 0 for i in v):
+            raise ValueError("stop_token_ids must be non-negative token ids")
+        return v
+
+    @model_validator(mode="after")
+    def _check(self) -> GenerationConfig:
+        if self.min_new_tokens > self.max_new_tokens:
+            raise ValueError("min_new_tokens must not exceed max_new_tokens")
+        return self
+
+    @property
+    def is_greedy(self) -> bool:
+        """Greedy when sampling is off or the temperature is 0 (the HTTP convention)."""
+        return not self.do_sample or self.temperature == 0.0

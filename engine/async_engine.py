@@ -1,0 +1,188 @@
+"""AsyncEngine: the step loop on a background thread, requests as asyncio streams of OutputChunks.
+
+Only the loop thread touches the LLMEngine. Callers send commands (add, abort) through a queue and
+receive chunks on a per-request asyncio.Queue of their own event loop. A caller that stops
+iterating (client disconnect, cancellation) aborts its request, which frees its KV pages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from configs import EngineConfig, GenerationConfig
+from engine.carrier import OutputChunk
+from engine.engine import LLMEngine
+
+log = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The step loop is not running; the replica needs a restart."""
+
+
+class AsyncEngine:
+    def __init__(self, model_path: str, config: EngineConfig | None = None, executor_factory=None,
+                 stall_timeout_s: float = 60.0):
+        self.engine = LLMEngine(model_path, config, executor_factory)
+        self.stall_timeout_s = stall_timeout_s
+        self._commands: queue.Queue[tuple[Callable[[], Any], concurrent.futures.Future]] = queue.Queue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._running = True
+        self._busy_since: float | None = None
+        self._fatal: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="blockserve-engine", daemon=True)
+        self._thread.start()
+
+    # ---- properties the deployments read ----------------------------------------------------
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def spec(self):
+        return self.engine.spec
+
+    @property
+    def config(self) -> EngineConfig:
+        return self.engine.config
+
+    @property
+    def is_dllm(self) -> bool:
+        return self.engine.is_dllm
+
+    # ---- the loop thread --------------------------------------------------------------------
+    def _call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        if not self._running or not self._thread.is_alive():
+            raise EngineDeadError(f"the engine loop is not running: {self._fatal!r}")
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put((fn, fut))
+        return fut
+
+    def _run_commands(self, block: bool) -> None:
+        try:
+            fn, fut = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            try:
+                fut.set_result(fn())
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                fut.set_exception(e)
+            try:
+                fn, fut = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _loop(self) -> None:
+        try:
+            while self._running:
+                self._run_commands(block=not self.engine.has_unfinished())
+                if not self.engine.has_unfinished():
+                    self._busy_since = None
+                    continue
+                self._busy_since = self._busy_since or time.monotonic()
+                try:
+                    chunks = self.engine.step()
+                except Exception as e:  # a failed forward ends what was in it, not the replica
+                    log.exception("engine step failed")
+                    chunks = [c for rid in list(self.engine.seqs)
+                              if (c := self.engine.fail(rid, f"engine step failed: {e}")) is not None]
+                    if getattr(e, "fatal", False):
+                        raise
+                self._busy_since = time.monotonic()
+                for chunk in chunks:
+                    self._deliver(chunk)
+        except BaseException as e:  # noqa: BLE001 - recorded for the health check
+            self._fatal = e
+            log.exception("engine loop died")
+        finally:
+            self._running = False
+            for rid in list(self._streams):
+                self._deliver(OutputChunk(request_id=rid, finish_reason="error",
+                                          error=f"engine loop stopped: {self._fatal!r}"))
+
+    def _deliver(self, chunk: OutputChunk) -> None:
+        target = self._streams.get(chunk.request_id)
+        if target is None:
+            return
+        if chunk.finished:
+            del self._streams[chunk.request_id]
+        loop, q = target
+        loop.call_soon_threadsafe(q.put_nowait, chunk)
+
+    # ---- the caller's side ------------------------------------------------------------------
+    async def generate(self, prompt: str | list[int], params: GenerationConfig | None = None,
+                       request_id: str | None = None) -> AsyncIterator[OutputChunk]:
+        """Stream a request's chunks. Raises RequestError (ValueError) before the first chunk."""
+        q: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+
+        def add() -> str:
+            rid = self.engine.add_request(prompt, params, request_id)
+            self._streams[rid] = (loop, q)
+            return rid
+
+        rid = await asyncio.wrap_future(self._call(add))
+        finished = False
+        try:
+            while True:
+                chunk = await q.get()
+                finished = chunk.finished
+                yield chunk
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(rid)
+
+    def abort(self, request_id: str) -> None:
+        def do_abort() -> None:
+            chunk = self.engine.abort(request_id)
+            if chunk is not None:
+                self._deliver(chunk)
+
+        if self._running:
+            self._call(do_abort)
+
+    async def run(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """Run fn(engine) on the loop thread (for stats that must be read consistently)."""
+        return await asyncio.wrap_future(self._call(lambda: fn(self.engine)))
+
+    def stats(self) -> dict[str, Any]:
+        e = self.engine
+        s = e.stats
+        return {
+            "running": len(e.scheduler.running),
+            "waiting": len(e.scheduler.waiting),
+            "kv_pages_total": e.kv.num_pages,
+            "kv_pages_free": e.kv.num_free_pages,
+            "steps": s.steps,
+            "forwards": s.forwards,
+            "prompt_tokens": s.prompt_tokens,
+            "generated_tokens": s.generated_tokens,
+            "unmasking_steps": s.unmasking_steps,
+            "forward_seconds": s.forward_seconds,
+            "step_seconds": s.step_seconds,
+            "preemptions": e.scheduler.num_preemptions,
+            "prefix_hit_tokens": e.kv.prefix_hit_tokens,
+        }
+
+    def check_health(self) -> None:
+        """Raise if the loop died or has made no progress on pending work for stall_timeout_s."""
+        if not self._thread.is_alive() or not self._running:
+            raise EngineDeadError(f"the engine loop is not running: {self._fatal!r}")
+        busy = self._busy_since
+        if busy is not None and time.monotonic() - busy > self.stall_timeout_s:
+            raise EngineDeadError(f"the engine loop has made no progress for {time.monotonic() - busy:.0f}s")
+
+    def shutdown(self) -> None:
+        self._running = False
+        self._thread.join(timeout=5)
+        self.engine.executor.shutdown()

@@ -1,0 +1,101 @@
+"""The carrier: plain-data deltas that cross every process boundary intact.
+
+An `OutputChunk` is what one engine step adds to one request. A `Response` is the sum of a
+request's chunks. Both hold only built-in types (no tensors), so they pickle through Ray and
+serialise to JSON unchanged.
+
+The None / [] rule (CONTRACT.md §2): a field is None when it was not requested or does not apply
+(e.g. `step_map` for an AR model, `logprobs` without `logprobs=k`), and a list -- possibly empty --
+when it was requested. Every chunk of a request follows the same rule, so concatenating chunks
+keeps it: `Response.from_chunks(chunks)` equals the unary response exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+FinishReason = str  # "stop" | "length" | "abort" | "error"
+StepEvent = dict[str, Any]  # {"step": int, "positions": list[int], "token_ids": list[int]}
+TokenLogprobs = dict[int, float]  # chosen token first, then the top-k in descending order
+InputRow = tuple[float, int]  # (value, token_id)
+
+
+def _extend(acc: list | None, delta: list | None) -> list | None:
+    if delta is None:
+        return acc
+    if acc is None:
+        return list(delta)
+    acc.extend(delta)
+    return acc
+
+
+@dataclass
+class OutputChunk:
+    """One delta of one request. Lists hold only what is new since the previous chunk."""
+
+    request_id: str
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    step_map: list[int] | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    input_token_logprobs: list[InputRow] | None = None
+    input_top_logprobs: list[list[InputRow]] | None = None
+    step_trace: list[StepEvent] | None = None
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    input_token_len: int = 0
+    generate_token_len: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class Response:
+    """The whole result of one request (CONTRACT.md §2)."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    step_map: list[int] | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    input_token_logprobs: list[InputRow] | None = None
+    input_top_logprobs: list[list[InputRow]] | None = None
+    step_trace: list[StepEvent] | None = None
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    input_token_len: int = 0
+    generate_token_len: int = 0
+    request_id: str | None = None
+
+    def add(self, chunk: OutputChunk) -> Response:
+        """Fold one delta in (in place) and return self."""
+        self.request_id = chunk.request_id
+        self.text += chunk.text
+        self.token_ids.extend(chunk.token_ids)
+        self.step_map = _extend(self.step_map, chunk.step_map)
+        self.logprobs = _extend(self.logprobs, chunk.logprobs)
+        self.input_token_logprobs = _extend(self.input_token_logprobs, chunk.input_token_logprobs)
+        self.input_top_logprobs = _extend(self.input_top_logprobs, chunk.input_top_logprobs)
+        self.step_trace = _extend(self.step_trace, chunk.step_trace)
+        if chunk.finish_reason is not None:
+            self.finish_reason = chunk.finish_reason
+        if chunk.error is not None:
+            self.error = chunk.error
+        self.input_token_len = chunk.input_token_len
+        self.generate_token_len = chunk.generate_token_len
+        return self
+
+    @classmethod
+    def from_chunks(cls, chunks: list[OutputChunk]) -> Response:
+        resp = cls()
+        for chunk in chunks:
+            resp.add(chunk)
+        return resp
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)

@@ -1,0 +1,135 @@
+"""Paged KV block manager: fixed-size pages, a free list, per-sequence page tables, prefix caching.
+
+Prefix caching keys a full page by a hash chain: the key of page p is (key of page p-1, the tokens
+that determine page p's K/V). For causal models those are the page's own tokens. Under DLLM
+block-causal attention a page's K/V also depend on the rest of the DLLM block its last token
+belongs to, so its key extends to that block's end (`key_end`). A page is registered only once
+those tokens are committed (their K/V final). Pages whose refcount drops to 0 keep their content
+and sit in an LRU list, evicted only when the free list runs dry.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+
+@dataclass
+class _Page:
+    page_id: int
+    ref_count: int = 0
+    key: tuple | None = None  # (parent key hash, tokens) once registered
+
+
+@dataclass
+class PageTable:
+    """A sequence's pages, plus how many of them are registered in the prefix cache."""
+
+    pages: list[int] = field(default_factory=list)
+    registered: int = 0
+    parent_hash: int | None = None  # hash of the last registered page's key
+
+
+class KVBlockManager:
+    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool,
+                 dllm_block_length: int | None = None):
+        self.page_size = page_size
+        self.num_pages = num_pages
+        self.enable_prefix_caching = enable_prefix_caching
+        self.dllm_block_length = dllm_block_length
+        self._pages = [_Page(i) for i in range(num_pages)]
+        self._free: list[int] = list(range(num_pages - 1, -1, -1))  # pop() gives low ids first
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # cached pages with ref 0, LRU first
+        self._by_hash: dict[int, int] = {}  # key hash -> page id
+        self.prefix_hit_tokens = 0  # accounting for tests and metrics
+
+    # ---- accounting -------------------------------------------------------------------------
+    @property
+    def num_free_pages(self) -> int:
+        """Pages a new allocation could take: never used, freed, or cached but unreferenced."""
+        return len(self._free) + len(self._evictable)
+
+    def pages_needed(self, table: PageTable, num_tokens: int) -> int:
+        return max(0, -(-num_tokens // self.page_size) - len(table.pages))
+
+    # ---- allocation -------------------------------------------------------------------------
+    def _take_page(self) -> int:
+        if self._free:
+            page_id = self._free.pop()
+        else:
+            page_id, _ = self._evictable.popitem(last=False)
+            page = self._pages[page_id]
+            del self._by_hash[hash(page.key)]
+            page.key = None
+        self._pages[page_id].ref_count = 1
+        return page_id
+
+    def allocate(self, table: PageTable, num_tokens: int) -> bool:
+        """Grow `table` to hold `num_tokens` tokens; False (nothing taken) if pages run out."""
+        need = self.pages_needed(table, num_tokens)
+        if need > self.num_free_pages:
+            return False
+        table.pages.extend(self._take_page() for _ in range(need))
+        return True
+
+    def free(self, table: PageTable) -> None:
+        for page_id in reversed(table.pages):
+            page = self._pages[page_id]
+            page.ref_count -= 1
+            if page.ref_count == 0:
+                if page.key is not None:
+                    self._evictable[page_id] = None
+                else:
+                    self._free.append(page_id)
+        table.pages.clear()
+        table.registered = 0
+        table.parent_hash = None
+
+    # ---- prefix caching ---------------------------------------------------------------------
+    def _key_end(self, page_index: int) -> int:
+        end = (page_index + 1) * self.page_size
+        b = self.dllm_block_length
+        return end if b is None else -(-end // b) * b
+
+    def _key(self, parent: int | None, tokens: list[int], page_index: int) -> tuple:
+        start = page_index * self.page_size
+        return (parent, tuple(tokens[start : self._key_end(page_index)]))
+
+    def match_prefix(self, table: PageTable, tokens: list[int], max_tokens: int) -> int:
+        """Attach cached pages covering at most `max_tokens` leading tokens; returns tokens reused."""
+        if not self.enable_prefix_caching or table.pages:
+            return 0
+        parent = None
+        p = 0
+        while self._key_end(p) <= max_tokens and (p + 1) * self.page_size <= max_tokens:
+            key = self._key(parent, tokens, p)
+            page_id = self._by_hash.get(hash(key))
+            if page_id is None or self._pages[page_id].key != key:
+                break
+            page = self._pages[page_id]
+            if page.ref_count == 0:
+                del self._evictable[page_id]
+            page.ref_count += 1
+            table.pages.append(page_id)
+            parent = hash(key)
+            p += 1
+        table.registered = p
+        table.parent_hash = parent
+        reused = p * self.page_size
+        self.prefix_hit_tokens += reused
+        return reused
+
+    def register(self, table: PageTable, tokens: list[int], num_committed: int) -> None:
+        """Publish the sequence's full pages whose K/V are final (tokens < num_committed)."""
+        if not self.enable_prefix_caching:
+            return
+        while table.registered < len(table.pages) and self._key_end(table.registered) <= num_committed:
+            p = table.registered
+            key = self._key(table.parent_hash, tokens, p)
+            h = hash(key)
+            page = self._pages[table.pages[p]]
+            if h not in self._by_hash and page.key is None:
+                page.key = key
+                self._by_hash[h] = page.page_id
+            table.parent_hash = h
+            table.registered += 1

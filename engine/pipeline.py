@@ -1,0 +1,83 @@
+"""The offline API (CONTRACT.md §2): `pipeline(path, engine_config=...)` runs in-process, no Ray."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from configs import EngineConfig, GenerationConfig
+from engine.carrier import OutputChunk, Response
+from engine.engine import LLMEngine
+
+Prompt = str | list[int]
+
+
+def _is_single(prompts: Prompt | list[Prompt]) -> bool:
+    """A str, or a flat list of ints, is ONE prompt; a list of those is a batch."""
+    if isinstance(prompts, str):
+        return True
+    return isinstance(prompts, list) and bool(prompts) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in prompts)
+
+
+class Pipeline:
+    def __init__(self, model_path: str, engine_config: EngineConfig | None = None):
+        self.engine = LLMEngine(model_path, engine_config or EngineConfig())
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def __call__(self, prompts: Prompt | list[Prompt], gen_config: GenerationConfig | None = None
+                 ) -> Response | list[Response]:
+        single = _is_single(prompts)
+        batch = [prompts] if single else list(prompts)
+        if not batch:
+            raise ValueError("prompts is empty: pass a string, a list of token ids, or a list of those")
+        ids = []
+        try:
+            for p in batch:
+                ids.append(self.engine.add_request(p, gen_config))
+        except ValueError:
+            for rid in ids:
+                self.engine.abort(rid)
+            raise
+        responses = {rid: Response() for rid in ids}
+        for chunk in self._drain(set(ids)):
+            responses[chunk.request_id].add(chunk)
+        out = [responses[rid] for rid in ids]
+        return out[0] if single else out
+
+    def stream(self, prompt: Prompt, gen_config: GenerationConfig | None = None) -> Iterator[OutputChunk]:
+        """Yield one request's OutputChunk deltas as the engine makes them."""
+        rid = self.engine.add_request(prompt, gen_config)
+        finished = False
+        try:
+            for chunk in self._drain({rid}):
+                finished = chunk.finished
+                yield chunk
+        finally:
+            if not finished:
+                self.engine.abort(rid)
+
+    def _drain(self, pending: set[str]) -> Iterator[OutputChunk]:
+        while pending:
+            for chunk in self.engine.step():
+                if chunk.request_id in pending:
+                    yield chunk
+                    if chunk.finished:
+                        pending.discard(chunk.request_id)
+
+    def close(self) -> None:
+        for rid in list(self.engine.seqs):
+            self.engine.abort(rid)
+        self.engine.executor.shutdown()
+
+    def __enter__(self) -> Pipeline:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def pipeline(model_path: str, engine_config: EngineConfig | None = None) -> Pipeline:
+    return Pipeline(model_path, engine_config)

@@ -1,0 +1,134 @@
+"""Continuous batching: which sequences run in the next forward, and how many of their tokens.
+
+Every step takes running sequences first (AR decode rows, DLLM denoising blocks), then admits
+waiting ones (prefill, chunked under `max_prefill_token_num`). A DLLM chunk always ends on a DLLM
+block boundary, because a query sees every key of its own block. When KV pages run out, the
+newest running sequence is preempted: its pages are freed and it is recomputed later from its
+tokens, which reproduces exactly the state it had.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from configs import EngineConfig
+from engine.kv_cache import KVBlockManager
+from engine.sequence import Sequence, SeqStatus
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    start: int  # first token fed in this forward
+    end: int  # one past the last token fed
+    sample: bool  # whether this forward's logits pick tokens for the sequence
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, kv: KVBlockManager, dllm_block_length: int | None):
+        self.config = config
+        self.kv = kv
+        self.block_length = dllm_block_length
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a sequence out (finished or aborted) and release its pages."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.kv.free(seq.table)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # ---- what a sequence needs next --------------------------------------------------------
+    def _target(self, seq: Sequence) -> tuple[int, bool]:
+        """(end of the tokens to feed, whether the forward reaching it samples)."""
+        if seq.block is None:  # AR: everything not yet computed; logits at the newest token
+            return len(seq.tokens), seq.params.max_new_tokens > 0
+        block = seq.block
+        if (not self.config.dllm_commit_fusion and seq.num_computed < block.start
+                and seq.step_counter > 0):
+            return block.start, False  # unfused commit forward of the finished block
+        return block.end, True
+
+    def _prefix_limit(self, seq: Sequence) -> int:
+        """How many leading tokens may come from the prefix cache."""
+        if seq.block is not None:
+            return seq.block.start  # committed tokens only
+        limit = len(seq.tokens) - 1  # the newest token must be computed to get logits
+        if seq.wants_input_logprobs:
+            limit = min(limit, seq.params.logprob_start_len)  # every scored row is computed
+        return limit
+
+    def _chunk_end(self, seq: Sequence, budget: int) -> int | None:
+        target, _ = self._target(seq)
+        start = seq.num_computed
+        if target - start <= budget:
+            return target
+        end = start + budget
+        if self.block_length:
+            end -= end % self.block_length
+        return end if end > start else None
+
+    # ---- the step ----------------------------------------------------------------------------
+    def schedule(self) -> list[ScheduledSeq]:
+        budget = self.config.max_prefill_token_num
+        out: list[ScheduledSeq] = []
+        i = 0
+        while i < len(self.running):
+            seq = self.running[i]
+            item = self._try_schedule(seq, budget, out, first=not out)
+            if item is None:
+                if seq in self.running:  # could not place it this step; it keeps its pages
+                    i += 1
+                continue  # it was preempted: the list shifted
+            out.append(item)
+            budget -= item.end - item.start
+            i += 1
+        while self.waiting and len(self.running) < self.config.max_batch_size and budget > 0:
+            seq = self.waiting[0]
+            if not seq.table.pages:
+                seq.num_computed = self.kv.match_prefix(seq.table, seq.tokens, self._prefix_limit(seq))
+            item = self._try_schedule(seq, budget, out, first=not out, admitting=True)
+            if item is None:
+                break
+            self.waiting.popleft()
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            out.append(item)
+            budget -= item.end - item.start
+        return out
+
+    def _try_schedule(self, seq: Sequence, budget: int, scheduled: list[ScheduledSeq],
+                      first: bool, admitting: bool = False) -> ScheduledSeq | None:
+        end = self._chunk_end(seq, budget if not first else max(budget, self.block_length or 1))
+        if end is None:
+            return None
+        while not self.kv.allocate(seq.table, end):
+            if admitting:
+                return None
+            busy = {s.seq.request_id for s in scheduled}
+            victims = [s for s in self.running if s.request_id not in busy and s is not seq]
+            self._preempt(victims[-1] if victims else seq)
+            if not victims:
+                return None
+        target, sample = self._target(seq)
+        return ScheduledSeq(seq, seq.num_computed, end, sample and end == target)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.kv.free(seq.table)
+        seq.num_computed = 0
+        seq.status = SeqStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)

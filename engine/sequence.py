@@ -1,0 +1,75 @@
+"""A request's state inside the engine: its tokens, its KV pages, and (DLLM) its current block."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from configs import GenerationConfig
+from engine.kv_cache import PageTable
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class DLLMBlock:
+    """The block being denoised: absolute positions [start, end)."""
+
+    start: int
+    end: int
+    masked: list[int]  # absolute positions still masked, ascending
+    num_masked_at_start: int
+    step_index: int = 0  # s in CONTRACT.md §3
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    prompt_ids: list[int]
+    params: GenerationConfig
+    stop_ids: frozenset[int]
+    generator: torch.Generator
+    arrival: int
+    tokens: list[int] = field(default_factory=list)  # prompt + generated positions (DLLM: masks too)
+    num_computed: int = 0  # leading tokens whose K/V in the cache are final
+    table: PageTable = field(default_factory=PageTable)
+    status: SeqStatus = SeqStatus.WAITING
+    # Per generated position (index = position - prompt_len): the step that revealed it (DLLM)
+    # and its logprob entry; None while the position is masked.
+    out_steps: list[int | None] = field(default_factory=list)
+    out_logprobs: list[dict | None] = field(default_factory=list)
+    # DLLM
+    block: DLLMBlock | None = None
+    step_counter: int = 0
+    # scoring: next position whose logits row (scoring token position+1) is still owed
+    next_score_pos: int = 0
+    num_preemptions: int = 0
+    finish_reason: str | None = None
+    num_output: int | None = None  # generated tokens to output, fixed once the request finishes
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_generated_positions(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+    @property
+    def wants_input_logprobs(self) -> bool:
+        return self.params.logprob_start_len >= 0
+
+    @property
+    def score_end(self) -> int:
+        """One past the last position whose logits score an input token (rows for N .. L-2)."""
+        return self.prompt_len - 1 if self.wants_input_logprobs else 0
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED

@@ -1,0 +1,1 @@
+"""Tensor kernels. Each has a reference torch implementation; `attention` also has a flash backend."""

@@ -1,0 +1,218 @@
+"""Paged KV write and paged attention over variable-length batches.
+
+A batch is a flat list of query tokens from several sequences (prefill chunks, DLLM blocks and AR
+decode rows mixed). Each sequence's keys live in fixed-size pages of the KV cache, named by its
+page table. Two masks exist:
+
+* causal (AR): query at position p sees keys at positions <= p;
+* block-causal (DLLM, block length B): query at p sees keys at positions j with j // B <= p // B.
+
+Backends:
+
+* `TorchAttention` -- the reference: gathers each sequence's keys into a padded tensor and runs
+  `scaled_dot_product_attention` with an explicit mask. Runs everywhere.
+* `FlashAttention` -- vllm-flash-attn's `flash_attn_varlen_func` reading the paged cache through
+  `block_table`. Block-causal attention is expressed without a custom mask: every DLLM block of
+  queries becomes its own varlen entry that sees keys up to its block end, non-causally.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+def _import_flash():
+    try:  # the kernels current vllm ships
+        from vllm.vllm_flash_attn import flash_attn_varlen_func
+
+        return flash_attn_varlen_func
+    except ImportError:
+        pass
+    try:  # the standalone vllm-flash-attn wheel
+        from vllm_flash_attn import flash_attn_varlen_func
+
+        return flash_attn_varlen_func
+    except ImportError:
+        return None
+
+
+flash_attn_varlen_func = _import_flash()
+
+
+def flash_available() -> bool:
+    return flash_attn_varlen_func is not None and torch.cuda.is_available()
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything a layer needs to attend over the paged cache; built once per forward.
+
+    `q_lens[s]` query tokens of sequence s (contiguous in the flat batch, in order) end at position
+    `kv_lens[s] - 1`: this forward writes them and they are the newest keys of the sequence.
+    """
+
+    q_lens: list[int]
+    kv_lens: list[int]
+    positions: torch.Tensor  # [T] absolute positions of the query tokens
+    slot_mapping: torch.Tensor  # [T] flat cache slot (page * page_size + offset) of each token
+    page_tables: torch.Tensor  # [S, max_pages] int64, padded with 0
+    page_size: int
+    dllm_block_length: int | None  # None = causal
+    # Derived, filled by the backend's `prepare` once per forward and reused by every layer.
+    extra: dict | None = None
+
+
+class TorchAttention:
+    """Reference backend: gather keys per sequence, one masked SDPA call per layer."""
+
+    name = "torch"
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        device = meta.positions.device
+        num_seqs = len(meta.q_lens)
+        max_q, max_kv = max(meta.q_lens), max(meta.kv_lens)
+        q_lens = torch.tensor(meta.q_lens, device=device)
+        kv_lens = torch.tensor(meta.kv_lens, device=device)
+        # flat query index -> (seq, row) in the padded layout
+        seq_of_token = torch.repeat_interleave(torch.arange(num_seqs, device=device), q_lens)
+        starts = torch.cumsum(q_lens, 0) - q_lens
+        row_of_token = torch.arange(len(seq_of_token), device=device) - starts[seq_of_token]
+        # padded key gather index: slot of key j of sequence s
+        j = torch.arange(max_kv, device=device)
+        pages = meta.page_tables[:, (j // meta.page_size).clamp(max=meta.page_tables.shape[1] - 1)]
+        key_slots = pages * meta.page_size + (j % meta.page_size)
+        # key validity and mask [S, 1, max_q, max_kv]
+        q_pos = torch.full((num_seqs, max_q), -1, dtype=torch.long, device=device)
+        q_pos[seq_of_token, row_of_token] = meta.positions
+        valid_key = j[None, :] < kv_lens[:, None]
+        if meta.dllm_block_length is None:
+            visible = j[None, None, :] <= q_pos[:, :, None]
+        else:
+            b = meta.dllm_block_length
+            visible = (j // b)[None, None, :] <= (q_pos // b)[:, :, None]
+        mask = visible & valid_key[:, None, :]
+        mask[q_pos < 0] = False
+        mask[..., 0] |= q_pos < 0  # padded query rows see one key, so softmax stays finite
+        meta.extra = {
+            "seq_of_token": seq_of_token,
+            "row_of_token": row_of_token,
+            "key_slots": key_slots,
+            "mask": mask[:, None],
+            "shape": (num_seqs, max_q),
+        }
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """q: [T, H, D]; k, v: [T, KVH, D]; caches: [pages, page_size, KVH, D]. Returns [T, H, D]."""
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        ex = meta.extra
+        num_seqs, max_q = ex["shape"]
+        kvh, d = k_cache.shape[-2:]
+        keys = k_cache.view(-1, kvh, d)[ex["key_slots"]]  # [S, max_kv, KVH, D]
+        values = v_cache.view(-1, kvh, d)[ex["key_slots"]]
+        qp = q.new_zeros(num_seqs, max_q, q.shape[1], d)
+        qp[ex["seq_of_token"], ex["row_of_token"]] = q
+        out = F.scaled_dot_product_attention(
+            qp.transpose(1, 2),
+            keys.transpose(1, 2),
+            values.transpose(1, 2),
+            attn_mask=ex["mask"],
+            scale=scale,
+            enable_gqa=True,
+        )
+        return out.transpose(1, 2)[ex["seq_of_token"], ex["row_of_token"]]
+
+
+class FlashAttention:
+    """vllm-flash-attn over the paged cache (CUDA only; needs page_size a multiple of 16)."""
+
+    name = "flash"
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        device = meta.positions.device
+        b = meta.dllm_block_length
+        q_lens, k_lens, tables, causal = [], [], [], b is None
+        for s, (q_len, kv_len) in enumerate(zip(meta.q_lens, meta.kv_lens)):
+            if causal:
+                q_lens.append(q_len)
+                k_lens.append(kv_len)
+                tables.append(s)
+                continue
+            # one entry per DLLM block of queries, seeing keys up to that block's end
+            first = kv_len - q_len
+            pos = first
+            while pos < kv_len:
+                block_end = min((pos // b + 1) * b, kv_len)
+                q_lens.append(block_end - pos)
+                k_lens.append(block_end)
+                tables.append(s)
+                pos = block_end
+        cu_q = torch.zeros(len(q_lens) + 1, dtype=torch.int32, device=device)
+        cu_q[1:] = torch.cumsum(torch.tensor(q_lens, device=device), 0)
+        meta.extra = {
+            "cu_seqlens_q": cu_q,
+            "seqused_k": torch.tensor(k_lens, dtype=torch.int32, device=device),
+            "block_table": meta.page_tables[torch.tensor(tables, device=device)].to(torch.int32),
+            "max_seqlen_q": max(q_lens),
+            "max_seqlen_k": max(k_lens),
+            "causal": causal,
+        }
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        ex = meta.extra
+        return flash_attn_varlen_func(
+            q,
+            k_cache,
+            v_cache,
+            max_seqlen_q=ex["max_seqlen_q"],
+            cu_seqlens_q=ex["cu_seqlens_q"],
+            max_seqlen_k=ex["max_seqlen_k"],
+            seqused_k=ex["seqused_k"],
+            softmax_scale=scale,
+            causal=ex["causal"],
+            block_table=ex["block_table"],
+        )
+
+
+def write_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
+) -> None:
+    """Paged KV write: token t's K/V go to flat slot `slots[t]` (overwriting what was there)."""
+    kvh, d = k_cache.shape[-2:]
+    k_cache.view(-1, kvh, d).index_copy_(0, slots, k)
+    v_cache.view(-1, kvh, d).index_copy_(0, slots, v)
+
+
+def make_attention_backend(name: str, device: torch.device) -> TorchAttention | FlashAttention:
+    """`auto` picks flash on CUDA when vllm-flash-attn imports, else the torch reference."""
+    if name == "flash":
+        if not flash_available():
+            raise ValueError(
+                "attention_backend='flash' needs CUDA and vllm-flash-attn "
+                "(pip install 'blockserve[cuda]'); use 'torch' or 'auto'"
+            )
+        return FlashAttention()
+    if name == "auto" and device.type == "cuda" and flash_available():
+        return FlashAttention()
+    return TorchAttention()
