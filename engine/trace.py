@@ -1,0 +1,87 @@
+"""See the decoding order: `python -m engine.trace MODEL "prompt"`.
+
+Prints the generated text with every token coloured (ANSI) and tagged by the step that revealed
+it, plus one line per step listing what it decoded. `--png FILE` also writes a heat strip of
+step_map (needs matplotlib: `pip install 'blockserve[trace]'`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from configs import EngineConfig, GenerationConfig
+from engine.carrier import Response
+from engine.pipeline import pipeline
+
+_COLOURS = [31, 32, 33, 34, 35, 36, 91, 92, 93, 94, 95, 96]
+
+
+def render(tokenizer, response: Response, colour: bool = True) -> str:
+    """The text with each token annotated by its step: coloured, or as `token⟨step⟩`."""
+    parts = []
+    for tok, step in zip(response.token_ids, response.step_map or []):
+        piece = tokenizer.decode([tok], skip_special_tokens=False)
+        if colour:
+            parts.append(f"\x1b[{_COLOURS[step % len(_COLOURS)]}m{piece}\x1b[0m")
+        else:
+            parts.append(f"{piece}\u27e8{step}\u27e9")
+    return "".join(parts)
+
+
+def write_heat_strip(response: Response, tokenizer, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = response.step_map or []
+    fig, ax = plt.subplots(figsize=(max(4, len(steps) * 0.35), 1.6))
+    ax.imshow([steps], aspect="auto", cmap="viridis")
+    ax.set_yticks([])
+    ax.set_xticks(range(len(steps)))
+    ax.set_xticklabels([repr(tokenizer.decode([t]))[1:-1] for t in response.token_ids], fontsize=7, rotation=90)
+    for i, s in enumerate(steps):
+        ax.text(i, 0, str(s), ha="center", va="center", color="white", fontsize=7)
+    ax.set_title("step that revealed each token (step_map)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=150)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model", help="checkpoint directory of a block-diffusion (sdar) model")
+    ap.add_argument("prompt")
+    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--strategy", default="low_confidence_dynamic")
+    ap.add_argument("--threshold", type=float, default=0.85)
+    ap.add_argument("--steps", type=int, default=None, help="denoising steps per block (default B)")
+    ap.add_argument("--no-colour", action="store_true")
+    ap.add_argument("--png", help="write a step_map heat strip here")
+    args = ap.parse_args(argv)
+    config = EngineConfig(dllm_unmasking_strategy=args.strategy, dllm_confidence_threshold=args.threshold,
+                          dllm_denoising_steps=args.steps, max_model_len=2048)
+    with pipeline(args.model, config) as pipe:
+        if not pipe.engine.is_dllm:
+            print(f"{args.model} is an AR model: there is no decoding order to show", file=sys.stderr)
+            return 2
+        chunks = list(pipe.stream(args.prompt, GenerationConfig(max_new_tokens=args.max_new_tokens,
+                                                                 return_step_trace=True)))
+        response = Response.from_chunks(chunks)
+        print(args.prompt + render(pipe.tokenizer, response, colour=not args.no_colour))
+        print()
+        for event in response.step_trace or []:
+            pieces = [pipe.tokenizer.decode([t]) for t in event["token_ids"]]
+            print(f"step {event['step']:3d}: " + ", ".join(f"{p}={s!r}" for p, s in zip(event["positions"], pieces)))
+        n = len(response.token_ids)
+        print(f"\n{n} tokens in {len(set(response.step_map))} steps "
+              f"({n / max(1, len(set(response.step_map))):.2f} tokens/step), finish_reason={response.finish_reason}")
+        if args.png:
+            write_heat_strip(response, pipe.tokenizer, args.png)
+            print(f"wrote {args.png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
