@@ -55,23 +55,6 @@ Hello, world! How are you today? I am fine, thank you. The weather is nice and t
 """
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    """The GPT-2 byte-to-printable-character table that the ByteLevel pre-tokenizer uses."""
-    printable = (
-        list(range(ord("!"), ord("~") + 1))
-        + list(range(ord("¡"), ord("¬") + 1))
-        + list(range(ord("®"), ord("ÿ") + 1))
-    )
-    chars = list(printable)
-    extra = 0
-    for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            chars.append(256 + extra)
-            extra += 1
-    return {b: chr(c) for b, c in zip(printable, chars, strict=True)}
-
-
 def _learn_merges(text: str, num_merges: int) -> list[tuple[str, str]]:
     """Plain BPE training on `text`, deterministic: the most frequent pair wins, ties go to the
     lexicographically smallest pair."""
@@ -107,7 +90,7 @@ def build_byte_tokenizer() -> transformers.PreTrainedTokenizerFast:
     """A deterministic byte-level BPE tokenizer: the 256-symbol ByteLevel alphabet, `_NUM_MERGES`
     merges learnt from a built-in English/arithmetic text, then `SPECIAL_TOKENS` as special tokens.
     `<|endoftext|>` is eos and pad, `<|MASK|>` the mask token. Round-trips any UTF-8 text."""
-    alphabet = list(_bytes_to_unicode().values())
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())  # the 256 byte symbols
     merges = _learn_merges(_CORPUS, _NUM_MERGES)
     vocab = {symbol: i for i, symbol in enumerate(alphabet)}
     for left, right in merges:
@@ -163,7 +146,8 @@ def _reshard(path: Path, num_shards: int) -> None:
     """Split `model.safetensors` into `num_shards` files named and indexed like `save_pretrained`."""
     single = path / "model.safetensors"
     with safe_open(str(single), framework="pt") as f:
-        tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
+        keys = f.keys()
+        tensors = {name: f.get_tensor(name) for name in keys}
         metadata = f.metadata()
     names = list(tensors)
     if num_shards > len(names):
@@ -174,8 +158,10 @@ def _reshard(path: Path, num_shards: int) -> None:
     groups: list[list[str]] = [[] for _ in range(num_shards)]
     running, shard = 0, 0
     for i, (name, size) in enumerate(zip(names, sizes, strict=True)):
-        by_bytes = min(running * num_shards // total_size, num_shards - 1)
-        shard = min(max(by_bytes, num_shards - (len(names) - i), shard), shard + 1 if i else 0)
+        if i:
+            by_bytes = min(running * num_shards // total_size, num_shards - 1)
+            target = max(by_bytes, num_shards - (len(names) - i))  # one tensor left per later shard
+            shard = min(max(target, shard), shard + 1)  # never go back, never skip a shard
         groups[shard].append(name)
         running += size
     weight_map: dict[str, str] = {}
@@ -259,7 +245,7 @@ def write_tiny_checkpoint(
         bos_token_id=None,
     )
     torch.manual_seed(seed)
-    model = transformers.Qwen3ForCausalLM(config).to(torch.float32).eval()
+    model = transformers.Qwen3ForCausalLM(config).to(torch.float32)
     with torch.no_grad():
         # RMSNorm weights away from 1, so an implementation that ignores one of them shows.
         for name, param in model.named_parameters():

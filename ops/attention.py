@@ -158,11 +158,11 @@ class FlashAttention:
                 k_lens.append(block_end)
                 tables.append(s)
                 pos = block_end
-        cu_q = torch.zeros(len(q_lens) + 1, dtype=torch.int32, device=device)
-        cu_q[1:] = torch.cumsum(torch.tensor(q_lens, device=device), 0)
         meta.extra = {
-            "cu_seqlens_q": cu_q,
-            "seqused_k": torch.tensor(k_lens, dtype=torch.int32, device=device),
+            "cu_seqlens_q": _cumulative(q_lens, device),
+            # with block_table, cu_seqlens_k only carries per-entry key lengths (both the standalone
+            # vllm-flash-attn 2.6 wheel and vllm's bundled kernels accept it)
+            "cu_seqlens_k": _cumulative(k_lens, device),
             "block_table": meta.page_tables[torch.tensor(tables, device=device)].to(torch.int32),
             "max_seqlen_q": max(q_lens),
             "max_seqlen_k": max(k_lens),
@@ -188,11 +188,17 @@ class FlashAttention:
             max_seqlen_q=ex["max_seqlen_q"],
             cu_seqlens_q=ex["cu_seqlens_q"],
             max_seqlen_k=ex["max_seqlen_k"],
-            seqused_k=ex["seqused_k"],
+            cu_seqlens_k=ex["cu_seqlens_k"],
             softmax_scale=scale,
             causal=ex["causal"],
             block_table=ex["block_table"],
         )
+
+
+def _cumulative(lengths: list[int], device: torch.device) -> torch.Tensor:
+    out = torch.zeros(len(lengths) + 1, dtype=torch.int32, device=device)
+    out[1:] = torch.cumsum(torch.tensor(lengths, device=device), 0)
+    return out
 
 
 def write_kv(

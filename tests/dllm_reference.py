@@ -51,18 +51,15 @@ def block_causal_logits(model: Qwen3ForCausalLM, token_ids: list[int], block_len
     return out.logits[0].float()
 
 
-def _choose(
-    masked: list[int], confidence: dict[int, float], n_s: int, strategy: str, threshold: float
-) -> list[int]:
+def _choose(masked: list[int], confidence: dict[int, float], n_s: int, strategy: str, threshold: float) -> list[int]:
     """Positions to unmask this step (`masked` is ascending; ties go to the lower position)."""
     if strategy == "sequential":
         return masked[:n_s]
-    ranked = sorted(masked, key=lambda i: (-confidence[i], i))
     if strategy == "low_confidence_dynamic":
         confident = [i for i in masked if confidence[i] >= threshold]
         if len(confident) >= n_s:
             return confident
-    return ranked[:n_s]
+    return sorted(masked, key=lambda i: (-confidence[i], i))[:n_s]
 
 
 def _cut(generated: list[int], max_new_tokens: int, stop_ids: set[int]) -> tuple[int, str] | None:

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 
+import dllm_reference
 import pytest
 import torch
 import transformers
+from dllm_reference import block_causal_logits, reference_dllm_generate
 from safetensors import safe_open
 
 from engine.tiny_checkpoint import (
@@ -16,8 +18,6 @@ from engine.tiny_checkpoint import (
     load_hf_reference,
     write_tiny_checkpoint,
 )
-from tests import dllm_reference
-from tests.dllm_reference import block_causal_logits, reference_dllm_generate
 
 B = 4
 PROMPTS = ["Hello, world!", "12 + 30 =", "The quick brown fox", "Q"]  # prompt lengths 10, 6, 14, 1
@@ -80,7 +80,7 @@ def test_sdar_checkpoint_files(ckpt, tok):
     gen = json.loads((ckpt / "generation_config.json").read_text())
     assert gen["eos_token_id"] == tok.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
     with safe_open(str(ckpt / "model.safetensors"), framework="pt") as f:
-        names = set(f.keys())  # noqa: SIM118 (safe_open is not a dict)
+        names = set(f.keys())
     assert {"lm_head.weight", "model.embed_tokens.weight", "model.layers.1.self_attn.q_proj.weight"} <= names
 
 
@@ -104,7 +104,8 @@ def test_tied_and_sharded_checkpoint_loads(tmp_path):
     stored = {}
     for file in files:
         with safe_open(str(path / file), framework="pt") as f:
-            stored.update({name: f.get_tensor(name) for name in f.keys()})  # noqa: SIM118
+            keys = f.keys()
+            stored.update({name: f.get_tensor(name) for name in keys})
     assert set(stored) == set(index["weight_map"])
     assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in stored.values())
     tied = load_hf_reference(path)

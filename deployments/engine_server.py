@@ -1,0 +1,149 @@
+"""EngineServer: one data-parallel replica owning an AsyncEngine (and, for tp > 1, its TP workers).
+
+It speaks the internal protocol the ingress uses: requests are `schemas.EngineRequest` dicts, results
+are *result dicts* (`OutputChunk.to_dict()` deltas, or the folded `Response.to_dict()`, with
+`"matched"` added to the final one), and refusals are error items
+`{"error": {"message", "type", "param"}, "status": int}` (plain data: nothing to unpickle on the
+caller's side). Cancelling a stream (the caller stops iterating, a client disconnects) aborts the
+request in the engine, which frees its KV pages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from pydantic import ValidationError
+from ray import serve
+
+from configs import EngineConfig, GenerationConfig
+from deployments.schemas import EngineRequest, request_error, validation_error
+from engine.async_engine import AsyncEngine, EngineDeadError
+from engine.carrier import OutputChunk, Response
+from engine.requests import RequestError
+
+log = logging.getLogger(__name__)
+
+
+def _error_item(message: str, param: str | None = None, status: int = 400,
+                type: str = "invalid_request_error") -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param}, "status": status}
+
+
+def _replica_id() -> str:
+    try:
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # noqa: BLE001 - not running under Serve (direct construction in tests)
+        return "local"
+
+
+@serve.deployment(max_ongoing_requests=512, health_check_period_s=5.0, health_check_timeout_s=30.0,
+                  graceful_shutdown_timeout_s=5.0)
+class EngineServer:
+    def __init__(self, model: str, engine: dict[str, Any] | None = None, tp_timeout_s: float = 60.0,
+                 stall_timeout_s: float = 60.0):
+        config = EngineConfig(**(engine or {}))
+        factory = None
+        if config.tp > 1:
+            from deployments.tp_executor import RayTPExecutor
+
+            factory = functools.partial(RayTPExecutor, timeout_s=tp_timeout_s)
+        self.engine = AsyncEngine(model, config, factory, stall_timeout_s=stall_timeout_s)
+        self.replica = _replica_id()
+        self.eos_ids = frozenset(self.engine.spec.eos_token_ids)
+        log.info("EngineServer %s ready: %s (%s), tp=%d", self.replica, model, self.engine.spec.model_type,
+                 config.tp)
+
+    # ---- generation ------------------------------------------------------------------------
+    def _matched(self, acc: Response, params: GenerationConfig) -> int | str | None:
+        """What ended a request with finish_reason "stop": the stop token id, or the stop string."""
+        if acc.finish_reason != "stop":
+            return None
+        ids = acc.token_ids
+        stop_ids = set(params.stop_token_ids or []) | (set() if params.ignore_eos else set(self.eos_ids))
+        if ids and ids[-1] in stop_ids:
+            return ids[-1]
+        if params.stop_words:
+            text = self.engine.tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens)
+            hits = [(text.find(w), w) for w in params.stop_words if w in text]
+            if hits:
+                return min(hits)[1]
+        return None
+
+    async def _run(self, request: dict[str, Any]) -> AsyncIterator[tuple[OutputChunk, Response, Any] | dict]:
+        """Yield (chunk, folded-so-far, matched) per delta, or one error item."""
+        try:
+            req = EngineRequest.model_validate(request)
+            params = req.generation_config()
+        except ValidationError as e:
+            yield validation_error(e).to_dict() | {"status": 400}
+            return
+        acc = Response()
+        stream = self.engine.generate(req.prompt, params, req.request_id)
+        try:
+            async for chunk in stream:
+                acc.add(chunk)
+                yield chunk, acc, (self._matched(acc, params) if chunk.finished else None)
+        except RequestError as e:  # raised before the first chunk
+            yield request_error(e.message, e.param, req.rename).to_dict() | {"status": 400}
+        except ValidationError as e:
+            yield validation_error(e, req.rename).to_dict() | {"status": 400}
+        except EngineDeadError as e:
+            yield _error_item(str(e), status=503, type="engine_unavailable")
+        finally:
+            await stream.aclose()
+
+    async def generate_stream(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """Stream result dicts (deltas), or one error item."""
+        async for item in self._run(request):
+            if isinstance(item, dict):
+                yield item
+                return
+            chunk, _, matched = item
+            out = chunk.to_dict()
+            if chunk.finished:
+                out["matched"] = matched
+            yield out
+
+    async def generate(self, request: dict[str, Any]) -> dict[str, Any]:
+        """The folded result dict of one request, or an error item."""
+        result: dict[str, Any] | None = None
+        async for item in self._run(request):
+            if isinstance(item, dict):
+                return item
+            _, acc, matched = item
+            if acc.finish_reason is not None:
+                result = acc.to_dict() | {"matched": matched}
+        return result or _error_item("the engine ended the request without a result", status=500,
+                                     type="internal_error")
+
+    async def generate_batch(self, requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Run a batch of unary requests concurrently (they share engine steps)."""
+        return list(await asyncio.gather(*(self.generate(r) for r in requests)))
+
+    # ---- observability ---------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        cfg = self.engine.config
+        return self.engine.stats() | {"replica": self.replica, "model_type": self.engine.spec.model_type,
+                                      "tp": cfg.tp, "max_model_len": cfg.max_model_len}
+
+    def model_info(self) -> dict[str, Any]:
+        spec, cfg = self.engine.spec, self.engine.config
+        return {"model_type": spec.model_type, "vocab_size": spec.vocab_size, "is_dllm": spec.is_dllm,
+                "max_model_len": cfg.max_model_len, "tp": cfg.tp}
+
+    def check_health(self) -> None:
+        """Serve's health check: raises when the engine loop is dead or stalled (Serve then replaces
+        this replica)."""
+        self.engine.check_health()
+
+    def __del__(self):
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            try:
+                engine.shutdown()
+            except Exception:  # noqa: BLE001 - best effort at teardown
+                log.exception("engine shutdown failed")

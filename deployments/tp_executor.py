@@ -1,0 +1,156 @@
+"""Tensor-parallel executor on Ray: rank 0 runs in the EngineServer replica's process (so logits never
+cross a process boundary); ranks 1..tp-1 are `TPWorker` actors placed in bundles 1..tp-1 of the
+replica's placement group. The ranks join one torch.distributed group (gloo on CPU, nccl on CUDA)
+through a TCP address chosen by rank 0.
+
+Every rank must run the same forwards in the same order (the layers all-reduce / all-gather): each
+`execute` sends the batch to the workers first (`.remote()`: an actor runs one caller's calls in
+submission order), runs rank 0 locally, then waits for the workers with a timeout, so a failed or
+dead worker becomes an error for the requests in flight rather than a hang. Such an error is *fatal*
+(the process group is broken): the engine loop ends those requests and stops, the health check
+fails, and Serve replaces the replica.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import socket
+
+import ray
+import torch
+import torch.distributed as dist
+from ray.util.placement_group import get_current_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from configs import EngineConfig
+from engine.checkpoint import ModelSpec
+from engine.model import TPContext
+from engine.runner import ForwardBatch, ForwardOutput, ModelRunner, resolve_device
+
+log = logging.getLogger(__name__)
+
+
+class TPExecutorError(RuntimeError):
+    """A tensor-parallel forward failed; the group is unusable and the replica must restart."""
+
+    fatal = True
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _join_group(backend: str, init_method: str, rank: int, size: int, timeout_s: float) -> None:
+    dist.init_process_group(backend=backend, init_method=init_method, rank=rank, world_size=size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+
+
+class TPShard:
+    """One rank's model shard and KV cache (the body of a worker actor; rank 0 uses it in-process)."""
+
+    def __init__(self, spec: ModelSpec, config: EngineConfig, rank: int, init_method: str, timeout_s: float):
+        device = resolve_device(config)
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if device.type == "cuda":
+            torch.cuda.set_device(0)  # Ray exposes exactly this actor's GPU as cuda:0
+        _join_group(backend, init_method, rank, config.tp, timeout_s)
+        self.runner = ModelRunner(spec, config, TPContext(rank=rank, size=config.tp, group=None))
+
+    @property
+    def num_pages(self) -> int:
+        return self.runner.num_pages
+
+    def shutdown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@ray.remote
+class TPWorker:
+    """Rank 1..tp-1: executes every batch rank 0 executes; returns nothing (rank 0 has the logits)."""
+
+    def __init__(self, spec: ModelSpec, config: EngineConfig, rank: int, init_method: str, timeout_s: float):
+        self.args = (spec, config, rank, init_method, timeout_s)
+        self.shard: TPShard | None = None
+
+    def setup(self) -> int:
+        self.shard = TPShard(*self.args)
+        return self.shard.num_pages
+
+    def set_dllm_block_length(self, block_length: int | None) -> None:
+        self.shard.runner.set_dllm_block_length(block_length)
+
+    def execute(self, batch: ForwardBatch) -> None:
+        self.shard.runner.execute(batch)
+
+    def shutdown(self) -> None:
+        if self.shard is not None:
+            self.shard.shutdown()
+
+
+class RayTPExecutor:
+    """The engine's executor interface (`num_pages`, `set_dllm_block_length`, `execute`, `shutdown`)
+    over `config.tp` shards."""
+
+    def __init__(self, spec: ModelSpec, config: EngineConfig, timeout_s: float = 60.0):
+        self.timeout_s = timeout_s
+        size = config.tp
+        device = resolve_device(config)
+        ip = ray.util.get_node_ip_address()
+        init_method = f"tcp://{ip}:{_free_port()}"
+        pg = get_current_placement_group()
+        if pg is not None and len(pg.bundle_specs) < size:
+            raise ValueError(f"tp={size} needs {size} placement-group bundles, the replica has {len(pg.bundle_specs)}")
+        resources = {"num_gpus": 1} if device.type == "cuda" else {"num_cpus": 1}
+        self.workers = []
+        for rank in range(1, size):
+            options: dict = dict(resources)
+            if pg is not None:
+                options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                    placement_group=pg, placement_group_bundle_index=rank)
+            self.workers.append(TPWorker.options(**options).remote(spec, config, rank, init_method, timeout_s))
+        setups = [w.setup.remote() for w in self.workers]
+        try:
+            self.shard = TPShard(spec, config, 0, init_method, timeout_s)
+            pages = ray.get(setups, timeout=timeout_s + 600)
+        except BaseException:
+            self._kill_workers()
+            raise
+        # Shards of one model get the same page count unless memory differs (CUDA fractions): use
+        # the smallest so every rank has every page the engine may address.
+        self._num_pages = min([self.shard.num_pages, *pages])
+        log.info("tensor-parallel group ready: tp=%d (%s), %d KV pages", size, init_method, self._num_pages)
+
+    @property
+    def num_pages(self) -> int:
+        return self._num_pages
+
+    def set_dllm_block_length(self, block_length: int | None) -> None:
+        self.shard.runner.set_dllm_block_length(block_length)
+        ray.get([w.set_dllm_block_length.remote(block_length) for w in self.workers], timeout=self.timeout_s)
+
+    def execute(self, batch: ForwardBatch) -> ForwardOutput:
+        refs = [w.execute.remote(batch) for w in self.workers]
+        try:
+            out = self.shard.runner.execute(batch)
+            ray.get(refs, timeout=self.timeout_s)
+        except Exception as e:
+            raise TPExecutorError(f"tensor-parallel forward failed ({type(e).__name__}): {e}") from e
+        return out
+
+    def _kill_workers(self) -> None:
+        for w in self.workers:
+            try:
+                ray.kill(w)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+        self.workers = []
+
+    def shutdown(self) -> None:
+        self._kill_workers()
+        shard = getattr(self, "shard", None)
+        if shard is not None:
+            shard.shutdown()
