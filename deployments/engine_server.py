@@ -3,7 +3,7 @@
 It speaks the internal protocol the ingress uses: requests are `schemas.EngineRequest` dicts, results
 are *result dicts* (`OutputChunk.to_dict()` deltas, or the folded `Response.to_dict()`, with
 `"matched"` added to the final one), and refusals are error items
-`{"error": {"message", "type", "param"}, "status": int}` (plain data: nothing to unpickle on the
+`ApiError.to_item()` (plain data: nothing to unpickle on the
 caller's side). Cancelling a stream (the caller stops iterating, a client disconnects) aborts the
 request in the engine, which frees its KV pages.
 """
@@ -20,17 +20,12 @@ from pydantic import ValidationError
 from ray import serve
 
 from configs import EngineConfig, GenerationConfig
-from deployments.schemas import EngineRequest, request_error, validation_error
+from deployments.schemas import ApiError, EngineRequest, request_error, validation_error
 from engine.async_engine import AsyncEngine, EngineDeadError
 from engine.carrier import OutputChunk, Response
 from engine.requests import RequestError
 
 log = logging.getLogger(__name__)
-
-
-def _error_item(message: str, param: str | None = None, status: int = 400,
-                type: str = "invalid_request_error") -> dict[str, Any]:
-    return {"error": {"message": message, "type": type, "param": param}, "status": status}
 
 
 def _replica_id() -> str:
@@ -44,13 +39,14 @@ def _replica_id() -> str:
                   graceful_shutdown_timeout_s=5.0)
 class EngineServer:
     def __init__(self, model: str, engine: dict[str, Any] | None = None, tp_timeout_s: float = 60.0,
-                 stall_timeout_s: float = 60.0):
+                 stall_timeout_s: float = 60.0, tp_worker_options: dict[str, Any] | None = None):
         config = EngineConfig(**(engine or {}))
         factory = None
         if config.tp > 1:
             from deployments.tp_executor import RayTPExecutor
 
-            factory = functools.partial(RayTPExecutor, timeout_s=tp_timeout_s)
+            factory = functools.partial(RayTPExecutor, timeout_s=tp_timeout_s,
+                                        worker_options=tp_worker_options or None)
         self.engine = AsyncEngine(model, config, factory, stall_timeout_s=stall_timeout_s)
         self.replica = _replica_id()
         self.eos_ids = frozenset(self.engine.spec.eos_token_ids)
@@ -79,7 +75,7 @@ class EngineServer:
             req = EngineRequest.model_validate(request)
             params = req.generation_config()
         except ValidationError as e:
-            yield validation_error(e).to_dict() | {"status": 400}
+            yield validation_error(e).to_item()
             return
         acc = Response()
         stream = self.engine.generate(req.prompt, params, req.request_id)
@@ -88,11 +84,11 @@ class EngineServer:
                 acc.add(chunk)
                 yield chunk, acc, (self._matched(acc, params) if chunk.finished else None)
         except RequestError as e:  # raised before the first chunk
-            yield request_error(e.message, e.param, req.rename).to_dict() | {"status": 400}
+            yield request_error(e.message, e.param, req.rename).to_item()
         except ValidationError as e:
-            yield validation_error(e, req.rename).to_dict() | {"status": 400}
+            yield validation_error(e, req.rename).to_item()
         except EngineDeadError as e:
-            yield _error_item(str(e), status=503, type="engine_unavailable")
+            yield ApiError(str(e), None, 503, "engine_unavailable").to_item()
         finally:
             await stream.aclose()
 
@@ -117,8 +113,8 @@ class EngineServer:
             _, acc, matched = item
             if acc.finish_reason is not None:
                 result = acc.to_dict() | {"matched": matched}
-        return result or _error_item("the engine ended the request without a result", status=500,
-                                     type="internal_error")
+        return result or ApiError("the engine ended the request without a result", None, 500,
+                                  "internal_error").to_item()
 
     async def generate_batch(self, requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Run a batch of unary requests concurrently (they share engine steps)."""
@@ -127,8 +123,10 @@ class EngineServer:
     # ---- observability ---------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         cfg = self.engine.config
-        return self.engine.stats() | {"replica": self.replica, "model_type": self.engine.spec.model_type,
-                                      "tp": cfg.tp, "max_model_len": cfg.max_model_len}
+        executor = self.engine.engine.executor
+        info = executor.describe() if hasattr(executor, "describe") else {"executor": "local"}
+        return self.engine.stats() | info | {"replica": self.replica, "model_type": self.engine.spec.model_type,
+                                             "tp": cfg.tp, "max_model_len": cfg.max_model_len}
 
     def model_info(self) -> dict[str, Any]:
         spec, cfg = self.engine.spec, self.engine.config

@@ -40,10 +40,20 @@ class ApiError(Exception):
     def to_dict(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param}}
 
+    # Between EngineServer and ingress a refusal travels as an *error item*, a plain dict that no
+    # result dict can be mistaken for (result dicts carry the carrier's own `error` field).
+    def to_item(self) -> dict[str, Any]:
+        return {"rejected": self.to_dict()["error"], "status": self.status}
+
     @classmethod
-    def from_dict(cls, body: Mapping[str, Any], status: int = 400) -> ApiError:
-        e = body["error"]
-        return cls(e.get("message", ""), e.get("param"), status, e.get("type", "invalid_request_error"))
+    def from_item(cls, item: Mapping[str, Any]) -> ApiError:
+        e = item["rejected"]
+        return cls(e.get("message", ""), e.get("param"), item.get("status", 400),
+                   e.get("type", "invalid_request_error"))
+
+
+def is_error_item(item: Mapping[str, Any]) -> bool:
+    return "rejected" in item
 
 
 def _loc(loc: tuple) -> str:
@@ -223,8 +233,9 @@ def new_request_id(prefix: str = "req") -> str:
 
 def generate_to_engine(req: GenerateRequest, request_id: str | None = None) -> EngineRequest:
     if (req.prompt is None) == (req.input_ids is None):
-        raise ApiError("give exactly one of 'prompt' (text) or 'input_ids' (token ids)",
-                       "prompt" if req.prompt is not None else "input_ids")
+        both = req.prompt is not None
+        raise ApiError("give exactly one of prompt (text) or input_ids (token ids)" + (", not both" if both else ""),
+                       "input_ids" if both else "prompt")
     if req.top_logprobs_num > 0 and not req.return_logprob:
         raise ApiError("top_logprobs_num > 0 needs return_logprob=true", "top_logprobs_num")
     rename = dict(GENERATE_RENAME, logprobs="top_logprobs_num" if req.return_logprob else "return_logprob")

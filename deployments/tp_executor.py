@@ -16,6 +16,7 @@ from __future__ import annotations
 import datetime
 import logging
 import socket
+import uuid
 
 import ray
 import torch
@@ -95,7 +96,8 @@ class RayTPExecutor:
     """The engine's executor interface (`num_pages`, `set_dllm_block_length`, `execute`, `shutdown`)
     over `config.tp` shards."""
 
-    def __init__(self, spec: ModelSpec, config: EngineConfig, timeout_s: float = 60.0):
+    def __init__(self, spec: ModelSpec, config: EngineConfig, timeout_s: float = 60.0,
+                 worker_options: dict | None = None):
         self.timeout_s = timeout_s
         size = config.tp
         device = resolve_device(config)
@@ -104,13 +106,17 @@ class RayTPExecutor:
         pg = get_current_placement_group()
         if pg is not None and len(pg.bundle_specs) < size:
             raise ValueError(f"tp={size} needs {size} placement-group bundles, the replica has {len(pg.bundle_specs)}")
-        resources = {"num_gpus": 1} if device.type == "cuda" else {"num_cpus": 1}
+        resources = worker_options or ({"num_cpus": 1, "num_gpus": 1} if device.type == "cuda" else {"num_cpus": 1})
+        group_id = uuid.uuid4().hex[:12]
+        self.worker_names: list[str] = []
         self.workers = []
         for rank in range(1, size):
             options: dict = dict(resources)
             if pg is not None:
                 options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                     placement_group=pg, placement_group_bundle_index=rank)
+            options["name"] = f"blockserve-tp-{group_id}-rank{rank}"  # findable for debugging / fault drills
+            self.worker_names.append(options["name"])
             self.workers.append(TPWorker.options(**options).remote(spec, config, rank, init_method, timeout_s))
         setups = [w.setup.remote() for w in self.workers]
         try:
@@ -127,6 +133,11 @@ class RayTPExecutor:
     @property
     def num_pages(self) -> int:
         return self._num_pages
+
+    def describe(self) -> dict:
+        return {"executor": "ray_tp", "tp_workers": len(self.workers), "tp_worker_names": list(self.worker_names),
+                "tp_namespace": ray.get_runtime_context().namespace,
+                "tp_backend": dist.get_backend() if dist.is_initialized() else None}
 
     def set_dllm_block_length(self, block_length: int | None) -> None:
         self.shard.runner.set_dllm_block_length(block_length)

@@ -31,10 +31,10 @@ def _extend(acc: list | None, delta: list | None) -> list | None:
 
 
 @dataclass
-class OutputChunk:
-    """One delta of one request. Lists hold only what is new since the previous chunk."""
+class _CarrierFields:
+    """The fields a delta and a whole response share (a Response is the sum of its deltas)."""
 
-    request_id: str
+    request_id: str | None = None
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     step_map: list[int] | None = None
@@ -45,32 +45,24 @@ class OutputChunk:
     finish_reason: FinishReason | None = None
     error: str | None = None
     input_token_len: int = 0
-    generate_token_len: int = 0
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
+    generate_token_len: int = 0  # cumulative: tokens generated so far
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
 @dataclass
-class Response:
-    """The whole result of one request (CONTRACT.md §2)."""
+class OutputChunk(_CarrierFields):
+    """One delta of one request. Lists hold only what is new since the previous chunk."""
 
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    step_map: list[int] | None = None
-    logprobs: list[TokenLogprobs] | None = None
-    input_token_logprobs: list[InputRow] | None = None
-    input_top_logprobs: list[list[InputRow]] | None = None
-    step_trace: list[StepEvent] | None = None
-    finish_reason: FinishReason | None = None
-    error: str | None = None
-    input_token_len: int = 0
-    generate_token_len: int = 0
-    request_id: str | None = None
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class Response(_CarrierFields):
+    """The whole result of one request (CONTRACT.md §2)."""
 
     def add(self, chunk: OutputChunk) -> Response:
         """Fold one delta in (in place) and return self."""
@@ -96,6 +88,3 @@ class Response:
         for chunk in chunks:
             resp.add(chunk)
         return resp
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)

@@ -19,7 +19,7 @@ from engine.requests import RequestError, validate_request
 from engine.runner import ForwardBatch, ForwardOutput, ModelRunner
 from engine.sampler import RowGroup, logprob_entries, pick_tokens
 from engine.scheduler import ScheduledSeq, Scheduler
-from engine.sequence import DLLMBlock, Sequence, SeqStatus
+from engine.sequence import DLLMBlock, SeqStatus, Sequence
 from engine.unmasking import choose_positions, tokens_this_step
 
 
@@ -302,7 +302,6 @@ class LLMEngine:
         for g in range(seq.num_generated_positions):
             if g >= p.max_new_tokens:
                 break
-            tok = seq.tokens[seq.prompt_len + g]
             if seq.out_steps[g] is None:  # still masked: positions after a later stop may matter
                 for h in range(g + 1, min(seq.num_generated_positions, p.max_new_tokens)):
                     if seq.out_steps[h] is not None and self._is_stop(seq, h):

@@ -105,7 +105,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: ForwardBatch) -> ForwardOutput:
         width = max(len(t) for t in batch.page_tables)
-        tables = self._tensor([t + [0] * (width - len(t)) for t in batch.page_tables]).view(len(batch.page_tables), width)
+        tables = self._tensor([t + [0] * (width - len(t)) for t in batch.page_tables])
+        tables = tables.view(len(batch.page_tables), width)
         meta = AttentionMetadata(
             q_lens=batch.q_lens,
             kv_lens=batch.kv_lens,

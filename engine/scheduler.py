@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from configs import EngineConfig
 from engine.kv_cache import KVBlockManager
-from engine.sequence import Sequence, SeqStatus
+from engine.sequence import SeqStatus, Sequence
 
 
 @dataclass

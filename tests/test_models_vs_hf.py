@@ -104,7 +104,7 @@ def test_batch_of_eight_mixed_lengths_equals_each_alone(checkpoints, name):
         forwards = pipe.engine.stats.forwards - before
     assert [r.token_ids for r in batch] == alone
     assert forwards == NEW_TOKENS, "the 8 requests should run in the same forwards (continuous batching)"
-    for prompt, tokens in zip(prompts, alone):
+    for prompt, tokens in zip(prompts, alone, strict=True):
         assert tokens == hf_greedy(hf, prompt, NEW_TOKENS)[0]
 
 
@@ -117,12 +117,12 @@ def test_output_logprobs_match_hf(checkpoints, name, mode):
         prompts = [make_prompt(n, 70 + i) for i, n in enumerate((3, 17))]
         outs = pipe(prompts, greedy(logprobs=k))
         zero = pipe(prompts[0], greedy(logprobs=0))
-    for prompt, out in zip(prompts, outs):
+    for prompt, out in zip(prompts, outs, strict=True):
         want_tokens, logits = hf_greedy(hf, prompt, NEW_TOKENS)
         assert out.token_ids == want_tokens
         values = logits if mode == "raw_logits" else logits.log_softmax(-1)
         assert out.logprobs is not None and len(out.logprobs) == NEW_TOKENS
-        for step, (tok, entry) in enumerate(zip(out.token_ids, out.logprobs)):
+        for step, (tok, entry) in enumerate(zip(out.token_ids, out.logprobs, strict=True)):
             top_v, top_i = torch.topk(values[step], k)
             # greedy: the chosen token is the top-1, so the entry is exactly the top-k, in order
             assert list(entry) == top_i.tolist(), f"step {step}"
@@ -134,7 +134,7 @@ def test_output_logprobs_match_hf(checkpoints, name, mode):
     want_tokens, logits = hf_greedy(hf, prompts[0], NEW_TOKENS)
     values = logits if mode == "raw_logits" else logits.log_softmax(-1)
     assert zero.token_ids == want_tokens
-    for step, (tok, entry) in enumerate(zip(zero.token_ids, zero.logprobs)):
+    for step, (tok, entry) in enumerate(zip(zero.token_ids, zero.logprobs, strict=True)):
         assert list(entry) == [tok]
         assert abs(entry[tok] - float(values[step, tok])) < TOL
 
@@ -154,9 +154,9 @@ def test_chunked_prefill_gives_identical_outputs(checkpoints, budget):
         chunked = pipe(prompts, greedy(logprobs=3)) if len(prompts) > 1 else [alone]
     assert prefill_forwards == -(-len(prompts[0]) // budget), "the prompt must be prefilled in chunks"
     assert alone.token_ids == full[0].token_ids
-    for a, b, prompt in zip(chunked, full, prompts):
+    for a, b, prompt in zip(chunked, full, prompts, strict=True):
         assert a.token_ids == b.token_ids == hf_greedy(hf, prompt, NEW_TOKENS)[0]
-        for ea, eb in zip(a.logprobs, b.logprobs):
+        for ea, eb in zip(a.logprobs, b.logprobs, strict=True):
             assert list(ea) == list(eb)
             for t in ea:
                 assert abs(ea[t] - eb[t]) < TOL

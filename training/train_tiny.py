@@ -58,7 +58,9 @@ PLACE = ["park", "river", "garden", "forest", "city", "school", "market", "house
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
 # Sampling weights of the tasks.
-TASKS = {"add": 0.55, "count": 0.12, "copy": 0.10, "reverse": 0.10, "sentence": 0.13}
+TASKS = {"add": 0.55, "count": 0.14, "copy": 0.12, "reverse": 0.12, "sentence": 0.07}
+# Operand digit counts of the training additions and their weights.
+ADD_DIGITS = {1: 1, 2: 4}
 
 
 def addition_example(a: int, b: int) -> tuple[str, str]:
@@ -66,12 +68,13 @@ def addition_example(a: int, b: int) -> tuple[str, str]:
 
 
 def heldout_addition(n: int = 50, seed: int = 1234) -> list[tuple[int, int]]:
-    """The held-out arithmetic prompts: half 2-digit + 2-digit, half 3-digit + 3-digit.
-    Training never sees these pairs (in either order)."""
+    """The held-out arithmetic prompts: `d`-digit + `d`-digit for the multi-digit `d` of
+    `ADD_DIGITS`, in equal shares. Training never sees these pairs (in either order)."""
     rng = random.Random(seed)
+    multi = [d for d in ADD_DIGITS if d >= 2]
     pairs: list[tuple[int, int]] = []
     while len(pairs) < n:
-        digits = 2 if len(pairs) < n // 2 else 3
+        digits = multi[len(pairs) * len(multi) // n]
         lo, hi = 10 ** (digits - 1), 10**digits - 1
         pair = (rng.randint(lo, hi), rng.randint(lo, hi))
         if pair not in pairs:
@@ -80,7 +83,7 @@ def heldout_addition(n: int = 50, seed: int = 1234) -> list[tuple[int, int]]:
 
 
 def _operand(rng: random.Random) -> int:
-    digits = rng.choices([1, 2, 3], weights=[1, 4, 5])[0]
+    digits = rng.choices(list(ADD_DIGITS), weights=list(ADD_DIGITS.values()))[0]
     return rng.randint(0 if digits == 1 else 10 ** (digits - 1), 10**digits - 1)
 
 
@@ -108,7 +111,7 @@ class Corpus:
                 if (a, b) not in self.exclude:
                     return addition_example(a, b)
         if kind == "count":
-            start = rng.randint(0, 99) if rng.random() < 0.7 else rng.randint(100, 990)
+            start = rng.randint(0, 99) if rng.random() < 0.8 else rng.randint(100, 199)
             end = start + rng.randint(1, 9)
             return f"count {start} to {end}:", "".join(f" {i}" for i in range(start, end + 1))
         if kind in ("copy", "reverse"):
@@ -178,22 +181,23 @@ class Packer:
 NEG = torch.finfo(torch.float32).min
 
 
-def sdar_training_mask(doc: torch.Tensor, block: int) -> torch.Tensor:
-    """Additive [N, 1, 2L, 2L] mask for `concat(x_t, x_0)`. Documents start at multiples of
-    `block`, so row-global block indices coincide with in-document ones."""
+def sdar_training_mask(doc: torch.Tensor, block: int, copies: int = 1) -> torch.Tensor:
+    """Additive [N, 1, (C+1)L, (C+1)L] mask for `concat(x_t^1, ..., x_t^C, x_0)`. Documents start at
+    multiples of `block`, so row-global block indices coincide with in-document ones."""
     n, length = doc.shape
     blk = torch.arange(length) // block
     same_doc = (doc[:, :, None] == doc[:, None, :]) & (doc[:, :, None] >= 0)  # [N, L, L]
     eq = (blk[:, None] == blk[None, :])[None]
     lt = (blk[None, :] < blk[:, None])[None]
-    le = eq | lt
-    nn_ = same_doc & eq  # noisy -> noisy: its own block
+    nn_ = same_doc & eq  # noisy -> the same noisy copy: its own block
     nc = same_doc & lt  # noisy -> clean: earlier blocks
-    cc = same_doc & le  # clean -> clean: block-causal
-    cn = torch.zeros_like(nn_)  # clean -> noisy: never
-    allowed = torch.cat([torch.cat([nn_, nc], 2), torch.cat([cn, cc], 2)], 1)
-    # Row padding (doc == -1) sees nothing; let it see itself so no softmax row is empty.
-    allowed |= torch.eye(2 * length, dtype=torch.bool)[None]
+    cc = same_doc & (eq | lt)  # clean -> clean: block-causal
+    none = torch.zeros_like(nn_)  # clean -> noisy, noisy -> another noisy copy: never
+    rows = [torch.cat([nn_ if c == j else none for j in range(copies)] + [nc], 2) for c in range(copies)]
+    rows.append(torch.cat([none] * copies + [cc], 2))
+    allowed = torch.cat(rows, 1)
+    # Row padding (doc == -1) sees nothing; let every query see itself so no softmax row is empty.
+    allowed |= torch.eye((copies + 1) * length, dtype=torch.bool)[None]
     return torch.zeros(allowed.shape, dtype=torch.float32).masked_fill(~allowed, NEG)[:, None]
 
 
@@ -207,17 +211,22 @@ def causal_doc_mask(doc: torch.Tensor) -> torch.Tensor:
 
 
 def sdar_loss(model, batch: Batch, mask_id: int, gen: torch.Generator) -> tuple[torch.Tensor, int]:
+    """Masked-block loss with two complementary noisy copies: per block a ratio t ~ U(0, 1], copy 1
+    masks each answer position with probability t, copy 2 masks exactly the answer positions that
+    copy 1 kept, so every answer token is predicted once per example (antithetic sampling of t)."""
     n, length = batch.ids.shape
     t = torch.rand((n, length // BLOCK), generator=gen).clamp_min(1e-3).repeat_interleave(BLOCK, 1)
-    masked = (torch.rand((n, length), generator=gen) < t) & batch.answer
-    xt = torch.where(masked, torch.full_like(batch.ids, mask_id), batch.ids)
+    first = (torch.rand((n, length), generator=gen) < t) & batch.answer
+    masks = [first, batch.answer & ~first]
+    noisy = [torch.where(m, torch.full_like(batch.ids, mask_id), batch.ids) for m in masks]
     hidden = model.model(
-        input_ids=torch.cat([xt, batch.ids], 1),
-        attention_mask=sdar_training_mask(batch.doc, BLOCK),
-        position_ids=torch.cat([batch.pos, batch.pos], 1),
-    ).last_hidden_state[:, :length]
-    logits = model.lm_head(hidden[masked])
-    return F.cross_entropy(logits, batch.ids[masked]), int(masked.sum())
+        input_ids=torch.cat([*noisy, batch.ids], 1),
+        attention_mask=sdar_training_mask(batch.doc, BLOCK, len(masks)),
+        position_ids=batch.pos.repeat(1, len(masks) + 1),
+    ).last_hidden_state
+    hid = torch.cat([hidden[:, c * length : (c + 1) * length][m] for c, m in enumerate(masks)])
+    target = torch.cat([batch.ids[m] for m in masks])
+    return F.cross_entropy(model.lm_head(hid), target), int(target.numel())
 
 
 def ar_loss(model, batch: Batch) -> tuple[torch.Tensor, int]:
@@ -237,8 +246,8 @@ def ar_loss(model, batch: Batch) -> tuple[torch.Tensor, int]:
 # ----------------------------------------------------------------------------------------------
 
 MODEL_SIZE = dict(
-    hidden_size=160,
-    intermediate_size=512,
+    hidden_size=128,
+    intermediate_size=384,
     num_hidden_layers=4,
     num_attention_heads=4,
     num_key_value_heads=2,
@@ -359,7 +368,7 @@ def save_checkpoint(model, tok, kind: str, path: Path) -> None:
 
 ROWS = 16
 ROW_LEN = 64
-LR = 3e-3
+LR = 4e-3
 WARMUP = 100
 CALIBRATION_STEPS = 30
 

@@ -1,0 +1,124 @@
+"""`build_app(args)`: the Serve application builder named in serve_config.yaml (CONTRACT.md §6).
+
+    args = {
+        "model": PATH,                       # checkpoint directory (relative: cwd, then the repo root)
+        "served_model_name": None,           # default: the directory name
+        "engine": {EngineConfig fields},     # tp > 1 -> one placement-group bundle per shard
+        "num_replicas": 1,                   # data-parallel EngineServer replicas ...
+        "autoscaling_config": None,          # ... or Serve autoscaling instead of a fixed count
+        "ray_actor_options": None,           # EngineServer replica (rank 0) resources; default 1 CPU (+1 GPU)
+        "max_ongoing_requests": 512,         # per EngineServer replica
+        "tp_timeout_s": 60, "stall_timeout_s": 60,
+        "ingress": {"max_batch_size": 16, "batch_wait_timeout_s": 0.005, "api_key": None,
+                    "max_body_bytes": 8388608, "num_replicas": 1, "ray_actor_options": {"num_cpus": 0.5}},
+    }
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from ray.serve import Application
+
+from configs import EngineConfig
+from deployments.engine_server import EngineServer
+from deployments.ingress import DEFAULT_MAX_BODY_BYTES, Ingress
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+class IngressArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    max_batch_size: int = Field(16, ge=1)
+    batch_wait_timeout_s: float = Field(0.005, ge=0.0)
+    api_key: str | None = None
+    max_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, ge=1024)
+    num_replicas: int = Field(1, ge=1)
+    ray_actor_options: dict[str, Any] = Field(default_factory=lambda: {"num_cpus": 0.5})
+
+
+class AppArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    served_model_name: str | None = None
+    engine: dict[str, Any] = Field(default_factory=dict)
+    num_replicas: int = Field(1, ge=1)
+    autoscaling_config: dict[str, Any] | None = None
+    ray_actor_options: dict[str, Any] | None = None
+    max_ongoing_requests: int = Field(512, ge=1)
+    tp_timeout_s: float = Field(60.0, gt=0.0)
+    stall_timeout_s: float = Field(60.0, gt=0.0)
+    ingress: IngressArgs = Field(default_factory=IngressArgs)
+
+
+def resolve_model_path(path: str) -> str:
+    """Absolute path of a checkpoint: as given, else relative to the cwd, else to the repo root."""
+    p = Path(path).expanduser()
+    if p.is_absolute():
+        return str(p)
+    for base in (Path.cwd(), REPO_ROOT):
+        if (base / p).exists():
+            return str((base / p).resolve())
+    return str((REPO_ROOT / p).resolve())
+
+
+def _wants_gpu(config: EngineConfig) -> bool:
+    if config.device != "auto":
+        return config.device == "cuda"
+    try:
+        import ray
+
+        return ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0
+    except Exception:  # noqa: BLE001 - no cluster to ask: assume CPU
+        return False
+
+
+def engine_server_options(args: AppArgs, config: EngineConfig) -> dict[str, Any]:
+    """Serve options for EngineServer: replicas, and for tp > 1 a PACKed placement group with one
+    bundle per shard (rank 0 = the replica itself in bundle 0, workers in bundles 1..tp-1)."""
+    gpu = _wants_gpu(config)
+    actor = {"num_cpus": 1, **({"num_gpus": 1} if gpu else {})}
+    actor.update(args.ray_actor_options or {})
+    options: dict[str, Any] = {"ray_actor_options": actor, "max_ongoing_requests": args.max_ongoing_requests}
+    if args.autoscaling_config is not None:
+        options["autoscaling_config"] = args.autoscaling_config
+    else:
+        options["num_replicas"] = args.num_replicas
+    if config.tp > 1:
+        bundle = {"CPU": actor.get("num_cpus", 1)}
+        if actor.get("num_gpus"):
+            bundle["GPU"] = actor["num_gpus"]
+        options["placement_group_bundles"] = [dict(bundle) for _ in range(config.tp)]
+        options["placement_group_strategy"] = "PACK"
+    return options
+
+
+def tp_worker_options(options: dict[str, Any]) -> dict[str, Any]:
+    """Resources of one TP worker actor: exactly one bundle."""
+    bundles = options.get("placement_group_bundles")
+    if not bundles:
+        return {}
+    return {"num_cpus": bundles[0].get("CPU", 0), "num_gpus": bundles[0].get("GPU", 0)}
+
+
+def build_app(args: dict[str, Any]) -> Application:
+    try:
+        parsed = AppArgs.model_validate(args)
+        config = EngineConfig(**parsed.engine)
+    except ValidationError as e:
+        raise ValueError(f"invalid blockserve application args: {e}") from None
+    model = resolve_model_path(parsed.model)
+    options = engine_server_options(parsed, config)
+    server = EngineServer.options(**options).bind(
+        model, config.model_dump(), tp_timeout_s=parsed.tp_timeout_s, stall_timeout_s=parsed.stall_timeout_s,
+        tp_worker_options=tp_worker_options(options))
+    ing = parsed.ingress
+    return Ingress.options(num_replicas=ing.num_replicas, ray_actor_options=ing.ray_actor_options).bind(
+        server, model, served_model_name=parsed.served_model_name, max_model_len=config.max_model_len,
+        max_batch_size=ing.max_batch_size, batch_wait_timeout_s=ing.batch_wait_timeout_s, api_key=ing.api_key,
+        max_body_bytes=ing.max_body_bytes)
+

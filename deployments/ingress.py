@@ -1,0 +1,390 @@
+"""The HTTP ingress (CONTRACT.md §5) and the handle API (§6).
+
+HTTP: POST /generate, /v1/completions, /v1/chat/completions (unary or SSE), GET /v1/models, /health,
+/metrics. Unary requests go through `@serve.batch` into one `EngineServer.generate_batch` call;
+streams go through `EngineServer.generate_stream` (handle with `stream=True`), one per request, and
+are cancelled when the client goes away (which aborts the request in the engine and frees its KV
+pages). Bad input is a 4xx `{"error": {"message", "type", "param"}}`, never a 5xx.
+
+Handles (other Ray jobs): `generate(dict) -> dict` returns exactly the HTTP unary JSON, and
+`generate_stream(dict)` yields exactly the SSE deltas; refusals come back as the same error JSON.
+"""
+
+
+import functools
+import hmac
+import json
+import logging
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from ray import serve
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+
+from deployments.schemas import (
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    EngineRequest,
+    GenerateRequest,
+    OpenAIFormatter,
+    chat_to_engine,
+    completion_to_engine,
+    generate_body,
+    generate_to_engine,
+    is_error_item,
+    parse,
+)
+from engine.checkpoint import load_tokenizer
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_BODY_BYTES = 8 << 20
+
+# NOTE: `@serve.ingress(app)` cloudpickles the app (with the route methods) when the class is
+# decorated, so everything the routes use must be defined above the class.
+app = FastAPI(title="blockserve", docs_url=None, redoc_url=None, openapi_url=None)
+
+
+def _error_response(e: ApiError) -> JSONResponse:
+    headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
+    return JSONResponse(e.to_dict(), status_code=e.status, headers=headers)
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http_exception(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    kind = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "invalid_request_error")
+    return _error_response(ApiError(f"{request.method} {request.url.path}: {exc.detail}", None,
+                                    exc.status_code, kind))
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def _error_result(request_id: str, message: str, last: dict[str, Any] | None) -> dict[str, Any]:
+    """A final result dict for a stream the engine side could not finish (replica died)."""
+    return {"request_id": request_id, "text": "", "token_ids": [], "finish_reason": "error", "error": message,
+            "input_token_len": (last or {}).get("input_token_len", 0),
+            "generate_token_len": (last or {}).get("generate_token_len", 0)}
+
+
+def _json_roundtrip(body: Any) -> Any:
+    """A handle request as it would arrive over HTTP (tuples become lists, numpy scalars and arrays
+    numbers and lists), so that it validates exactly like the same JSON body."""
+
+    def default(o: Any) -> Any:
+        if hasattr(o, "tolist"):
+            return o.tolist()
+        raise TypeError(f"{type(o).__name__} is not JSON serializable")
+
+    try:
+        return json.loads(json.dumps(body, default=default))
+    except (TypeError, ValueError) as e:
+        raise ApiError(f"the request is not JSON-serializable: {e}") from None
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def render_metrics(model: str, requests: Counter, tokens: Counter, stats: list[dict[str, Any]]) -> str:
+    """Prometheus text exposition: ingress counters plus one series per engine replica."""
+    lines: list[str] = []
+    m = f'model="{_escape(model)}"'
+
+    def family(name: str, kind: str, help_text: str, samples: list[tuple[str, float]]) -> None:
+        lines.append(f"# HELP {name} {help_text}")
+        lines.append(f"# TYPE {name} {kind}")
+        lines.extend(f"{name}{{{labels}}} {value}" for labels, value in samples)
+
+    family("blockserve_requests_total", "counter", "Requests received by the ingress, by route and HTTP status "
+           "(status 0: handle calls).",
+           [(f'{m},route="{_escape(r)}",status="{s}"', n) for (r, s), n in sorted(requests.items())])
+    family("blockserve_prompt_tokens_total", "counter", "Prompt tokens of finished requests (ingress).",
+           [(m, tokens["prompt"])])
+    family("blockserve_generation_tokens_total", "counter", "Generated tokens of finished requests (ingress).",
+           [(m, tokens["completion"])])
+
+    def per_replica(name: str, kind: str, help_text: str, value: Callable[[dict], float]) -> None:
+        family(name, kind, help_text,
+               [(f'{m},replica="{_escape(str(s.get("replica")))}"', value(s)) for s in stats])
+
+    per_replica("blockserve_num_requests_running", "gauge", "Requests being decoded.", lambda s: s["running"])
+    per_replica("blockserve_num_requests_waiting", "gauge", "Requests queued (queue depth).", lambda s: s["waiting"])
+    per_replica("blockserve_kv_pages_total", "gauge", "KV cache pages.", lambda s: s["kv_pages_total"])
+    per_replica("blockserve_kv_pages_free", "gauge", "Free KV cache pages.", lambda s: s["kv_pages_free"])
+    per_replica("blockserve_kv_cache_usage_ratio", "gauge", "Fraction of KV pages in use.",
+                lambda s: 1.0 - s["kv_pages_free"] / max(s["kv_pages_total"], 1))
+    per_replica("blockserve_engine_steps_total", "counter", "Engine steps.", lambda s: s["steps"])
+    per_replica("blockserve_engine_forwards_total", "counter", "Model forwards.", lambda s: s["forwards"])
+    per_replica("blockserve_engine_prompt_tokens_total", "counter", "Prompt tokens admitted by the engine.",
+                lambda s: s["prompt_tokens"])
+    per_replica("blockserve_engine_generated_tokens_total", "counter", "Tokens generated (unmasked) by the engine.",
+                lambda s: s["generated_tokens"])
+    per_replica("blockserve_engine_step_seconds_total", "counter", "Time spent in engine steps.",
+                lambda s: s["step_seconds"])
+    per_replica("blockserve_engine_forward_seconds_total", "counter", "Time spent in model forwards.",
+                lambda s: s["forward_seconds"])
+    per_replica("blockserve_engine_mean_step_seconds", "gauge", "Mean seconds per engine step.",
+                lambda s: s["step_seconds"] / max(s["steps"], 1))
+    per_replica("blockserve_engine_tokens_per_step", "gauge", "Generated tokens per engine step (mean).",
+                lambda s: s["generated_tokens"] / max(s["steps"], 1))
+    per_replica("blockserve_engine_preemptions_total", "counter", "Sequences preempted for KV space.",
+                lambda s: s.get("preemptions", 0))
+    return "\n".join(lines) + "\n"
+
+
+@serve.deployment(max_ongoing_requests=1024)
+@serve.ingress(app)
+class Ingress:
+    def __init__(self, engine, model: str, served_model_name: str | None = None, max_model_len: int = 4096,
+                 max_batch_size: int = 16, batch_wait_timeout_s: float = 0.005, api_key: str | None = None,
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
+        self.engine = engine
+        self.model_path = model
+        self.served_model_name = served_model_name or model.rstrip("/").split("/")[-1]
+        self.max_model_len = max_model_len
+        self.api_key = api_key or None
+        self.max_body_bytes = max_body_bytes
+        self.tokenizer = load_tokenizer(model)
+        self._token_text = functools.lru_cache(maxsize=65536)(self._decode_token)
+        self.created = int(time.time())
+        self._batched_generate.set_max_batch_size(max_batch_size)
+        self._batched_generate.set_batch_wait_timeout_s(batch_wait_timeout_s)
+        self.requests: Counter[tuple[str, int]] = Counter()
+        self.tokens: Counter[str] = Counter()
+
+    # ---- engine calls ----------------------------------------------------------------------
+    @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.005, max_concurrent_batches=64)
+    async def _batched_generate(self, requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        try:
+            return await self.engine.generate_batch.remote(requests)
+        except Exception as e:  # the replica died or is unreachable: every request in the batch fails
+            log.exception("generate_batch failed")
+            item = ApiError(f"the engine replica failed: {type(e).__name__}: {e}", None, 503,
+                            "engine_unavailable").to_item()
+            return [item] * len(requests)
+
+    def _count(self, out: dict[str, Any]) -> None:
+        if out.get("finish_reason") is not None:
+            self.tokens["prompt"] += out.get("input_token_len", 0)
+            self.tokens["completion"] += out.get("generate_token_len", 0)
+
+    async def _unary(self, req: EngineRequest) -> dict[str, Any]:
+        """The folded result dict of one request; ApiError for refusals and engine failures."""
+        out = await self._batched_generate(req.model_dump())
+        if is_error_item(out):
+            raise ApiError.from_item(out)
+        self._count(out)
+        if out.get("finish_reason") == "error":
+            raise ApiError(f"the engine failed this request: {out.get('error')}", None, 500, "internal_error")
+        return out
+
+    async def _stream(self, req: EngineRequest) -> AsyncIterator[dict[str, Any]]:
+        """The request's result-dict deltas. Refusals raise ApiError here, before anything is sent;
+        a failure later ends the stream with a finish_reason "error" delta. Closing the iterator
+        (client disconnect, cancellation) cancels the engine-side stream."""
+        gen = self.engine.options(stream=True).generate_stream.remote(req.model_dump())
+        try:
+            first = await gen.__anext__()
+        except StopAsyncIteration:
+            raise ApiError("the engine ended the request without a result", None, 500, "internal_error") from None
+        except Exception as e:
+            raise ApiError(f"the engine replica failed: {type(e).__name__}: {e}", None, 503,
+                           "engine_unavailable") from None
+        if is_error_item(first):
+            raise ApiError.from_item(first)
+
+        async def deltas() -> AsyncIterator[dict[str, Any]]:
+            last = first
+            try:
+                yield first
+                if first.get("finish_reason") is None:
+                    async for item in gen:
+                        last = item
+                        yield item
+            except Exception as e:  # noqa: BLE001 - the replica died mid-stream
+                log.exception("stream %s failed", req.request_id)
+                last = _error_result(req.request_id, f"the engine replica failed: {type(e).__name__}: {e}", last)
+                yield last
+            finally:
+                if last.get("finish_reason") is None:
+                    gen.cancel()
+                self._count(last)
+
+        return deltas()
+
+    # ---- HTTP plumbing ---------------------------------------------------------------------
+    def _authorize(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+            raise ApiError("missing or invalid API key: send 'Authorization: Bearer <key>'", None, 401,
+                           "authentication_error")
+
+    async def _read_json(self, request: Request) -> Any:
+        limit = self.max_body_bytes
+        length = request.headers.get("content-length", "")
+        too_big = ApiError(f"the request body exceeds the limit of {limit} bytes", None, 413, "request_too_large")
+        if length.isdigit() and int(length) > limit:
+            raise too_big
+        body = bytearray()
+        async for part in request.stream():
+            body += part
+            if len(body) > limit:
+                raise too_big
+        try:
+            return json.loads(bytes(body))
+        except ValueError as e:  # JSONDecodeError and invalid UTF-8 alike
+            raise ApiError(f"the request body is not valid JSON: {e}") from None
+
+    async def _serve(self, request: Request, route: str, handler: Callable, auth: bool = True,
+                     body: bool = True) -> Response:
+        status = 500
+        try:
+            if auth:
+                self._authorize(request)
+            response = await handler(await self._read_json(request)) if body else await handler()
+            status = response.status_code
+            return response
+        except ApiError as e:
+            status = e.status
+            return _error_response(e)
+        except Exception as e:  # noqa: BLE001 - a bug, not bad input: 500 with the error shape
+            log.exception("%s failed", route)
+            return _error_response(ApiError(f"internal error: {type(e).__name__}: {e}", None, 500, "internal_error"))
+        finally:
+            self.requests[(route, status)] += 1
+
+    def _sse_response(self, deltas: AsyncIterator[dict[str, Any]], render: Callable[[dict], list[dict]]
+                      ) -> StreamingResponse:
+        async def events() -> AsyncIterator[str]:
+            try:
+                async for out in deltas:
+                    for obj in render(out):
+                        yield _sse(obj)
+                yield "data: [DONE]\n\n"
+            finally:
+                await deltas.aclose()
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    def _decode_token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    # ---- routes ------------------------------------------------------------------------------
+    @app.post("/generate")
+    async def http_generate(self, request: Request):
+        return await self._serve(request, "/generate", self._generate_route)
+
+    async def _generate_route(self, body: Any) -> Response:
+        req = parse(GenerateRequest, body)
+        ereq = generate_to_engine(req)
+        params = ereq.generation_config()
+        if req.stream:
+            return self._sse_response(await self._stream(ereq), lambda out: [generate_body(out, params)])
+        return JSONResponse(generate_body(await self._unary(ereq), params))
+
+    @app.post("/v1/completions")
+    async def http_completions(self, request: Request):
+        return await self._serve(request, "/v1/completions", self._completions_route)
+
+    async def _completions_route(self, body: Any) -> Response:
+        req = parse(CompletionRequest, body)
+        ereq = completion_to_engine(req, self.served_model_name)
+        return await self._openai(ereq, "completion", req.stream, req.stream_options)
+
+    @app.post("/v1/chat/completions")
+    async def http_chat(self, request: Request):
+        return await self._serve(request, "/v1/chat/completions", self._chat_route)
+
+    async def _chat_route(self, body: Any) -> Response:
+        req = parse(ChatCompletionRequest, body)
+        ereq = chat_to_engine(req, self.served_model_name, self.tokenizer, self.max_model_len)
+        return await self._openai(ereq, "chat", req.stream, req.stream_options)
+
+    async def _openai(self, ereq: EngineRequest, kind: str, stream: bool, stream_options) -> Response:
+        fmt = OpenAIFormatter(kind, self.served_model_name, ereq.request_id, ereq.generation_config(),
+                              self._token_text, include_usage=bool(stream_options and stream_options.include_usage))
+        if stream:
+            return self._sse_response(await self._stream(ereq), fmt.chunks)
+        return JSONResponse(fmt.full(await self._unary(ereq)))
+
+    @app.get("/v1/models")
+    async def http_models(self, request: Request):
+        async def models() -> Response:
+            return JSONResponse({"object": "list", "data": [{
+                "id": self.served_model_name, "object": "model", "created": self.created, "owned_by": "blockserve",
+                "root": self.model_path, "max_model_len": self.max_model_len}]})
+
+        return await self._serve(request, "/v1/models", models, body=False)
+
+    @app.get("/health")
+    async def http_health(self, request: Request):
+        async def health() -> Response:
+            try:
+                replicas = await self._broadcast("check_health")
+            except Exception as e:  # noqa: BLE001 - any failure is "unhealthy"
+                return JSONResponse({"status": "unhealthy", "error": f"{type(e).__name__}: {e}"}, status_code=503)
+            if not replicas:
+                return JSONResponse({"status": "unhealthy", "error": "no engine replica is running"}, status_code=503)
+            return JSONResponse({"status": "ok", "engine_replicas": len(replicas)})
+
+        return await self._serve(request, "/health", health, auth=False, body=False)
+
+    @app.get("/metrics")
+    async def http_metrics(self, request: Request):
+        async def metrics() -> Response:
+            stats = await self._broadcast("stats", return_exceptions=True)
+            text = render_metrics(self.served_model_name, self.requests, self.tokens,
+                                  [s for s in stats if isinstance(s, dict)])
+            return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+        return await self._serve(request, "/metrics", metrics, body=False)
+
+    async def _broadcast(self, method: str, return_exceptions: bool = False) -> list[Any]:
+        """Call `method` on every EngineServer replica (Serve >= 2.5x `broadcast`; else one replica)."""
+        if hasattr(self.engine, "broadcast"):
+            return await self.engine.broadcast(method).results_async(timeout_s=10.0,
+                                                                      return_exceptions=return_exceptions)
+        return [await getattr(self.engine, method).remote()]
+
+    # ---- handle API (other Ray jobs) -------------------------------------------------------
+    async def generate(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Same JSON as the HTTP unary /generate (the error JSON for refusals)."""
+        try:
+            ereq = generate_to_engine(parse(GenerateRequest, _json_roundtrip(body)))
+            out = await self._unary(ereq)
+            return generate_body(out, ereq.generation_config())
+        except ApiError as e:
+            return e.to_dict()
+        finally:
+            self.requests[("handle:generate", 0)] += 1
+
+    async def generate_stream(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """Same deltas as the SSE /generate stream (one error JSON for refusals)."""
+        self.requests[("handle:generate_stream", 0)] += 1
+        try:
+            ereq = generate_to_engine(parse(GenerateRequest, _json_roundtrip(body)))
+            deltas = await self._stream(ereq)
+        except ApiError as e:
+            yield e.to_dict()
+            return
+        params = ereq.generation_config()
+        try:
+            async for out in deltas:
+                yield generate_body(out, params)
+        finally:
+            await deltas.aclose()
+
+    async def engine_stats(self) -> list[dict[str, Any]]:
+        """Per-replica engine stats (kv_pages_free, running, generated_tokens, ...)."""
+        return await self._broadcast("stats")

@@ -1,0 +1,80 @@
+"""Serve handles from another Ray job (CONTRACT.md §6), and data-parallel replicas."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+from conftest import sse_events, without_ids
+from ray import serve
+
+from deployments.schemas import merge_generate_deltas
+
+DRIVER = r"""
+import json, sys
+import ray
+from ray import serve
+
+ray.init(address="auto", logging_level="error", log_to_driver=False)
+h = serve.get_app_handle(sys.argv[1])
+body = json.loads(sys.argv[2])
+unary = h.generate.remote(body).result()
+deltas = [d for d in h.options(stream=True).generate_stream.remote(body)]
+bad = h.generate.remote({"prompt": "x", "nope": 1}).result()
+bad_stream = list(h.options(stream=True).generate_stream.remote({"prompt": "x", "max_tokens": 10**6}))
+print("RESULT " + json.dumps({"unary": unary, "deltas": deltas, "bad": bad, "bad_stream": bad_stream}))
+"""
+
+
+def test_handle_and_streaming_handle_from_another_driver(served_apps):
+    app = served_apps["sdar"]
+    body = {"prompt": "Hello", "max_tokens": 16, "temperature": 0, "return_logprob": True, "top_logprobs_num": 1,
+            "return_step_trace": True}
+    proc = subprocess.run([sys.executable, "-c", DRIVER, app.name, json.dumps(body)], capture_output=True,
+                          text=True, timeout=180, cwd=Path(__file__).parent.parent,
+                          env={**os.environ, "RAY_AUTH_MODE": "disabled"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[len("RESULT "):])
+    http = httpx.post(app.url + "/generate", json=body, timeout=120).json()
+    assert without_ids(out["unary"]) == without_ids(http)
+    assert len(out["deltas"]) > 1
+    assert without_ids(merge_generate_deltas(out["deltas"])) == without_ids(http)
+    assert len(http["meta_info"]["step_map"]) == len(http["output_ids"]) == 16
+    with httpx.stream("POST", app.url + "/generate", json={**body, "stream": True}, timeout=120) as r:
+        sse = sse_events(r.iter_lines())[:-1]
+    assert [without_ids(d) for d in sse] == [without_ids(d) for d in out["deltas"]]  # same deltas as SSE
+    assert out["bad"]["error"]["param"] == "nope"
+    assert len(out["bad_stream"]) == 1 and out["bad_stream"][0]["error"]["param"] == "max_tokens"
+
+
+def test_two_replicas_serve_concurrently(served_apps):
+    app = served_apps["qwen3"]
+    handle = serve.get_app_handle(app.name)
+    before = {s["replica"]: s["generated_tokens"] for s in handle.engine_stats.remote().result()}
+    assert len(before) == 2
+    body = {"prompt": "Count: 1 2 3", "max_tokens": 48, "temperature": 0, "ignore_eos": True}
+    reference = without_ids(httpx.post(app.url + "/generate", json=body, timeout=120).json())
+
+    async def one(client: httpx.AsyncClient, stream: bool) -> dict:
+        if not stream:
+            r = await client.post(app.url + "/generate", json=body)
+            return r.json()
+        async with client.stream("POST", app.url + "/generate", json={**body, "stream": True}) as r:
+            events = sse_events([line async for line in r.aiter_lines()])
+        assert events[-1] == "[DONE]"
+        return merge_generate_deltas(events[:-1])
+
+    async def main() -> list[dict]:
+        async with httpx.AsyncClient(timeout=120) as client:
+            return await asyncio.gather(*(one(client, stream=i % 4 != 0) for i in range(16)))
+
+    results = asyncio.run(main())
+    assert all(without_ids(r) == reference for r in results)
+    after = {s["replica"]: s["generated_tokens"] for s in handle.engine_stats.remote().result()}
+    assert set(after) == set(before)
+    assert all(after[r] > before[r] for r in after), (before, after)

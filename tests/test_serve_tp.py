@@ -1,0 +1,94 @@
+"""Tensor parallelism on CPU through Serve (tp=2: the replica is rank 0, one TPWorker actor is rank 1,
+joined with gloo), the optional API key, and a dead TP worker ending its requests with an error."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+import ray
+from conftest import SERVE_ENGINE, deploy, sse_events
+from ray import serve
+
+KEY = "test-secret-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module")
+def tp2_app(serve_cluster, tiny_checkpoints):
+    app = deploy(serve_cluster, "sdar_tp2", tiny_checkpoints["sdar"], dict(SERVE_ENGINE, tp=2),
+                 ingress={"api_key": KEY})
+    yield app
+    serve.delete(app.name)
+
+
+def tp_stats(app) -> list[dict]:
+    return serve.get_app_handle(app.name).engine_stats.remote().result()
+
+
+BODIES = [
+    {"prompt": "Hello world", "max_tokens": 24, "temperature": 0},
+    {"prompt": "Question: what is 7 * 8? Answer:", "max_tokens": 30, "temperature": 0, "return_logprob": True},
+    {"input_ids": [5, 17, 200, 33, 91], "max_tokens": 13, "temperature": 0},
+]
+
+
+def test_tp2_matches_tp1(served_apps, tp2_app):
+    stats = tp_stats(tp2_app)
+    assert [(s["tp"], s["executor"], s["tp_workers"], s["tp_backend"]) for s in stats] == [(2, "ray_tp", 1, "gloo")]
+    for body in BODIES:
+        one = httpx.post(served_apps["sdar"].url + "/generate", json=body, timeout=120).json()
+        two = httpx.post(tp2_app.url + "/generate", json=body, headers=AUTH, timeout=120).json()
+        assert two["output_ids"] == one["output_ids"]
+        assert two["meta_info"]["step_map"] == one["meta_info"]["step_map"]
+        assert two["text"] == one["text"]
+        if body.get("return_logprob"):
+            assert [t for _, t in two["meta_info"]["output_token_logprobs"]] == two["output_ids"]
+            assert [v for v, _ in two["meta_info"]["output_token_logprobs"]] == pytest.approx(
+                [v for v, _ in one["meta_info"]["output_token_logprobs"]], abs=1e-4)
+
+
+def test_api_key_enforced_on_every_route_but_health(tp2_app):
+    url = tp2_app.url
+    body = {"prompt": "Hi", "max_tokens": 4}
+    chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 4}
+    routes = (("POST", "/generate", body), ("POST", "/v1/completions", body), ("POST", "/v1/chat/completions", chat),
+              ("GET", "/v1/models", None), ("GET", "/metrics", None))
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+        for method, route, payload in routes:
+            r = httpx.request(method, url + route, json=payload, headers=headers, timeout=60)
+            assert r.status_code == 401, (route, headers, r.text)
+            assert r.json()["error"]["type"] == "authentication_error"
+    assert httpx.get(url + "/health", timeout=60).status_code == 200
+    for method, route, payload in routes:
+        assert httpx.request(method, url + route, json=payload, headers=AUTH, timeout=60).status_code == 200
+    with httpx.stream("POST", url + "/generate", json={**body, "stream": True}, headers=AUTH, timeout=60) as r:
+        assert r.status_code == 200 and sse_events(r.iter_lines())[-1] == "[DONE]"
+
+
+def test_dead_tp_worker_errors_in_flight_requests_and_replica_is_replaced(tp2_app):
+    (before,) = tp_stats(tp2_app)
+    body = {"prompt": "Tell me a long story.", "max_tokens": 480, "temperature": 3.0, "seed": 1, "ignore_eos": True,
+            "stream": True}
+    with httpx.stream("POST", tp2_app.url + "/generate", json=body, headers=AUTH, timeout=60) as r:
+        lines = r.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        assert json.loads(first[6:])["meta_info"]["finish_reason"] is None
+        ray.kill(ray.get_actor(before["tp_worker_names"][0], namespace=before["tp_namespace"]))
+        killed = time.monotonic()
+        events = sse_events(lines)
+    assert time.monotonic() - killed < 10
+    assert events[-1] == "[DONE]"
+    assert events[-2]["meta_info"]["finish_reason"]["type"] == "error"
+    # the health check fails, Serve replaces the replica (a fresh TP group), and requests succeed again
+    deadline = time.monotonic() + 90
+    while True:
+        r = httpx.post(tp2_app.url + "/generate", json=BODIES[0], headers=AUTH, timeout=60)
+        if r.status_code == 200:
+            break
+        assert r.status_code == 503 and time.monotonic() < deadline, r.text
+        time.sleep(1)
+    (after,) = tp_stats(tp2_app)
+    assert after["replica"] != before["replica"] and after["tp_workers"] == 1
