@@ -4,9 +4,9 @@
   prefilled into a `DynamicCache`; then per block, every denoising step re-runs the current block
   over the cached prefix (block-causal: the block sees the prefix and itself) and crops the cache
   back; once the block is fully unmasked one commit forward appends its K/V. One request at a time.
-  Greedy, same strategy / threshold / steps as the engine, so the outputs must be identical.
-  Favours the baseline where it is free to: prefill and commit forwards ask for one logits row
-  (`logits_to_keep=1`) instead of the whole chunk the SDAR script projects.
+  Greedy, same strategy / threshold / steps as the engine, so the outputs must be identical. As in
+  the SDAR script, every forward returns the logits of all its positions (prefill and commit
+  forwards included); the confidence rule is CONTRACT.md's (>= threshold, ties to the lower position).
 * AR: `model.generate()` with its KV cache, the batch left-padded.
 * Scoring: one forward, `log_softmax` over the full vocabulary, gather the targets.
 """
@@ -79,7 +79,7 @@ def sdar_generate(model, prompt: list[int], *, block_length: int, mask_id: int, 
     prefill = prompt_len // b * b
     if prefill:
         model(x[:, :prefill], attention_mask=_block_causal(0, prefill, prefill, b),
-              position_ids=positions[:, :prefill], cache=cache, use_cache=True, logits_to_keep=1)
+              position_ids=positions[:, :prefill], cache=cache, use_cache=True)
         forwards += 1
     stops = torch.tensor(sorted(stop_ids))
     for k in range(prefill // b, num_blocks):
@@ -91,8 +91,7 @@ def sdar_generate(model, prompt: list[int], *, block_length: int, mask_id: int, 
         while True:
             masked = cur[0] == mask_id
             if not bool(masked.any()):  # commit forward: append the block's final K/V
-                model(cur, attention_mask=mask, position_ids=positions[:, lo:hi], cache=cache,
-                      use_cache=True, logits_to_keep=1)
+                model(cur, attention_mask=mask, position_ids=positions[:, lo:hi], cache=cache, use_cache=True)
                 forwards += 1
                 break
             logits = model(cur, attention_mask=mask, position_ids=positions[:, lo:hi], cache=cache,

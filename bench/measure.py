@@ -62,6 +62,7 @@ class PeakRSS:
 class EngineRun:
     outputs: list[Response]
     seconds: float
+    cpu_seconds: float  # process CPU time: the work, whatever else the shared machine runs
     ttfc: list[float]  # per request: seconds from its submission to its first chunk with tokens
     forwards: int
     seq_forwards: int  # sum over forwards of the sequences in it
@@ -104,7 +105,7 @@ def run_engine(engine, prompts: list[list[int]], params: list, shape: BenchShape
     in_flight = 0
     try:
         with PeakRSS() as mem:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             while queue or in_flight:
                 while queue and in_flight < concurrency:
                     prompt, p = queue.pop(0)
@@ -121,12 +122,14 @@ def run_engine(engine, prompts: list[list[int]], params: list, shape: BenchShape
                     if chunk.finished:
                         in_flight -= 1
             seconds = time.perf_counter() - t0
+            cpu_seconds = time.process_time() - c0
     finally:
         engine.executor.execute = execute
     st = engine.stats
     return EngineRun(
         outputs=[responses[r] for r in order],
         seconds=seconds,
+        cpu_seconds=cpu_seconds,
         ttfc=[first[r] - submitted[r] for r in order],
         forwards=st.forwards - stats0["forwards"],
         seq_forwards=seq_forwards[0],

@@ -51,7 +51,12 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=6000)
     ap.add_argument("--start", type=int, default=3000)
     ap.add_argument("--chunk-rows", type=int, default=256)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (0 = torch's default)")
     args = ap.parse_args()
+    if args.threads > 0:
+        import torch
+
+        torch.set_num_threads(args.threads)
 
     from bench.measure import rss_bytes
     from bench.workloads import scoring_inputs
@@ -61,6 +66,7 @@ def main() -> None:
         from engine import EngineConfig, GenerationConfig, pipeline
 
         cfg = EngineConfig(logprobs_mode="raw_logprobs", logprobs_chunk_rows=args.chunk_rows, max_batch_size=1,
+                           max_model_len=args.tokens,
                            num_kv_blocks=-(-args.tokens // 16) + 4, kv_block_size=16)
         pipe = pipeline(args.model, cfg)
         gen = GenerationConfig(max_new_tokens=0, logprob_start_len=args.start, logprobs=0)

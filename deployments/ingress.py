@@ -11,6 +11,7 @@ Handles (other Ray jobs): `generate(dict) -> dict` returns exactly the HTTP unar
 """
 
 
+import asyncio
 import functools
 import hmac
 import json
@@ -23,6 +24,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from deployments.schemas import (
@@ -92,7 +94,8 @@ def _escape(value: str) -> str:
     return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
-def render_metrics(model: str, requests: Counter, tokens: Counter, stats: list[dict[str, Any]]) -> str:
+def render_metrics(model: str, requests: Counter, tokens: Counter, batches: Counter,
+                   stats: list[dict[str, Any]]) -> str:
     """Prometheus text exposition: ingress counters plus one series per engine replica."""
     lines: list[str] = []
     m = f'model="{_escape(model)}"'
@@ -109,6 +112,10 @@ def render_metrics(model: str, requests: Counter, tokens: Counter, stats: list[d
            [(m, tokens["prompt"])])
     family("blockserve_generation_tokens_total", "counter", "Generated tokens of finished requests (ingress).",
            [(m, tokens["completion"])])
+    family("blockserve_ingress_batches_total", "counter", "Engine calls made by @serve.batch for unary requests.",
+           [(m, batches["batches"])])
+    family("blockserve_ingress_batched_requests_total", "counter", "Unary requests sent in those batches.",
+           [(m, batches["requests"])])
 
     def per_replica(name: str, kind: str, help_text: str, value: Callable[[dict], float]) -> None:
         family(name, kind, help_text,
@@ -158,10 +165,13 @@ class Ingress:
         self._batched_generate.set_batch_wait_timeout_s(batch_wait_timeout_s)
         self.requests: Counter[tuple[str, int]] = Counter()
         self.tokens: Counter[str] = Counter()
+        self.batches: Counter[str] = Counter()
 
     # ---- engine calls ----------------------------------------------------------------------
     @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.005, max_concurrent_batches=64)
     async def _batched_generate(self, requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        self.batches["batches"] += 1
+        self.batches["requests"] += len(requests)
         try:
             return await self.engine.generate_batch.remote(requests)
         except Exception as e:  # the replica died or is unreachable: every request in the batch fails
@@ -194,6 +204,9 @@ class Ingress:
             first = await gen.__anext__()
         except StopAsyncIteration:
             raise ApiError("the engine ended the request without a result", None, 500, "internal_error") from None
+        except asyncio.CancelledError:  # the client left before the first delta
+            gen.cancel()
+            raise
         except Exception as e:
             raise ApiError(f"the engine replica failed: {type(e).__name__}: {e}", None, 503,
                            "engine_unavailable") from None
@@ -257,6 +270,9 @@ class Ingress:
         except ApiError as e:
             status = e.status
             return _error_response(e)
+        except ClientDisconnect:  # gone while sending its body: nobody to answer
+            status = 499
+            return Response(status_code=499)
         except Exception as e:  # noqa: BLE001 - a bug, not bad input: 500 with the error shape
             log.exception("%s failed", route)
             return _error_response(ApiError(f"internal error: {type(e).__name__}: {e}", None, 500, "internal_error"))
@@ -344,7 +360,7 @@ class Ingress:
     async def http_metrics(self, request: Request):
         async def metrics() -> Response:
             stats = await self._broadcast("stats", return_exceptions=True)
-            text = render_metrics(self.served_model_name, self.requests, self.tokens,
+            text = render_metrics(self.served_model_name, self.requests, self.tokens, self.batches,
                                   [s for s in stats if isinstance(s, dict)])
             return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 

@@ -14,7 +14,7 @@ import re
 import time
 import uuid
 from collections.abc import Callable, Mapping
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -56,10 +56,19 @@ def is_error_item(item: Mapping[str, Any]) -> bool:
     return "rejected" in item
 
 
+_UNION_TAG = re.compile(r"^(str|int|float|bool|none|list\[.*\]|dict\[.*\]|[A-Z]\w*)$")
+
+
 def _loc(loc: tuple) -> str:
+    """A pydantic error location as `field[0].sub`, without the tags pydantic adds for union members."""
     out = ""
     for part in loc:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif out and _UNION_TAG.match(str(part)):
+            continue
+        else:
+            out += f".{part}" if out else str(part)
     return out
 
 
@@ -74,16 +83,17 @@ def validation_error(e: ValidationError, rename: Mapping[str, str] | None = None
         return ApiError(str(first.get("msg", e)).removeprefix("Value error, "))
     field = str(first["loc"][0])
     param = rename.get(field, field)
-    msgs = []
-    for err in errors:
-        if err.get("loc") and str(err["loc"][0]) == field:
-            msg = str(err["msg"]).removeprefix("Value error, ")
-            if err["type"] == "extra_forbidden":
-                msg = f"unknown field {param!r}: not part of this endpoint's request schema"
-            where = _loc((param, *err["loc"][1:]))
-            entry = msg if msg.startswith(f"unknown field {param!r}") else f"{where}: {msg}"
-            if entry not in msgs:
-                msgs.append(entry)
+    mine = [err for err in errors if err.get("loc") and str(err["loc"][0]) == field]
+    # A union reports one error per member; when some are not plain type mismatches, those matter.
+    specific = [err for err in mine if not err["type"].endswith("_type")]
+    msgs: list[str] = []
+    for err in specific or mine:
+        if err["type"] == "extra_forbidden":
+            entry = f"unknown field {param!r}: not part of this endpoint's request schema"
+        else:
+            entry = f"{_loc((param, *err['loc'][1:]))}: {str(err['msg']).removeprefix('Value error, ')}"
+        if entry not in msgs:
+            msgs.append(entry)
     return ApiError(" or ".join(msgs[:4]), param)
 
 
@@ -112,7 +122,7 @@ class _SamplingFields(_Strict):
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     repetition_penalty: float = Field(1.0, gt=0.0)
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
-    stop: str | list[str] | None = Field(None, max_length=MAX_STOP_STRINGS)
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
     stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
@@ -191,8 +201,9 @@ def parse(model: type[BaseModel], body: Any) -> Any:
 
 
 # ---- conversion to engine requests -------------------------------------------------------
-GENERATE_RENAME = {"max_new_tokens": "max_tokens", "random_seed": "seed", "stop_words": "stop",
-                   "min_new_tokens": "min_tokens", "do_sample": "temperature"}
+# GenerationConfig field -> HTTP field, for error messages (endpoints add their own entries).
+HTTP_RENAME = {"max_new_tokens": "max_tokens", "random_seed": "seed", "stop_words": "stop",
+               "min_new_tokens": "min_tokens", "do_sample": "temperature"}
 
 
 def _sampling(req: _SamplingFields) -> dict[str, Any]:
@@ -238,7 +249,7 @@ def generate_to_engine(req: GenerateRequest, request_id: str | None = None) -> E
                        "input_ids" if both else "prompt")
     if req.top_logprobs_num > 0 and not req.return_logprob:
         raise ApiError("top_logprobs_num > 0 needs return_logprob=true", "top_logprobs_num")
-    rename = dict(GENERATE_RENAME, logprobs="top_logprobs_num" if req.return_logprob else "return_logprob")
+    rename = dict(HTTP_RENAME, logprobs="top_logprobs_num" if req.return_logprob else "return_logprob")
     fields = _sampling(req)
     fields.update(max_new_tokens=req.max_tokens, logprob_start_len=req.logprob_start_len,
                   logprobs=req.top_logprobs_num if req.return_logprob else None,
@@ -262,10 +273,6 @@ def _check_openai(req: _OpenAIFields, served_model: str) -> None:
         raise ApiError("logit_bias is not supported", "logit_bias")
 
 
-_OPENAI_RENAME = {"max_new_tokens": "max_tokens", "random_seed": "seed", "stop_words": "stop",
-                  "min_new_tokens": "min_tokens", "do_sample": "temperature"}
-
-
 def completion_to_engine(req: CompletionRequest, served_model: str, request_id: str | None = None) -> EngineRequest:
     _check_openai(req, served_model)
     if req.echo:
@@ -279,7 +286,7 @@ def completion_to_engine(req: CompletionRequest, served_model: str, request_id: 
         if len(prompt) != 1:
             raise ApiError("only one prompt per request is supported (n=1, no batches)", "prompt")
         prompt = prompt[0]
-    rename = dict(_OPENAI_RENAME, logprobs="logprobs", input_ids="prompt", prompt="prompt")
+    rename = dict(HTTP_RENAME, logprobs="logprobs", input_ids="prompt", prompt="prompt")
     fields = _sampling(req)
     fields.update(max_new_tokens=req.max_tokens, min_new_tokens=req.min_tokens, logprobs=req.logprobs)
     cfg = _config(fields, rename)
@@ -303,7 +310,7 @@ def chat_to_engine(req: ChatCompletionRequest, served_model: str, tokenizer, max
     except Exception as e:  # a template that rejects these messages (e.g. role order)
         raise ApiError(f"the chat template rejected the messages: {e}", "messages") from None
     ids = list(tokenizer.encode(text, add_special_tokens=False))
-    rename = dict(_OPENAI_RENAME, input_ids="messages", prompt="messages",
+    rename = dict(HTTP_RENAME, input_ids="messages", prompt="messages",
                   logprobs="top_logprobs" if req.logprobs else "logprobs")
     if req.max_completion_tokens is not None:
         rename["max_new_tokens"] = "max_completion_tokens"
@@ -465,6 +472,9 @@ class OpenAIFormatter:
         if not (out.get("text") or out.get("token_ids") or finished):
             return []
         result = [dict(base, choices=[self._choice(out, delta=True)])]
+        if out.get("finish_reason") == "error":
+            result.append({"error": {"message": out.get("error") or "the engine failed this request",
+                                     "type": "internal_error", "param": None}})
         if self.include_usage:
             result[0]["usage"] = None
             if finished:

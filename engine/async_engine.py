@@ -63,7 +63,19 @@ class AsyncEngine:
             raise EngineDeadError(f"the engine loop is not running: {self._fatal!r}")
         fut: concurrent.futures.Future = concurrent.futures.Future()
         self._commands.put((fn, fut))
+        if not self._running:  # the loop died while we queued: nobody else will answer it
+            self._fail_pending()
         return fut
+
+    def _fail_pending(self) -> None:
+        """Answer every queued command with EngineDeadError (the loop is gone)."""
+        while True:
+            try:
+                _, fut = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(EngineDeadError(f"the engine loop is not running: {self._fatal!r}"))
 
     def _run_commands(self, block: bool) -> None:
         try:
@@ -71,10 +83,11 @@ class AsyncEngine:
         except queue.Empty:
             return
         while True:
-            try:
-                fut.set_result(fn())
-            except BaseException as e:  # noqa: BLE001 - handed to the caller
-                fut.set_exception(e)
+            if fut.set_running_or_notify_cancel():  # False: the caller was cancelled first; skip it
+                try:
+                    fut.set_result(fn())
+                except BaseException as e:  # noqa: BLE001 - handed to the caller
+                    fut.set_exception(e)
             try:
                 fn, fut = self._commands.get_nowait()
             except queue.Empty:
@@ -104,6 +117,7 @@ class AsyncEngine:
             log.exception("engine loop died")
         finally:
             self._running = False
+            self._fail_pending()
             for rid in list(self._streams):
                 self._deliver(OutputChunk(request_id=rid, finish_reason="error",
                                           error=f"engine loop stopped: {self._fatal!r}"))
@@ -115,7 +129,12 @@ class AsyncEngine:
         if chunk.finished:
             del self._streams[chunk.request_id]
         loop, q = target
-        loop.call_soon_threadsafe(q.put_nowait, chunk)
+        try:
+            loop.call_soon_threadsafe(q.put_nowait, chunk)
+        except RuntimeError:  # the caller's event loop is closed: nobody reads this stream any more
+            self._streams.pop(chunk.request_id, None)
+            if not chunk.finished and self._running:
+                self.engine.abort(chunk.request_id)
 
     # ---- the caller's side ------------------------------------------------------------------
     async def generate(self, prompt: str | list[int], params: GenerationConfig | None = None,
@@ -129,7 +148,12 @@ class AsyncEngine:
             self._streams[rid] = (loop, q)
             return rid
 
-        rid = await asyncio.wrap_future(self._call(add))
+        added = self._call(add)
+        try:
+            rid = await asyncio.wrap_future(added)
+        except asyncio.CancelledError:  # cancelled while the add was in flight: abort it if it ran
+            added.add_done_callback(lambda f: f.cancelled() or f.exception() or self.abort(f.result()))
+            raise
         finished = False
         try:
             while True:

@@ -226,7 +226,7 @@ class LLMEngine:
                 seq.params, seq.generator, history,
                 [g < seq.params.min_new_tokens for g in gen_index], seq.stop_ids)))
             first += len(positions)
-        tokens, confidence = pick_tokens(result.logits, groups) if groups else ([], [])
+        tokens, confidence = pick_tokens(result.logits, groups, self.is_dllm) if groups else ([], [])
         ks = []
         for seq, positions in row_owner:
             ks += [seq.params.logprobs] * len(positions)

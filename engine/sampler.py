@@ -59,13 +59,19 @@ def filter_for_sampling(logits: torch.Tensor, p: GenerationConfig) -> torch.Tens
     return logits
 
 
-def pick_tokens(logits: torch.Tensor, groups: list[tuple[int, int, RowGroup]]) -> tuple[list[int], list[float]]:
-    """Candidates and confidences for every row. `groups` = (first row, row count, group)."""
+def pick_tokens(logits: torch.Tensor, groups: list[tuple[int, int, RowGroup]],
+                need_confidence: bool = True) -> tuple[list[int], list[float]]:
+    """Candidates and confidences for every row. `groups` = (first row, row count, group).
+
+    With `need_confidence=False` (AR decoding) plain greedy rows skip the softmax: the candidate is
+    the argmax of the logits, as in HF `generate()`, and the confidence list comes back empty."""
     logits = logits.float()
     plain_greedy = all(
         g.params.is_greedy and g.params.repetition_penalty == 1.0 and not any(g.suppress)
         for _, _, g in groups
     )
+    if plain_greedy and not need_confidence:
+        return logits.argmax(-1).tolist(), []
     if plain_greedy:  # the common case, one batched op
         probs = logits.softmax(-1)
         conf, tok = probs.max(-1)

@@ -97,11 +97,13 @@ class TorchAttention:
         mask[q_pos < 0] = False
         mask[..., 0] |= q_pos < 0  # padded query rows see one key, so softmax stays finite
         meta.extra = {
-            "seq_of_token": seq_of_token,
-            "row_of_token": row_of_token,
-            "key_slots": key_slots,
+            # flat row of each query token in the padded [S * max_q] layout; None = no padding
+            # (every sequence feeds max_q tokens, e.g. AR decode or same-size DLLM blocks)
+            "padded_row": None if min(meta.q_lens) == max_q else seq_of_token * max_q + row_of_token,
+            "key_slots": key_slots.reshape(-1),  # index_select on a flat index: ~8x faster than 2-D indexing
             "mask": mask[:, None],
-            "shape": (num_seqs, max_q),
+            "masks": {},  # additive float mask per dtype, made once per forward, not once per layer
+            "shape": (num_seqs, max_q, max_kv),
         }
 
     def forward(
@@ -117,21 +119,31 @@ class TorchAttention:
         """q: [T, H, D]; k, v: [T, KVH, D]; caches: [pages, page_size, KVH, D]. Returns [T, H, D]."""
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         ex = meta.extra
-        num_seqs, max_q = ex["shape"]
-        kvh, d = k_cache.shape[-2:]
-        keys = k_cache.view(-1, kvh, d)[ex["key_slots"]]  # [S, max_kv, KVH, D]
-        values = v_cache.view(-1, kvh, d)[ex["key_slots"]]
-        qp = q.new_zeros(num_seqs, max_q, q.shape[1], d)
-        qp[ex["seq_of_token"], ex["row_of_token"]] = q
+        num_seqs, max_q, max_kv = ex["shape"]
+        heads, kvh, d = q.shape[1], k_cache.shape[-2], k_cache.shape[-1]
+        slots = ex["key_slots"]
+        keys = k_cache.view(-1, kvh, d).index_select(0, slots).view(num_seqs, max_kv, kvh, d)
+        values = v_cache.view(-1, kvh, d).index_select(0, slots).view(num_seqs, max_kv, kvh, d)
+        mask = ex["masks"].get(q.dtype)
+        if mask is None:  # SDPA would turn a bool mask into this in every layer
+            mask = torch.zeros(ex["mask"].shape, dtype=q.dtype, device=q.device)
+            mask.masked_fill_(~ex["mask"], float("-inf"))
+            ex["masks"][q.dtype] = mask
+        padded_row = ex["padded_row"]
+        if padded_row is None:
+            qp = q.reshape(num_seqs, max_q, heads, d)
+        else:
+            qp = q.new_zeros(num_seqs * max_q, heads, d).index_copy_(0, padded_row, q).view(num_seqs, max_q, heads, d)
         out = F.scaled_dot_product_attention(
             qp.transpose(1, 2),
             keys.transpose(1, 2),
             values.transpose(1, 2),
-            attn_mask=ex["mask"],
+            attn_mask=mask,
             scale=scale,
             enable_gqa=True,
         )
-        return out.transpose(1, 2)[ex["seq_of_token"], ex["row_of_token"]]
+        out = out.transpose(1, 2).reshape(num_seqs * max_q, heads, d)
+        return out if padded_row is None else out.index_select(0, padded_row)
 
 
 class FlashAttention:

@@ -76,7 +76,8 @@ def deploy(cluster: ServeCluster, name: str, model: Path, engine: dict, **args) 
 
 @pytest.fixture(scope="session")
 def served_apps(serve_cluster, tiny_checkpoints) -> dict[str, ServedApp]:
-    """`sdar`: tiny SDAR, one replica, 1 MiB body limit. `qwen3`: tiny Qwen3 with raw_logprobs scoring, two replicas.
+    """`sdar`: tiny SDAR, one replica, 1 MiB body limit. `qwen3`: tiny Qwen3 with raw_logprobs scoring, two
+    replicas, unary requests batched over 0.1 s windows.
     Deployed together (their replicas start in parallel)."""
     from ray import serve
 
@@ -84,7 +85,8 @@ def served_apps(serve_cluster, tiny_checkpoints) -> dict[str, ServedApp]:
 
     specs = {
         "sdar": (tiny_checkpoints["sdar"], dict(SERVE_ENGINE), {"ingress": {"max_body_bytes": 1 << 20}}),
-        "qwen3": (tiny_checkpoints["qwen3"], dict(SERVE_ENGINE, logprobs_mode="raw_logprobs"), {"num_replicas": 2}),
+        "qwen3": (tiny_checkpoints["qwen3"], dict(SERVE_ENGINE, logprobs_mode="raw_logprobs"),
+                  {"num_replicas": 2, "ingress": {"batch_wait_timeout_s": 0.1}}),
     }
     serve.run_many([serve.RunTarget(build_app({"model": str(m), "engine": e, **a}), name=n, route_prefix=f"/{n}",
                                     logging_config=QUIET) for n, (m, e, a) in specs.items()])

@@ -160,3 +160,22 @@ def test_chunked_prefill_gives_identical_outputs(checkpoints, budget):
             assert list(ea) == list(eb)
             for t in ea:
                 assert abs(ea[t] - eb[t]) < TOL
+
+
+def test_lm_head_projects_only_sampled_rows(checkpoints):
+    """Prefill chunks that sample nothing project no rows; each step projects one row per sequence."""
+    path, hf = checkpoints["untied-single"]
+    prompt = make_prompt(17, 120)
+    with pipeline(str(path), EngineConfig(max_prefill_token_num=4, kv_block_size=4)) as pipe:
+        model = pipe.engine.executor.runner.model
+        rows: list[int] = []
+        real = model.logits
+
+        def logits(hidden):
+            rows.append(hidden.shape[0])
+            return real(hidden)
+
+        model.logits = logits
+        out = pipe(prompt, greedy())
+    assert out.token_ids == hf_greedy(hf, prompt, NEW_TOKENS)[0]
+    assert [r for r in rows if r] == [1] * NEW_TOKENS

@@ -27,7 +27,10 @@ unary = h.generate.remote(body).result()
 deltas = [d for d in h.options(stream=True).generate_stream.remote(body)]
 bad = h.generate.remote({"prompt": "x", "nope": 1}).result()
 bad_stream = list(h.options(stream=True).generate_stream.remote({"prompt": "x", "max_tokens": 10**6}))
-print("RESULT " + json.dumps({"unary": unary, "deltas": deltas, "bad": bad, "bad_stream": bad_stream}))
+ids = {"input_ids": (5, 17, 200, 33), "max_tokens": 5, "temperature": 0}  # a tuple: validated as JSON would be
+from_tuple = h.generate.remote(ids).result()
+print("RESULT " + json.dumps({"unary": unary, "deltas": deltas, "bad": bad, "bad_stream": bad_stream,
+                              "from_tuple": from_tuple}))
 """
 
 
@@ -50,6 +53,14 @@ def test_handle_and_streaming_handle_from_another_driver(served_apps):
     assert [without_ids(d) for d in sse] == [without_ids(d) for d in out["deltas"]]  # same deltas as SSE
     assert out["bad"]["error"]["param"] == "nope"
     assert len(out["bad_stream"]) == 1 and out["bad_stream"][0]["error"]["param"] == "max_tokens"
+    from_list = httpx.post(app.url + "/generate", json={"input_ids": [5, 17, 200, 33], "max_tokens": 5,
+                                                         "temperature": 0}, timeout=120).json()
+    assert without_ids(out["from_tuple"]) == without_ids(from_list)
+
+
+def metric(app, name: str) -> float:
+    text = httpx.get(app.url + "/metrics", timeout=60).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
 
 
 def test_two_replicas_serve_concurrently(served_apps):
@@ -59,6 +70,8 @@ def test_two_replicas_serve_concurrently(served_apps):
     assert len(before) == 2
     body = {"prompt": "Count: 1 2 3", "max_tokens": 48, "temperature": 0, "ignore_eos": True}
     reference = without_ids(httpx.post(app.url + "/generate", json=body, timeout=120).json())
+    batches = metric(app, "blockserve_ingress_batches_total")
+    batched = metric(app, "blockserve_ingress_batched_requests_total")
 
     async def one(client: httpx.AsyncClient, stream: bool) -> dict:
         if not stream:
@@ -78,3 +91,6 @@ def test_two_replicas_serve_concurrently(served_apps):
     after = {s["replica"]: s["generated_tokens"] for s in handle.engine_stats.remote().result()}
     assert set(after) == set(before)
     assert all(after[r] > before[r] for r in after), (before, after)
+    # the 4 concurrent unary requests went to the engine in fewer @serve.batch calls
+    assert metric(app, "blockserve_ingress_batched_requests_total") - batched == 4
+    assert metric(app, "blockserve_ingress_batches_total") - batches < 4

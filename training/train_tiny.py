@@ -58,7 +58,7 @@ PLACE = ["park", "river", "garden", "forest", "city", "school", "market", "house
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
 # Sampling weights of the tasks.
-TASKS = {"add": 0.55, "count": 0.14, "copy": 0.12, "reverse": 0.12, "sentence": 0.07}
+TASKS = {"add": 0.50, "count": 0.20, "copy": 0.12, "reverse": 0.12, "sentence": 0.06}
 # Operand digit counts of the training additions and their weights.
 ADD_DIGITS = {1: 1, 2: 4}
 
@@ -80,6 +80,17 @@ def heldout_addition(n: int = 50, seed: int = 1234) -> list[tuple[int, int]]:
         if pair not in pairs:
             pairs.append(pair)
     return pairs
+
+
+def count_example(start: int, end: int) -> tuple[str, str]:
+    return f"count {start} to {end} ->", f" [{','.join(str(i) for i in range(start, end + 1))}]"
+
+
+def list_example(kind: str, items: list[str]) -> tuple[str, str]:
+    """`copy [a,b,c] -> [a,b,c]`, `reverse [a,b,c] -> [c,b,a]`. Bracketed, comma-separated items
+    without spaces are one token each (no BPE merge applies), so positions line up."""
+    out = items if kind == "copy" else items[::-1]
+    return f"{kind} [{','.join(items)}] ->", f" [{','.join(out)}]"
 
 
 def _operand(rng: random.Random) -> int:
@@ -111,13 +122,10 @@ class Corpus:
                 if (a, b) not in self.exclude:
                     return addition_example(a, b)
         if kind == "count":
-            start = rng.randint(0, 99) if rng.random() < 0.8 else rng.randint(100, 199)
-            end = start + rng.randint(1, 9)
-            return f"count {start} to {end}:", "".join(f" {i}" for i in range(start, end + 1))
+            start = rng.randint(0, 99)
+            return count_example(start, start + rng.randint(1, 9))
         if kind in ("copy", "reverse"):
-            items = _items(rng)
-            out = items if kind == "copy" else items[::-1]
-            return f"{kind} {' '.join(items)} ->", " " + " ".join(out)
+            return list_example(kind, _items(rng))
         subject = f"the {rng.choice(ADJ)} {rng.choice(NOUN)}"
         obj = f"the {rng.choice(ADJ)} {rng.choice(NOUN)}"
         if rng.random() < 0.5:
@@ -399,7 +407,7 @@ def train(kind: str, out: Path, minutes: float, steps: int | None, seed: int) ->
     gen = torch.Generator().manual_seed(seed)
     total = steps
     log: list[dict] = []
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     ema, step = None, 0
     print(f"[{kind}] {n_params / 1e6:.2f}M parameters, rows {ROWS}x{ROW_LEN}", flush=True)
     while total is None or step < total:
@@ -425,6 +433,7 @@ def train(kind: str, out: Path, minutes: float, steps: int | None, seed: int) ->
             if step % 250 == 0 or step == total:
                 print(f"[{kind}] step {step}/{total} loss {ema:.4f} lr {lr:.2e} {elapsed:.0f}s", flush=True)
     seconds = time.perf_counter() - t0
+    cpu_seconds = time.process_time() - cpu0
     model.eval()
     path = out / NAMES[kind]
     save_checkpoint(model, tok, kind, path)
@@ -432,6 +441,7 @@ def train(kind: str, out: Path, minutes: float, steps: int | None, seed: int) ->
         "kind": kind,
         "steps": step,
         "seconds": round(seconds, 1),
+        "cpu_seconds": round(cpu_seconds, 1),
         "seed": seed,
         "parameters": n_params,
         "rows": ROWS,
@@ -440,7 +450,9 @@ def train(kind: str, out: Path, minutes: float, steps: int | None, seed: int) ->
         "log": log,
     }
     (path / "training_log.json").write_text(json.dumps(info, indent=1) + "\n")
-    print(f"[{kind}] done: {step} steps in {seconds:.0f}s, loss {ema:.4f} -> {path}", flush=True)
+    print(
+        f"[{kind}] done: {step} steps in {seconds:.0f}s ({cpu_seconds:.0f}s CPU), loss {ema:.4f} -> {path}", flush=True
+    )
     return info
 
 
