@@ -3,6 +3,11 @@
 Only the loop thread touches the LLMEngine. Callers send commands (add, abort) through a queue and
 receive chunks on a per-request asyncio.Queue of their own event loop. A caller that stops
 iterating (client disconnect, cancellation) aborts its request, which frees its KV pages.
+
+The loop beats a heartbeat on every iteration (at least every 0.5 s when idle). `check_health`
+declares the engine dead when the loop died, or when the heartbeat is older than `stall_timeout_s`
+(a hung forward or command): the requests in flight then end with `finish_reason="error"` at once,
+from the caller's thread, instead of waiting on a loop that may never come back.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ class AsyncEngine:
         self._commands: queue.Queue[tuple[Callable[[], Any], concurrent.futures.Future]] = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._running = True
-        self._busy_since: float | None = None
+        self._heartbeat = time.monotonic()
         self._fatal: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="blockserve-engine", daemon=True)
         self._thread.start()
@@ -96,11 +101,10 @@ class AsyncEngine:
     def _loop(self) -> None:
         try:
             while self._running:
+                self._heartbeat = time.monotonic()
                 self._run_commands(block=not self.engine.has_unfinished())
-                if not self.engine.has_unfinished():
-                    self._busy_since = None
+                if not self._running or not self.engine.has_unfinished():
                     continue
-                self._busy_since = self._busy_since or time.monotonic()
                 try:
                     chunks = self.engine.step()
                 except Exception as e:  # a failed forward ends what was in it, not the replica
@@ -109,7 +113,7 @@ class AsyncEngine:
                               if (c := self.engine.fail(rid, f"engine step failed: {e}")) is not None]
                     if getattr(e, "fatal", False):
                         raise
-                self._busy_since = time.monotonic()
+                self._heartbeat = time.monotonic()
                 for chunk in chunks:
                     self._deliver(chunk)
         except BaseException as e:  # noqa: BLE001 - recorded for the health check
@@ -117,17 +121,21 @@ class AsyncEngine:
             log.exception("engine loop died")
         finally:
             self._running = False
-            self._fail_pending()
-            for rid in list(self._streams):
-                self._deliver(OutputChunk(request_id=rid, finish_reason="error",
-                                          error=f"engine loop stopped: {self._fatal!r}"))
+            self._end_everything()
+
+    def _end_everything(self) -> None:
+        """Fail queued commands and end every open stream with an error (the loop is gone)."""
+        self._fail_pending()
+        for rid in list(self._streams):
+            self._deliver(OutputChunk(request_id=rid, finish_reason="error",
+                                      error=f"engine loop stopped: {self._fatal!r}"))
 
     def _deliver(self, chunk: OutputChunk) -> None:
         target = self._streams.get(chunk.request_id)
         if target is None:
             return
         if chunk.finished:
-            del self._streams[chunk.request_id]
+            self._streams.pop(chunk.request_id, None)
         loop, q = target
         try:
             loop.call_soon_threadsafe(q.put_nowait, chunk)
@@ -199,12 +207,18 @@ class AsyncEngine:
         }
 
     def check_health(self) -> None:
-        """Raise if the loop died or has made no progress on pending work for stall_timeout_s."""
+        """Raise if the loop died or has been stuck for stall_timeout_s. A stuck loop is declared
+        dead here: new requests are refused and the ones in flight end with an error now."""
         if not self._thread.is_alive() or not self._running:
             raise EngineDeadError(f"the engine loop is not running: {self._fatal!r}")
-        busy = self._busy_since
-        if busy is not None and time.monotonic() - busy > self.stall_timeout_s:
-            raise EngineDeadError(f"the engine loop has made no progress for {time.monotonic() - busy:.0f}s")
+        stuck = time.monotonic() - self._heartbeat
+        if stuck > self.stall_timeout_s:
+            self._fatal = EngineDeadError(f"the engine loop has been stuck for {stuck:.1f}s "
+                                          f"(stall_timeout_s={self.stall_timeout_s})")
+            self._running = False
+            log.error("%s", self._fatal)
+            self._end_everything()
+            raise self._fatal
 
     def shutdown(self) -> None:
         self._running = False

@@ -27,6 +27,9 @@ class LocalExecutor:
     """Runs the model in this process (tp=1). Ray's tensor-parallel executor has the same surface."""
 
     def __init__(self, spec: ModelSpec, config: EngineConfig):
+        if config.tp != 1:
+            raise ValueError(f"tp={config.tp}: the in-process engine runs tp=1; serve with "
+                             "deployments.app:build_app for tensor parallelism over Ray")
         self.runner = ModelRunner(spec, config)
 
     @property
@@ -226,10 +229,12 @@ class LLMEngine:
                 seq.params, seq.generator, history,
                 [g < seq.params.min_new_tokens for g in gen_index], seq.stop_ids)))
             first += len(positions)
-        tokens, confidence = pick_tokens(result.logits, groups, self.is_dllm) if groups else ([], [])
         ks = []
         for seq, positions in row_owner:
             ks += [seq.params.logprobs] * len(positions)
+        done_with_logits = all(k is None for k in ks)  # no logprob rows to read from them afterwards
+        tokens, confidence = (pick_tokens(result.logits, groups, self.is_dllm, overwrite=done_with_logits)
+                              if groups else ([], []))
         entries = logprob_entries(result.logits, tokens, ks, self.config.logprobs_mode)
         finished: set[str] = set()
         for (first, count, _), (seq, positions) in zip(groups, row_owner):

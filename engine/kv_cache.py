@@ -41,7 +41,7 @@ class KVBlockManager:
         self._free: list[int] = list(range(num_pages - 1, -1, -1))  # pop() gives low ids first
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached pages with ref 0, LRU first
         self._by_hash: dict[int, int] = {}  # key hash -> page id
-        self.prefix_hit_tokens = 0  # accounting for tests and metrics
+        self.prefix_hit_tokens = 0  # tokens admitted from the cache (counted by the scheduler)
 
     # ---- accounting -------------------------------------------------------------------------
     @property
@@ -115,9 +115,7 @@ class KVBlockManager:
             p += 1
         table.registered = p
         table.parent_hash = parent
-        reused = p * self.page_size
-        self.prefix_hit_tokens += reused
-        return reused
+        return p * self.page_size
 
     def register(self, table: PageTable, tokens: list[int], num_committed: int) -> None:
         """Publish the sequence's full pages whose K/V are final (tokens < num_committed)."""

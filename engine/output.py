@@ -44,17 +44,32 @@ class OutputBuilder:
             ids, skip_special_tokens=self.seq.params.skip_special_tokens, clean_up_tokenization_spaces=False
         )
 
+    def _stop_word_match(self, text: str) -> tuple[int, str] | None:
+        """(start, word) of the earliest stop word in `text` that ends after the first
+        `min_new_tokens` tokens' text (stop words, like stop ids, cannot end a request earlier)."""
+        min_new = self.seq.params.min_new_tokens
+        gen = self.seq.tokens[self.seq.prompt_len :]
+        if len(gen) < min_new:
+            return None
+        floor = len(self._decode(gen[:min_new])) if min_new else 0
+        hits = []
+        for w in self.stop_words:
+            i = text.find(w, max(0, floor - len(w) + 1))
+            if i >= 0:
+                hits.append((i, w))
+        return min(hits, default=None)
+
     def find_stop_word(self, num_visible: int) -> int | None:
         """If a stop word appears in the visible text, the number of tokens to keep (through the
         token that completes it); else None."""
         if not self.stop_words:
             return None
         gen = self.seq.tokens[self.seq.prompt_len : self.seq.prompt_len + num_visible]
-        text = self._decode(gen)
-        if not any(w in text for w in self.stop_words):
+        if self._stop_word_match(self._decode(gen)) is None:
             return None
-        for n in range(max(1, self.sent_tokens), len(gen) + 1):
-            if any(w in self._decode(gen[:n]) for w in self.stop_words):
+        first = max(1, self.sent_tokens, self.seq.params.min_new_tokens)
+        for n in range(first, len(gen) + 1):
+            if self._stop_word_match(self._decode(gen[:n])) is not None:
                 return n
         return len(gen)
 
@@ -64,11 +79,10 @@ class OutputBuilder:
             if not p.include_stop_str_in_output:
                 ids = ids[:-1]
         text = self._decode(ids)
-        if self.stop_words:
-            cut = min((text.find(w) + (len(w) if p.include_stop_str_in_output else 0)
-                       for w in self.stop_words if w in text), default=None)
-            if cut is not None:
-                return text[:cut]
+        match = self._stop_word_match(text) if self.stop_words else None
+        if match is not None:
+            start, word = match
+            return text[: start + (len(word) if p.include_stop_str_in_output else 0)]
         if finished:
             return text
         if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for its next bytes

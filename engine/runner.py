@@ -76,6 +76,15 @@ def num_kv_pages(spec: ModelSpec, config: EngineConfig, device: torch.device, dt
     return max(1, min(pages, max_useful))
 
 
+def log_softmax_(x: torch.Tensor) -> torch.Tensor:
+    """log_softmax over the last dim written over `x` (same values as `x.log_softmax(-1)`): no second
+    rows x vocab tensor to allocate and fault in."""
+    try:
+        return torch._log_softmax(x, -1, False, out=x)
+    except (AttributeError, RuntimeError, TypeError):  # no out= variant in this torch
+        return x.log_softmax(-1)
+
+
 class ModelRunner:
     def __init__(self, spec: ModelSpec, config: EngineConfig, tp: TPContext | None = None):
         self.spec, self.config = spec, config
@@ -95,6 +104,7 @@ class ModelRunner:
             for _ in range(spec.num_hidden_layers)
         ]
         self.num_forwards = 0
+        self._buffers: dict[str, torch.Tensor] = {}
 
     def set_dllm_block_length(self, block_length: int | None) -> None:
         self.dllm_block_length = block_length
@@ -118,11 +128,26 @@ class ModelRunner:
         )
         hidden = self.model(self._tensor(batch.input_ids), meta.positions, self.kv_caches, meta, self.backend)
         self.num_forwards += 1
-        logits = self.model.logits(hidden[self._tensor(batch.sample_rows)])
+        logits = self._logits(hidden[self._tensor(batch.sample_rows)], "sample")
         out = ForwardOutput(logits=logits)
         if batch.score_rows:
             self._score(hidden, batch, out)
+            self._buffers.pop("score", None)  # a scoring chunk's rows x vocab are not kept between forwards
         return out
+
+    def _logits(self, rows: torch.Tensor, name: str) -> torch.Tensor:
+        """`model.logits(rows)`, on CPU written into a kept buffer: a fresh [rows, vocab] float32 tensor
+        is mapped anew on every forward, and its page faults cost about as much as the softmax that
+        reads it. The result is only valid until the next forward (ForwardOutput.logits included)."""
+        model = self.model
+        n = rows.shape[0]
+        if self.device.type != "cpu" or model.tp.size != 1 or n == 0 or n > 4096:
+            return model.logits(rows)
+        weight = model.lm_head.weight
+        buf = self._buffers.get(name)
+        if buf is None or buf.shape[0] < n or buf.dtype != weight.dtype:
+            buf = self._buffers[name] = torch.empty(n, weight.shape[0], dtype=weight.dtype)
+        return torch.mm(rows, weight.t(), out=buf[:n])[:, : model.spec.vocab_size].float()
 
     def _score(self, hidden: torch.Tensor, batch: ForwardBatch, out: ForwardOutput) -> None:
         raw = self.config.logprobs_mode == "raw_logits"
@@ -131,9 +156,9 @@ class ModelRunner:
         step = self.config.logprobs_chunk_rows
         for i in range(0, len(batch.score_rows), step):
             rows = self._tensor(batch.score_rows[i : i + step])
-            values = self.model.logits(hidden[rows])
+            values = self._logits(hidden[rows], "score")
             if not raw:
-                values = values.log_softmax(-1)
+                values = log_softmax_(values) if self.device.type == "cpu" else values.log_softmax(-1)
             targets = self._tensor(batch.score_targets[i : i + step])
             out.score_values += values.gather(1, targets[:, None])[:, 0].tolist()
             if k > 0:

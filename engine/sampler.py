@@ -59,12 +59,22 @@ def filter_for_sampling(logits: torch.Tensor, p: GenerationConfig) -> torch.Tens
     return logits
 
 
+def softmax_(x: torch.Tensor) -> torch.Tensor:
+    """softmax over the last dim written over `x` (the same values as `x.softmax(-1)`)."""
+    try:
+        return torch._softmax(x, -1, False, out=x)
+    except (AttributeError, RuntimeError, TypeError):  # no out= variant in this torch
+        return x.softmax(-1)
+
+
 def pick_tokens(logits: torch.Tensor, groups: list[tuple[int, int, RowGroup]],
-                need_confidence: bool = True) -> tuple[list[int], list[float]]:
+                need_confidence: bool = True, overwrite: bool = False) -> tuple[list[int], list[float]]:
     """Candidates and confidences for every row. `groups` = (first row, row count, group).
 
     With `need_confidence=False` (AR decoding) plain greedy rows skip the softmax: the candidate is
-    the argmax of the logits, as in HF `generate()`, and the confidence list comes back empty."""
+    the argmax of the logits, as in HF `generate()`, and the confidence list comes back empty.
+    `overwrite=True` says the caller is done with `logits`: on CPU the softmax is then written over
+    them instead of into a fresh rows x vocab tensor (same values, no page faults)."""
     logits = logits.float()
     plain_greedy = all(
         g.params.is_greedy and g.params.repetition_penalty == 1.0 and not any(g.suppress)
@@ -73,7 +83,7 @@ def pick_tokens(logits: torch.Tensor, groups: list[tuple[int, int, RowGroup]],
     if plain_greedy and not need_confidence:
         return logits.argmax(-1).tolist(), []
     if plain_greedy:  # the common case, one batched op
-        probs = logits.softmax(-1)
+        probs = softmax_(logits) if overwrite and logits.device.type == "cpu" else logits.softmax(-1)
         conf, tok = probs.max(-1)
         return tok.tolist(), conf.tolist()
     tokens: list[int] = []

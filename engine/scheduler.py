@@ -16,6 +16,8 @@ from configs import EngineConfig
 from engine.kv_cache import KVBlockManager
 from engine.sequence import SeqStatus, Sequence
 
+_UNLIMITED = 1 << 62
+
 
 @dataclass
 class ScheduledSeq:
@@ -48,6 +50,13 @@ class Scheduler:
     @property
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
+
+    def _is_decoding(self, seq: Sequence) -> bool:
+        """Past its prefill: an AR decode row, or a DLLM block (with at most the commit of the last).
+        Such work is not charged to the chunked-prefill budget."""
+        if seq.block is None:
+            return len(seq.tokens) - seq.num_computed <= 1
+        return seq.block.end - seq.num_computed <= 2 * self.block_length
 
     # ---- what a sequence needs next --------------------------------------------------------
     def _target(self, seq: Sequence) -> tuple[int, bool]:
@@ -86,21 +95,25 @@ class Scheduler:
         i = 0
         while i < len(self.running):
             seq = self.running[i]
-            item = self._try_schedule(seq, budget, out, first=not out)
+            decoding = self._is_decoding(seq)
+            item = self._try_schedule(seq, _UNLIMITED if decoding else budget, out, first=not out)
             if item is None:
                 if seq in self.running:  # could not place it this step; it keeps its pages
                     i += 1
                 continue  # it was preempted: the list shifted
             out.append(item)
-            budget -= item.end - item.start
+            if not decoding:
+                budget -= item.end - item.start
             i += 1
         while self.waiting and len(self.running) < self.config.max_batch_size and budget > 0:
             seq = self.waiting[0]
-            if not seq.table.pages:
-                seq.num_computed = self.kv.match_prefix(seq.table, seq.tokens, self._prefix_limit(seq))
+            seq.num_computed = self.kv.match_prefix(seq.table, seq.tokens, self._prefix_limit(seq))
             item = self._try_schedule(seq, budget, out, first=not out, admitting=True)
-            if item is None:
+            if item is None:  # wait without sitting on cached pages others may need
+                self.kv.free(seq.table)
+                seq.num_computed = 0
                 break
+            self.kv.prefix_hit_tokens += seq.num_computed
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)

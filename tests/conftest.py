@@ -55,7 +55,7 @@ def serve_cluster():
     import ray
     from ray import serve
 
-    ctx = ray.init(num_cpus=8, include_dashboard=False, configure_logging=True, logging_level="warning")
+    ctx = ray.init(num_cpus=16, include_dashboard=False, configure_logging=True, logging_level="warning")
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config=QUIET)
     yield ServeCluster(url=f"http://127.0.0.1:{port}", address=ctx.address_info["address"])
@@ -109,3 +109,99 @@ def sse_events(lines) -> list:
 def without_ids(body: dict) -> dict:
     """A /generate body without its per-request id (two requests never share one)."""
     return {**body, "meta_info": {k: v for k, v in body["meta_info"].items() if k != "id"}}
+
+
+# ---- the reliability suite's extra applications (tests/test_reliability_*.py) ----------------
+KEY = "reliability-secret-key"  # the `secure` app's API key
+KV_ENGINE = dict(SERVE_ENGINE, num_kv_blocks=16)  # 16 pages x 4 tokens: far less than the work sent
+
+
+def write_hostile_checkpoint(src: Path, dst: Path, marker_dir: Path) -> Path:
+    """A copy of a tiny checkpoint that also carries everything a loader could be tricked into running:
+    `modeling_sdar.py` / `configuration_sdar.py` / `tokenization_sdar.py` / `__init__.py` named by
+    `auto_map` (+ `trust_remote_code`) in config.json and tokenizer_config.json, and pickled
+    `pytorch_model.bin` / `training_args.bin` whose unpickling runs code. Each writes a file into
+    `marker_dir` if executed."""
+    import json
+    import pickle
+    import shutil
+
+    shutil.copytree(src, dst)
+    marker_dir.mkdir(parents=True, exist_ok=True)
+    for name in ("modeling_sdar", "configuration_sdar", "tokenization_sdar", "__init__"):
+        (dst / f"{name}.py").write_text(
+            f"open({str(marker_dir / name)!r}, 'w').write('checkpoint code ran')\n"
+            "class SDARForCausalLM: pass\nclass SDARConfig: pass\nclass SDARTokenizer: pass\n")
+
+    class _Payload:
+        def __init__(self, name: str):
+            self.name = name
+
+        def __reduce__(self):
+            return (exec, (f"open({str(marker_dir / self.name)!r}, 'w').write('pickle ran')",))
+
+    for name in ("pytorch_model.bin", "training_args.bin"):
+        (dst / name).write_bytes(pickle.dumps(_Payload(name)))
+    config = json.loads((dst / "config.json").read_text())
+    config.update(trust_remote_code=True, auto_map={
+        "AutoConfig": "configuration_sdar.SDARConfig", "AutoModel": "modeling_sdar.SDARForCausalLM",
+        "AutoModelForCausalLM": "modeling_sdar.SDARForCausalLM"})
+    (dst / "config.json").write_text(json.dumps(config))
+    tok = json.loads((dst / "tokenizer_config.json").read_text())
+    tok.update(auto_map={"AutoTokenizer": ["tokenization_sdar.SDARTokenizer", None]}, trust_remote_code=True)
+    (dst / "tokenizer_config.json").write_text(json.dumps(tok))
+    return dst
+
+
+@pytest.fixture(scope="session")
+def hostile_checkpoint(tiny_checkpoints, tmp_path_factory) -> tuple[Path, Path]:
+    """(checkpoint dir, marker dir): see write_hostile_checkpoint."""
+    root = tmp_path_factory.mktemp("hostile")
+    marker = root / "markers"
+    return write_hostile_checkpoint(tiny_checkpoints["sdar"], root / "sdar-hostile", marker), marker
+
+
+@pytest.fixture(scope="session")
+def reliability_apps(serve_cluster, tiny_checkpoints, hostile_checkpoint) -> dict[str, ServedApp]:
+    """Deployed together on first use (replicas start in parallel):
+    `sdar_kv`: tiny SDAR with 16 KV pages (64 tokens) -- preemption under load, "can never fit" refusals;
+    `sdar_stall`: tiny SDAR with debug_hooks, stall_timeout_s=2 and a 1 s health check -- fault drills;
+    `secure`: the hostile checkpoint, API key `KEY`, at most 2 generation requests in flight."""
+    from ray import serve
+
+    from deployments.app import build_app
+
+    specs = {
+        "sdar_kv": (tiny_checkpoints["sdar"], dict(KV_ENGINE), {}),
+        "sdar_stall": (tiny_checkpoints["sdar"], dict(SERVE_ENGINE),
+                       {"debug_hooks": True, "stall_timeout_s": 2.0, "health_check_period_s": 1.0,
+                        "health_check_timeout_s": 5.0}),
+        "secure": (hostile_checkpoint[0], dict(SERVE_ENGINE),
+                   {"ingress": {"api_key": KEY, "max_concurrent_requests": 2, "retry_after_s": 2}}),
+    }
+    serve.run_many([serve.RunTarget(build_app({"model": str(m), "engine": e, **a}), name=n, route_prefix=f"/{n}",
+                                    logging_config=QUIET) for n, (m, e, a) in specs.items()])
+    yield {n: ServedApp(n, f"{serve_cluster.url}/{n}", str(m), e) for n, (m, e, _) in specs.items()}
+    for name in specs:
+        serve.delete(name, _blocking=False)
+
+
+def engine_totals(app_name: str) -> dict[str, int]:
+    """Engine stats summed over an application's EngineServer replicas."""
+    from ray import serve
+
+    stats = serve.get_app_handle(app_name).engine_stats.remote().result()
+    keys = ("kv_pages_free", "kv_pages_total", "running", "waiting", "generated_tokens", "preemptions")
+    return {k: sum(s[k] for s in stats) for k in keys} | {"replicas": len(stats)}
+
+
+def wait_idle(app_name: str, timeout: float = 30.0) -> dict[str, int]:
+    """Engine totals once no request is running or waiting (or the timeout passed)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        t = engine_totals(app_name)
+        if t["running"] + t["waiting"] == 0 or time.monotonic() > deadline:
+            return t
+        time.sleep(0.05)
