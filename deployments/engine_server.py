@@ -5,7 +5,14 @@ are *result dicts* (`OutputChunk.to_dict()` deltas, or the folded `Response.to_d
 `"matched"` added to the final one), and refusals are error items
 `ApiError.to_item()` (plain data: nothing to unpickle on the
 caller's side). Cancelling a stream (the caller stops iterating, a client disconnects) aborts the
-request in the engine, which frees its KV pages.
+request in the engine, which frees its KV pages. An unexpected exception ends only its own request
+(an `internal_error` item before the first delta, a `finish_reason="error"` delta after it), never
+the other requests of a batch.
+
+Test hook (`debug_hooks=True` in the app args, off by default): `debug_stall(seconds)` makes the
+engine loop sleep, as a hung forward would, so fault drills can watch the health check catch it.
+It is a method of this deployment, reachable only through a Ray handle from inside the cluster:
+the HTTP ingress has no route to it.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -39,7 +47,8 @@ def _replica_id() -> str:
                   graceful_shutdown_timeout_s=5.0)
 class EngineServer:
     def __init__(self, model: str, engine: dict[str, Any] | None = None, tp_timeout_s: float = 60.0,
-                 stall_timeout_s: float = 60.0, tp_worker_options: dict[str, Any] | None = None):
+                 stall_timeout_s: float = 60.0, tp_worker_options: dict[str, Any] | None = None,
+                 debug_hooks: bool = False):
         config = EngineConfig(**(engine or {}))
         factory = None
         if config.tp > 1:
@@ -49,6 +58,7 @@ class EngineServer:
                                         worker_options=tp_worker_options or None)
         self.engine = AsyncEngine(model, config, factory, stall_timeout_s=stall_timeout_s)
         self.replica = _replica_id()
+        self.debug_hooks = debug_hooks
         self.eos_ids = frozenset(self.engine.spec.eos_token_ids)
         log.info("EngineServer %s ready: %s (%s), tp=%d", self.replica, model, self.engine.spec.model_type,
                  config.tp)
@@ -79,8 +89,10 @@ class EngineServer:
             return
         acc = Response()
         stream = self.engine.generate(req.prompt, params, req.request_id)
+        started = False
         try:
             async for chunk in stream:
+                started = True
                 acc.add(chunk)
                 yield chunk, acc, (self._matched(acc, params) if chunk.finished else None)
         except RequestError as e:  # raised before the first chunk
@@ -89,6 +101,16 @@ class EngineServer:
             yield validation_error(e, req.rename).to_item()
         except EngineDeadError as e:
             yield ApiError(str(e), None, 503, "engine_unavailable").to_item()
+        except Exception as e:  # noqa: BLE001 - a bug: fail this request only, never its batch mates
+            log.exception("request %s failed", req.request_id)
+            message = f"internal error: {type(e).__name__}: {e}"
+            if not started:
+                yield ApiError(message, None, 500, "internal_error").to_item()
+            else:
+                chunk = OutputChunk(request_id=req.request_id, finish_reason="error", error=message,
+                                    input_token_len=acc.input_token_len, generate_token_len=acc.generate_token_len)
+                acc.add(chunk)
+                yield chunk, acc, None
         finally:
             await stream.aclose()
 
@@ -135,8 +157,17 @@ class EngineServer:
 
     def check_health(self) -> None:
         """Serve's health check: raises when the engine loop is dead or stalled (Serve then replaces
-        this replica)."""
+        this replica). A stall also ends the requests in flight with an error at once."""
         self.engine.check_health()
+
+    # ---- test hooks (debug_hooks=True only; Ray handle only, no HTTP route) ---------------------
+    async def debug_stall(self, seconds: float) -> bool:
+        """Make the engine loop sleep `seconds` (a hung forward, as far as anyone can tell)."""
+        if not self.debug_hooks:
+            raise PermissionError("debug hooks are off: deploy with debug_hooks=True to use debug_stall")
+        log.warning("debug_stall: the engine loop sleeps %.1fs", seconds)
+        self._stall = asyncio.ensure_future(self.engine.run(lambda _: time.sleep(seconds)))
+        return True
 
     def __del__(self):
         engine = getattr(self, "engine", None)

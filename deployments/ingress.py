@@ -52,9 +52,56 @@ DEFAULT_MAX_BODY_BYTES = 8 << 20
 app = FastAPI(title="blockserve", docs_url=None, redoc_url=None, openapi_url=None)
 
 
-def _error_response(e: ApiError) -> JSONResponse:
-    headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
+RETRY_AFTER_S = 1  # the Retry-After of 429 (ingress full) and 503 (engine replica failed / restarting)
+
+
+def _error_response(e: ApiError, retry_after_s: int = RETRY_AFTER_S) -> JSONResponse:
+    headers = None
+    if e.status == 401:
+        headers = {"WWW-Authenticate": "Bearer"}
+    elif e.status in (429, 503):
+        headers = {"Retry-After": str(retry_after_s)}
     return JSONResponse(e.to_dict(), status_code=e.status, headers=headers)
+
+
+class _Slots:
+    """Admission control: at most `limit` generation requests in flight in this ingress replica
+    (a stream counts until its last byte is sent or its client leaves). None = no limit."""
+
+    def __init__(self, limit: int | None):
+        self.limit = limit
+        self.in_flight = 0
+        self.refused = 0
+
+    def acquire(self) -> Callable[[], None]:
+        if self.limit is not None and self.in_flight >= self.limit:
+            self.refused += 1
+            raise ApiError(f"the server is at its limit of {self.limit} concurrent requests; retry later", None,
+                           429, "rate_limit_exceeded")
+        self.in_flight += 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self.in_flight -= 1
+
+        return release
+
+
+class _TrackedStreamingResponse(StreamingResponse):
+    """A StreamingResponse that runs `on_close` once it is over, however it ends (sent, client gone,
+    cancelled), so an admission slot held by a stream is always given back."""
+
+    on_close: Callable[[], None] | None = None
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if self.on_close is not None:
+                self.on_close()
 
 
 @app.exception_handler(StarletteHTTPException)
@@ -95,7 +142,7 @@ def _escape(value: str) -> str:
 
 
 def render_metrics(model: str, requests: Counter, tokens: Counter, batches: Counter,
-                   stats: list[dict[str, Any]]) -> str:
+                   stats: list[dict[str, Any]], slots: _Slots | None = None) -> str:
     """Prometheus text exposition: ingress counters plus one series per engine replica."""
     lines: list[str] = []
     m = f'model="{_escape(model)}"'
@@ -116,6 +163,11 @@ def render_metrics(model: str, requests: Counter, tokens: Counter, batches: Coun
            [(m, batches["batches"])])
     family("blockserve_ingress_batched_requests_total", "counter", "Unary requests sent in those batches.",
            [(m, batches["requests"])])
+    if slots is not None:
+        family("blockserve_ingress_requests_in_flight", "gauge", "Generation requests in flight in this ingress "
+               "replica (admission control counts these).", [(m, slots.in_flight)])
+        family("blockserve_ingress_rejected_total", "counter", "Requests refused with 429 (max_concurrent_requests).",
+               [(m, slots.refused)])
 
     def per_replica(name: str, kind: str, help_text: str, value: Callable[[dict], float]) -> None:
         family(name, kind, help_text,
@@ -151,13 +203,16 @@ def render_metrics(model: str, requests: Counter, tokens: Counter, batches: Coun
 class Ingress:
     def __init__(self, engine, model: str, served_model_name: str | None = None, max_model_len: int = 4096,
                  max_batch_size: int = 16, batch_wait_timeout_s: float = 0.005, api_key: str | None = None,
-                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_concurrent_requests: int | None = None,
+                 retry_after_s: int = RETRY_AFTER_S):
         self.engine = engine
         self.model_path = model
         self.served_model_name = served_model_name or model.rstrip("/").split("/")[-1]
         self.max_model_len = max_model_len
         self.api_key = api_key or None
         self.max_body_bytes = max_body_bytes
+        self.slots = _Slots(max_concurrent_requests)
+        self.retry_after_s = retry_after_s
         self.tokenizer = load_tokenizer(model)
         self._token_text = functools.lru_cache(maxsize=65536)(self._decode_token)
         self.created = int(time.time())
@@ -186,13 +241,14 @@ class Ingress:
             self.tokens["completion"] += out.get("generate_token_len", 0)
 
     async def _unary(self, req: EngineRequest) -> dict[str, Any]:
-        """The folded result dict of one request; ApiError for refusals and engine failures."""
+        """The folded result dict of one request; ApiError for refusals and engine failures (503: the
+        engine replica failed under the request; Serve replaces it, so a retry is the remedy)."""
         out = await self._batched_generate(req.model_dump())
         if is_error_item(out):
             raise ApiError.from_item(out)
         self._count(out)
         if out.get("finish_reason") == "error":
-            raise ApiError(f"the engine failed this request: {out.get('error')}", None, 500, "internal_error")
+            raise ApiError(f"the engine failed this request: {out.get('error')}", None, 503, "engine_unavailable")
         return out
 
     async def _stream(self, req: EngineRequest) -> AsyncIterator[dict[str, Any]]:
@@ -257,26 +313,40 @@ class Ingress:
             return json.loads(bytes(body))
         except ValueError as e:  # JSONDecodeError and invalid UTF-8 alike
             raise ApiError(f"the request body is not valid JSON: {e}") from None
+        except RecursionError:
+            raise ApiError("the request body is nested too deeply to be a request") from None
 
     async def _serve(self, request: Request, route: str, handler: Callable, auth: bool = True,
-                     body: bool = True) -> Response:
+                     body: bool = True, limited: bool = False) -> Response:
+        """Run one route: API key, admission (generation routes), body, handler; every failure
+        becomes the error JSON."""
         status = 500
+        release = None
         try:
             if auth:
                 self._authorize(request)
+            if limited:
+                release = self.slots.acquire()
             response = await handler(await self._read_json(request)) if body else await handler()
             status = response.status_code
+            if release is not None and isinstance(response, _TrackedStreamingResponse):
+                response.on_close, release = release, None  # held until the stream is over
             return response
         except ApiError as e:
             status = e.status
-            return _error_response(e)
+            return _error_response(e, self.retry_after_s)
         except ClientDisconnect:  # gone while sending its body: nobody to answer
             status = 499
             return Response(status_code=499)
+        except asyncio.CancelledError:  # the client left (Serve cancels its request): nginx's 499
+            status = 499
+            raise
         except Exception as e:  # noqa: BLE001 - a bug, not bad input: 500 with the error shape
             log.exception("%s failed", route)
             return _error_response(ApiError(f"internal error: {type(e).__name__}: {e}", None, 500, "internal_error"))
         finally:
+            if release is not None:
+                release()
             self.requests[(route, status)] += 1
 
     def _sse_response(self, deltas: AsyncIterator[dict[str, Any]], render: Callable[[dict], list[dict]]
@@ -290,8 +360,8 @@ class Ingress:
             finally:
                 await deltas.aclose()
 
-        return StreamingResponse(events(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return _TrackedStreamingResponse(events(), media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     def _decode_token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False)
@@ -299,7 +369,7 @@ class Ingress:
     # ---- routes ------------------------------------------------------------------------------
     @app.post("/generate")
     async def http_generate(self, request: Request):
-        return await self._serve(request, "/generate", self._generate_route)
+        return await self._serve(request, "/generate", self._generate_route, limited=True)
 
     async def _generate_route(self, body: Any) -> Response:
         req = parse(GenerateRequest, body)
@@ -311,7 +381,7 @@ class Ingress:
 
     @app.post("/v1/completions")
     async def http_completions(self, request: Request):
-        return await self._serve(request, "/v1/completions", self._completions_route)
+        return await self._serve(request, "/v1/completions", self._completions_route, limited=True)
 
     async def _completions_route(self, body: Any) -> Response:
         req = parse(CompletionRequest, body)
@@ -320,7 +390,7 @@ class Ingress:
 
     @app.post("/v1/chat/completions")
     async def http_chat(self, request: Request):
-        return await self._serve(request, "/v1/chat/completions", self._chat_route)
+        return await self._serve(request, "/v1/chat/completions", self._chat_route, limited=True)
 
     async def _chat_route(self, body: Any) -> Response:
         req = parse(ChatCompletionRequest, body)
@@ -361,7 +431,7 @@ class Ingress:
         async def metrics() -> Response:
             stats = await self._broadcast("stats", return_exceptions=True)
             text = render_metrics(self.served_model_name, self.requests, self.tokens, self.batches,
-                                  [s for s in stats if isinstance(s, dict)])
+                                  [s for s in stats if isinstance(s, dict)], self.slots)
             return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
         return await self._serve(request, "/metrics", metrics, body=False)
@@ -375,31 +445,44 @@ class Ingress:
 
     # ---- handle API (other Ray jobs) -------------------------------------------------------
     async def generate(self, body: dict[str, Any]) -> dict[str, Any]:
-        """Same JSON as the HTTP unary /generate (the error JSON for refusals)."""
+        """Same JSON as the HTTP unary /generate (the error JSON for refusals, including the
+        `rate_limit_exceeded` one when this ingress replica is at max_concurrent_requests)."""
+        release = None
         try:
+            release = self.slots.acquire()
             ereq = generate_to_engine(parse(GenerateRequest, _json_roundtrip(body)))
             out = await self._unary(ereq)
             return generate_body(out, ereq.generation_config())
         except ApiError as e:
             return e.to_dict()
         finally:
+            if release is not None:
+                release()
             self.requests[("handle:generate", 0)] += 1
 
     async def generate_stream(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         """Same deltas as the SSE /generate stream (one error JSON for refusals)."""
         self.requests[("handle:generate_stream", 0)] += 1
         try:
-            ereq = generate_to_engine(parse(GenerateRequest, _json_roundtrip(body)))
-            deltas = await self._stream(ereq)
+            release = self.slots.acquire()
         except ApiError as e:
             yield e.to_dict()
             return
-        params = ereq.generation_config()
         try:
-            async for out in deltas:
-                yield generate_body(out, params)
+            try:
+                ereq = generate_to_engine(parse(GenerateRequest, _json_roundtrip(body)))
+                deltas = await self._stream(ereq)
+            except ApiError as e:
+                yield e.to_dict()
+                return
+            params = ereq.generation_config()
+            try:
+                async for out in deltas:
+                    yield generate_body(out, params)
+            finally:
+                await deltas.aclose()
         finally:
-            await deltas.aclose()
+            release()
 
     async def engine_stats(self) -> list[dict[str, Any]]:
         """Per-replica engine stats (kv_pages_free, running, generated_tokens, ...)."""

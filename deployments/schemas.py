@@ -20,10 +20,17 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from configs import GenerationConfig
 
-MAX_STOP_STRINGS = 64
+MAX_STOP_STRINGS = 64  # stop strings per request (a longer list is a 400 naming `stop`)
+MAX_STOP_STRING_CHARS = 1024  # characters per stop string
 MAX_STOP_TOKEN_IDS = 1024
 MAX_TOP_LOGPROBS = 100
 MAX_SEED = 2**63 - 1
+MAX_TOP_K = 2**31 - 1
+# Temperatures in (0, SAMPLING_EPS) sample as greedy: dividing logits by them overflows float32
+# (vLLM does the same). Repetition penalties outside [MIN, MAX] would overflow the logits too.
+SAMPLING_EPS = 1e-5
+MIN_REPETITION_PENALTY = 0.01
+MAX_REPETITION_PENALTY = 100.0
 
 Prompt = str | list[int]
 
@@ -56,7 +63,7 @@ def is_error_item(item: Mapping[str, Any]) -> bool:
     return "rejected" in item
 
 
-_UNION_TAG = re.compile(r"^(str|int|float|bool|none|list\[.*\]|dict\[.*\]|[A-Z]\w*)$")
+_UNION_TAG = re.compile(r"^(str|int|float|bool|none|constrained-\w+|list\[.*\]|dict\[.*\]|[A-Z]\w*)$")
 
 
 def _loc(loc: tuple) -> str:
@@ -79,8 +86,11 @@ def validation_error(e: ValidationError, rename: Mapping[str, str] | None = None
     first = next((err for err in errors if err.get("loc")), errors[0] if errors else None)
     if first is None:
         return ApiError(str(e))
-    if not first.get("loc"):
-        return ApiError(str(first.get("msg", e)).removeprefix("Value error, "))
+    if not first.get("loc"):  # a model-level rule: name the first field its message mentions
+        message = str(first.get("msg", e)).removeprefix("Value error, ")
+        words = [w for w in re.findall(r"[a-z_]+", message) if w in _ENGINE_WORDS or w in rename]
+        param = rename.get(words[0], _ENGINE_WORDS.get(words[0])) if words else None
+        return ApiError(_rename_words(message, rename), param)
     field = str(first["loc"][0])
     param = rename.get(field, field)
     mine = [err for err in errors if err.get("loc") and str(err["loc"][0]) == field]
@@ -91,7 +101,8 @@ def validation_error(e: ValidationError, rename: Mapping[str, str] | None = None
         if err["type"] == "extra_forbidden":
             entry = f"unknown field {param!r}: not part of this endpoint's request schema"
         else:
-            entry = f"{_loc((param, *err['loc'][1:]))}: {str(err['msg']).removeprefix('Value error, ')}"
+            msg = _rename_words(str(err["msg"]).removeprefix("Value error, "), rename)
+            entry = f"{_loc((param, *err['loc'][1:]))}: {msg}"
         if entry not in msgs:
             msgs.append(entry)
     return ApiError(" or ".join(msgs[:4]), param)
@@ -101,16 +112,27 @@ _ENGINE_WORDS = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens",
                  "stop_words": "stop"}
 
 
+def _rename_words(message: str, rename: Mapping[str, str]) -> str:
+    """Engine field names in a message -> the endpoint's names (`input_ids` too where the endpoint
+    calls the token ids something else, e.g. `prompt` or `messages`)."""
+    words = dict(_ENGINE_WORDS)
+    if "input_ids" in rename:
+        words["input_ids"] = rename["input_ids"]
+    for old, new in words.items():
+        message = re.sub(rf"\b{old}\b", rename.get(old, new), message)
+    return message
+
+
 def request_error(message: str, param: str | None, rename: Mapping[str, str]) -> ApiError:
     """An engine RequestError (engine field names) in the endpoint's own field names."""
-    for old, new in _ENGINE_WORDS.items():
-        message = re.sub(rf"\b{old}\b", rename.get(old, new), message)
-    return ApiError(message, rename.get(param, param) if param else param)
+    return ApiError(_rename_words(message, rename), rename.get(param, param) if param else param)
 
 
 # ---- request models --------------------------------------------------------------------------
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    # strict: no coercion ("5" is not an int, 1 is not a bool); NaN / Infinity (which Python's json
+    # accepts) are refused with the field's name.
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class _SamplingFields(_Strict):
@@ -118,11 +140,14 @@ class _SamplingFields(_Strict):
 
     temperature: float = Field(1.0, ge=0.0, description="0 = greedy")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(-1, ge=-1, description="-1 or 0 = disabled")
+    top_k: int = Field(-1, ge=-1, le=MAX_TOP_K, description="-1 or 0 = disabled")
     min_p: float = Field(0.0, ge=0.0, le=1.0)
-    repetition_penalty: float = Field(1.0, gt=0.0)
+    repetition_penalty: float = Field(1.0, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
-    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    stop: (Annotated[str, Field(max_length=MAX_STOP_STRING_CHARS)]
+           | Annotated[list[Annotated[str, Field(max_length=MAX_STOP_STRING_CHARS)]],
+                       Field(max_length=MAX_STOP_STRINGS)]
+           | None) = None
     stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
@@ -190,10 +215,40 @@ class ChatCompletionRequest(_OpenAIFields):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
 
+def _unencodable(value: Any, path: str, depth: int = 0) -> str | None:
+    """The path of the first string that is not valid Unicode (JSON `\\ud800` escapes decode to lone
+    surrogates, which no tokenizer accepts), or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+        return None
+    if depth > 64:  # deeper than any request model: validation refuses it anyway
+        return None
+    if isinstance(value, dict):
+        items = [(f"{path}.{k}" if path else str(k), k, v) for k, v in value.items()]
+    elif isinstance(value, list):
+        items = [(f"{path}[{i}]", None, v) for i, v in enumerate(value)]
+    else:
+        return None
+    for sub, key, item in items:
+        if isinstance(key, str) and _unencodable(key, sub, depth + 1):
+            return path or "body"
+        found = _unencodable(item, sub, depth + 1)
+        if found is not None:
+            return found
+    return None
+
+
 def parse(model: type[BaseModel], body: Any) -> Any:
     """Validate a decoded JSON body (or a handle's dict) against a request model, or ApiError."""
     if not isinstance(body, dict):
         raise ApiError(f"the request body must be a JSON object, got {type(body).__name__}")
+    bad = _unencodable(body, "")
+    if bad is not None:
+        field = None if bad == "body" else re.split(r"[.\[]", bad, maxsplit=1)[0]
+        raise ApiError(f"{bad}: a string is not valid Unicode (it holds an unpaired surrogate escape)", field)
     try:
         return model.model_validate(body)
     except ValidationError as e:
@@ -208,9 +263,10 @@ HTTP_RENAME = {"max_new_tokens": "max_tokens", "random_seed": "seed", "stop_word
 
 def _sampling(req: _SamplingFields) -> dict[str, Any]:
     stop = [req.stop] if isinstance(req.stop, str) else req.stop
+    sample = req.temperature >= SAMPLING_EPS
     return dict(
-        do_sample=req.temperature > 0.0,
-        temperature=req.temperature if req.temperature > 0.0 else 1.0,
+        do_sample=sample,
+        temperature=req.temperature if sample else 1.0,
         top_p=req.top_p, top_k=max(req.top_k, 0), min_p=req.min_p,
         repetition_penalty=req.repetition_penalty, random_seed=req.seed,
         stop_words=stop or None, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 
 from configs import EngineConfig
 from engine.checkpoint import ModelSpec, iter_weights
@@ -76,13 +77,27 @@ def num_kv_pages(spec: ModelSpec, config: EngineConfig, device: torch.device, dt
     return max(1, min(pages, max_useful))
 
 
+class KeptOutputLinear(nn.Linear):
+    """The LM head on CPU: while `out_buffer` is set, `forward` writes its [rows, vocab] output into
+    the tensor `out_buffer(rows, weight)` returns instead of a fresh one. A fresh rows x 151,936 float32
+    tensor is mapped anew on every forward, and faulting its pages in costs about as much as the
+    softmax that reads it; the values are the same (`torch.mm` is what `F.linear` runs)."""
+
+    out_buffer = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.out_buffer is None or self.bias is not None or x.dim() != 2 or x.shape[0] == 0:
+            return super().forward(x)
+        return torch.mm(x, self.weight.t(), out=self.out_buffer(x.shape[0], self.weight))
+
+
 def log_softmax_(x: torch.Tensor) -> torch.Tensor:
     """log_softmax over the last dim written over `x` (same values as `x.log_softmax(-1)`): no second
     rows x vocab tensor to allocate and fault in."""
-    try:
-        return torch._log_softmax(x, -1, False, out=x)
-    except (AttributeError, RuntimeError, TypeError):  # no out= variant in this torch
+    if not hasattr(torch, "_log_softmax"):
         return x.log_softmax(-1)
+    with torch.inference_mode():
+        return torch._log_softmax(x, -1, False, out=x)
 
 
 class ModelRunner:
@@ -105,6 +120,8 @@ class ModelRunner:
         ]
         self.num_forwards = 0
         self._buffers: dict[str, torch.Tensor] = {}
+        if self.device.type == "cpu" and type(self.model.lm_head) is nn.Linear:
+            self.model.lm_head.__class__ = KeptOutputLinear  # same parameters (and tying), kept output
 
     def set_dllm_block_length(self, block_length: int | None) -> None:
         self.dllm_block_length = block_length
@@ -136,18 +153,22 @@ class ModelRunner:
         return out
 
     def _logits(self, rows: torch.Tensor, name: str) -> torch.Tensor:
-        """`model.logits(rows)`, on CPU written into a kept buffer: a fresh [rows, vocab] float32 tensor
-        is mapped anew on every forward, and its page faults cost about as much as the softmax that
-        reads it. The result is only valid until the next forward (ForwardOutput.logits included)."""
-        model = self.model
-        n = rows.shape[0]
-        if self.device.type != "cpu" or model.tp.size != 1 or n == 0 or n > 4096:
-            return model.logits(rows)
-        weight = model.lm_head.weight
+        """`model.logits(rows)`; on CPU the LM head writes into the kept buffer `name` (see
+        KeptOutputLinear). The result is only valid until the next forward (ForwardOutput.logits too)."""
+        head = self.model.lm_head
+        if not isinstance(head, KeptOutputLinear):
+            return self.model.logits(rows)
+        head.out_buffer = lambda n, like: self._buffer(name, n, like)
+        try:
+            return self.model.logits(rows)
+        finally:
+            head.out_buffer = None
+
+    def _buffer(self, name: str, rows: int, like: torch.Tensor) -> torch.Tensor:
         buf = self._buffers.get(name)
-        if buf is None or buf.shape[0] < n or buf.dtype != weight.dtype:
-            buf = self._buffers[name] = torch.empty(n, weight.shape[0], dtype=weight.dtype)
-        return torch.mm(rows, weight.t(), out=buf[:n])[:, : model.spec.vocab_size].float()
+        if buf is None or buf.shape[0] < rows or buf.dtype != like.dtype:
+            buf = self._buffers[name] = torch.empty(rows, like.shape[0], dtype=like.dtype, device=like.device)
+        return buf[:rows]
 
     def _score(self, hidden: torch.Tensor, batch: ForwardBatch, out: ForwardOutput) -> None:
         raw = self.config.logprobs_mode == "raw_logits"

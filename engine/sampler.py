@@ -60,11 +60,12 @@ def filter_for_sampling(logits: torch.Tensor, p: GenerationConfig) -> torch.Tens
 
 
 def softmax_(x: torch.Tensor) -> torch.Tensor:
-    """softmax over the last dim written over `x` (the same values as `x.softmax(-1)`)."""
-    try:
-        return torch._softmax(x, -1, False, out=x)
-    except (AttributeError, RuntimeError, TypeError):  # no out= variant in this torch
+    """softmax over the last dim written over `x` (the same values as `x.softmax(-1)`). Inference mode,
+    because the runner's logits are inference tensors."""
+    if not hasattr(torch, "_softmax"):
         return x.softmax(-1)
+    with torch.inference_mode():
+        return torch._softmax(x, -1, False, out=x)
 
 
 def pick_tokens(logits: torch.Tensor, groups: list[tuple[int, int, RowGroup]],

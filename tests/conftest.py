@@ -166,7 +166,8 @@ def reliability_apps(serve_cluster, tiny_checkpoints, hostile_checkpoint) -> dic
     """Deployed together on first use (replicas start in parallel):
     `sdar_kv`: tiny SDAR with 16 KV pages (64 tokens) -- preemption under load, "can never fit" refusals;
     `sdar_stall`: tiny SDAR with debug_hooks, stall_timeout_s=2 and a 1 s health check -- fault drills;
-    `secure`: the hostile checkpoint, API key `KEY`, at most 2 generation requests in flight."""
+    `secure`: the hostile checkpoint, API key `KEY`, at most 2 generation requests in flight (debug_hooks:
+    a paused engine loop holds requests in flight for the 429 test)."""
     from ray import serve
 
     from deployments.app import build_app
@@ -177,7 +178,8 @@ def reliability_apps(serve_cluster, tiny_checkpoints, hostile_checkpoint) -> dic
                        {"debug_hooks": True, "stall_timeout_s": 2.0, "health_check_period_s": 1.0,
                         "health_check_timeout_s": 5.0}),
         "secure": (hostile_checkpoint[0], dict(SERVE_ENGINE),
-                   {"ingress": {"api_key": KEY, "max_concurrent_requests": 2, "retry_after_s": 2}}),
+                   {"debug_hooks": True, "ingress": {"api_key": KEY, "max_concurrent_requests": 2,
+                                                     "retry_after_s": 2}}),
     }
     serve.run_many([serve.RunTarget(build_app({"model": str(m), "engine": e, **a}), name=n, route_prefix=f"/{n}",
                                     logging_config=QUIET) for n, (m, e, a) in specs.items()])

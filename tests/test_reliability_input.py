@@ -278,6 +278,46 @@ def test_fuzz_generate_never_5xx(served_apps, app, body):
         assert err["param"] is None or isinstance(err["param"], str)
 
 
+openai_fields = {
+    "model": st.one_of(st.just("qwen3"), weird_text), "max_tokens": plausible["max_tokens"],
+    "temperature": plausible["temperature"], "top_p": plausible["top_p"], "seed": plausible["seed"],
+    "stop": plausible["stop"], "n": small_ints, "stream": st.booleans(), "logprobs": json_value,
+    "stream_options": st.one_of(st.fixed_dictionaries({"include_usage": st.booleans()}), json_value),
+    "min_tokens": small_ints, "presence_penalty": st.floats(-1, 1), "echo": st.booleans(), "user": json_value,
+    "top_logprobs": st.one_of(small_ints, json_value), "max_completion_tokens": plausible["max_tokens"],
+}
+messages = st.lists(st.fixed_dictionaries(
+    {"role": st.sampled_from(["user", "system", "assistant", "tool", "wizard"]),
+     "content": st.one_of(weird_text, st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": weird_text}),
+                                               max_size=2), json_value)}), max_size=3)
+openai_bodies = st.one_of(
+    st.tuples(st.just("/v1/completions"), st.fixed_dictionaries(
+        {"prompt": st.one_of(weird_text, plausible["input_ids"], st.lists(plausible["input_ids"], max_size=2))},
+        optional={k: st.one_of(v, v, json_value) for k, v in openai_fields.items()})),
+    st.tuples(st.just("/v1/chat/completions"), st.fixed_dictionaries(
+        {"messages": messages}, optional={k: st.one_of(v, v, json_value) for k, v in openai_fields.items()})),
+    st.tuples(st.sampled_from(["/v1/completions", "/v1/chat/completions"]), json_value),
+)
+
+
+@settings(max_examples=40, deadline=None, database=None, print_blob=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(case=openai_bodies)
+def test_fuzz_openai_routes_never_5xx(served_apps, case):
+    route, body = case
+    content = json.dumps(body, allow_nan=True).encode()
+    with httpx.stream("POST", served_apps["qwen3"].url + route, content=content,
+                      headers={"content-type": "application/json"}, timeout=TIMEOUT) as r:
+        r.read()
+    assert r.status_code < 500, (r.status_code, r.text[:500])
+    if r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream"):
+        events = sse_events(r.text.splitlines())
+        assert events[-1] == "[DONE]" and not any("error" in e for e in events[:-1]), events[-3:]
+    elif r.status_code != 200:
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param"} and err["message"], err
+
+
 def test_health_after_fuzzing(served_apps):
     for app in served_apps.values():
         r = httpx.get(app.url + "/health", timeout=TIMEOUT)

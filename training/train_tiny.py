@@ -367,6 +367,7 @@ def save_checkpoint(model, tok, kind: str, path: Path) -> None:
     (path / "generation_config.json").write_text(json.dumps(gen, indent=2, sort_keys=True) + "\n")
     state = {k: v.detach().to(torch.float32).contiguous() for k, v in model.state_dict().items()}
     save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+    (path / "model.safetensors").chmod(0o644)  # safetensors writes 0600
     _write_tokenizer(tok, path, c.max_position_embeddings)
 
 
@@ -505,12 +506,12 @@ def main(argv: list[str] | None = None) -> None:
     kinds = ["sdar", "qwen3"] if args.model == "both" else [args.model]
     for kind in kinds:
         train(kind, args.out, args.minutes, args.steps, args.seed)
-    plot(args.out, args.docs / "training_loss.png")
-    if not args.no_eval:
+    if args.no_eval:
+        plot(args.out, args.docs / "training_loss.png")
+    else:
         from training.evaluate import evaluate_all, write_report
 
-        results = evaluate_all(args.out)
-        write_report(args.out, args.docs, results)
+        write_report(args.out, args.docs, evaluate_all(args.out))
 
 
 if __name__ == "__main__":
