@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import random
@@ -254,6 +255,11 @@ def _free_port() -> int:
 
 
 def run_local(n: int, seed: int) -> dict[str, Any]:
+    with contextlib.redirect_stdout(sys.stderr):  # Ray's own messages: stdout carries only the figures
+        return _run_local(n, seed)
+
+
+def _run_local(n: int, seed: int) -> dict[str, Any]:
     import os
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -82,7 +82,6 @@ class EngineRun:
     matmul_flops: int
     peak_rss: int
     rss_start: int
-    forward_log: list[dict] = field(default_factory=list)
 
     @property
     def output_tokens(self) -> int:

@@ -17,7 +17,7 @@ class GenerationConfig(BaseModel):
     top_p: float = 1.0
     top_k: int = Field(0, ge=0, description="0 = disabled")
     min_p: float = Field(0.0, ge=0.0, le=1.0)
-    repetition_penalty: float = Field(1.0, gt=0.0)
+    repetition_penalty: float = Field(1.0, ge=0.01, le=100.0)
     random_seed: int | None = None
     stop_words: list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -57,5 +57,6 @@ class GenerationConfig(BaseModel):
 
     @property
     def is_greedy(self) -> bool:
-        """Greedy when sampling is off or the temperature is 0 (the HTTP convention)."""
-        return not self.do_sample or self.temperature == 0.0
+        """Greedy when sampling is off or the temperature is (numerically) 0, the HTTP convention:
+        dividing logits by a temperature below 1e-5 would overflow to inf/NaN probabilities."""
+        return not self.do_sample or self.temperature < 1e-5

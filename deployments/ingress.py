@@ -17,6 +17,7 @@ import hmac
 import json
 import logging
 import time
+import weakref
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -330,7 +331,8 @@ class Ingress:
             response = await handler(await self._read_json(request)) if body else await handler()
             status = response.status_code
             if release is not None and isinstance(response, _TrackedStreamingResponse):
-                response.on_close, release = release, None  # held until the stream is over
+                response.on_close, release = release, None  # held until the stream is over ...
+                weakref.finalize(response, response.on_close)  # ... or the response is dropped unsent
             return response
         except ApiError as e:
             status = e.status

@@ -223,7 +223,9 @@ class LLMEngine:
     def _apply_samples(self, items, row_owner, result: ForwardOutput) -> set[str]:
         groups, first = [], 0
         for seq, positions in row_owner:
-            gen_index = [p - seq.prompt_len for p in positions]
+            # index of the generated token each row decides: DLLM logits at p decide token p, AR ones token p + 1
+            shift = 0 if seq.block is not None else 1
+            gen_index = [p + shift - seq.prompt_len for p in positions]
             history = [t for t in seq.tokens if t != self.mask_id] if seq.params.repetition_penalty != 1.0 else []
             groups.append((first, len(positions), RowGroup(
                 seq.params, seq.generator, history,

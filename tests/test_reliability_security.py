@@ -18,6 +18,7 @@ from fastapi.routing import APIRoute
 from ray import serve
 
 from configs import EngineConfig, GenerationConfig
+from deployments.app import AppArgs
 from deployments.ingress import app as ingress_app
 from engine.pipeline import pipeline
 
@@ -99,6 +100,8 @@ def test_local_config_binds_loopback_with_limits():
     (app,) = config["applications"]
     ingress = app["args"]["ingress"]
     assert ingress["max_body_bytes"] > 0 and "api_key" in ingress and "max_concurrent_requests" in ingress
+    parsed = AppArgs.model_validate(app["args"])  # the shipped config is valid as written
+    assert not parsed.debug_hooks
 
 
 def _ingress_gauges(url: str) -> tuple[float, float]:
