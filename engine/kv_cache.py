@@ -41,7 +41,7 @@ class KVBlockManager:
         self._free: list[int] = list(range(num_pages - 1, -1, -1))  # pop() gives low ids first
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached pages with ref 0, LRU first
         self._by_hash: dict[int, int] = {}  # key hash -> page id
-        self.prefix_hit_tokens = 0  # tokens admitted from the cache (counted by the scheduler)
+        self.prefix_hit_tokens = 0  # accounting for tests and metrics
 
     # ---- accounting -------------------------------------------------------------------------
     @property
@@ -115,7 +115,14 @@ class KVBlockManager:
             p += 1
         table.registered = p
         table.parent_hash = parent
-        return p * self.page_size
+        reused = p * self.page_size
+        self.prefix_hit_tokens += reused
+        return reused
+
+    def undo_match(self, table: PageTable, reused: int) -> None:
+        """Give back what `match_prefix` attached to a sequence that could not be admitted after all."""
+        self.prefix_hit_tokens -= reused
+        self.free(table)
 
     def register(self, table: PageTable, tokens: list[int], num_committed: int) -> None:
         """Publish the sequence's full pages whose K/V are final (tokens < num_committed)."""

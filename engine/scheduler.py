@@ -110,10 +110,9 @@ class Scheduler:
             seq.num_computed = self.kv.match_prefix(seq.table, seq.tokens, self._prefix_limit(seq))
             item = self._try_schedule(seq, budget, out, first=not out, admitting=True)
             if item is None:  # wait without sitting on cached pages others may need
-                self.kv.free(seq.table)
+                self.kv.undo_match(seq.table, seq.num_computed)
                 seq.num_computed = 0
                 break
-            self.kv.prefix_hit_tokens += seq.num_computed
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
