@@ -111,7 +111,7 @@ def build_byte_tokenizer() -> transformers.PreTrainedTokenizerFast:
     return hf_tok
 
 
-def _write_tokenizer(hf_tok: transformers.PreTrainedTokenizerFast, path: Path, model_max_length: int) -> None:
+def write_tokenizer(hf_tok: transformers.PreTrainedTokenizerFast, path: Path, model_max_length: int) -> None:
     """Write `tokenizer.json` and a self-contained `tokenizer_config.json` (chat template inline)."""
     hf_tok.backend_tokenizer.save(str(path / "tokenizer.json"))
     added = {
@@ -137,7 +137,7 @@ def _write_tokenizer(hf_tok: transformers.PreTrainedTokenizerFast, path: Path, m
         "add_prefix_space": False,
         "clean_up_tokenization_spaces": False,
         "model_max_length": model_max_length,
-        "chat_template": _CHAT_TEMPLATE,
+        "chat_template": hf_tok.chat_template or _CHAT_TEMPLATE,
     }
     (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
 
@@ -274,7 +274,7 @@ def write_tiny_checkpoint(
         cfg["mask_token_id"] = mask_id
     (path / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
-    _write_tokenizer(hf_tok, path, max_position_embeddings)
+    write_tokenizer(hf_tok, path, max_position_embeddings)
     return path
 
 

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 import transformers
 from safetensors.torch import save_file
 
-from engine.tiny_checkpoint import build_byte_tokenizer
+from engine.tiny_checkpoint import build_byte_tokenizer, write_tokenizer
 
 BLOCK = 4
 NAMES = {"sdar": "sdar-tiny", "qwen3": "qwen3-tiny"}
@@ -285,37 +285,6 @@ def build_model(tok, seed: int) -> transformers.Qwen3ForCausalLM:
     return transformers.Qwen3ForCausalLM(config).to(torch.float32)
 
 
-def _write_tokenizer(tok, path: Path, model_max_length: int) -> None:
-    tok.backend_tokenizer.save(str(path / "tokenizer.json"))
-    added = {
-        str(i): {
-            "content": t.content,
-            "lstrip": t.lstrip,
-            "normalized": t.normalized,
-            "rstrip": t.rstrip,
-            "single_word": t.single_word,
-            "special": t.special,
-        }
-        for i, t in sorted(tok.added_tokens_decoder.items())
-    }
-    config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "added_tokens_decoder": added,
-        "additional_special_tokens": ["<|im_start|>", "<|im_end|>"],
-        "bos_token": None,
-        "eos_token": "<|endoftext|>",
-        "pad_token": "<|endoftext|>",
-        "mask_token": "<|MASK|>",
-        "unk_token": None,
-        "add_prefix_space": False,
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": model_max_length,
-    }
-    if tok.chat_template:
-        config["chat_template"] = tok.chat_template
-    (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
-
-
 def save_checkpoint(model, tok, kind: str, path: Path) -> None:
     """Write the real on-disk format: config.json, model.safetensors, tokenizer.json,
     tokenizer_config.json, generation_config.json."""
@@ -368,7 +337,7 @@ def save_checkpoint(model, tok, kind: str, path: Path) -> None:
     state = {k: v.detach().to(torch.float32).contiguous() for k, v in model.state_dict().items()}
     save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
     (path / "model.safetensors").chmod(0o644)  # safetensors writes 0600
-    _write_tokenizer(tok, path, c.max_position_embeddings)
+    write_tokenizer(tok, path, c.max_position_embeddings)
 
 
 # ----------------------------------------------------------------------------------------------
