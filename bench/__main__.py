@@ -115,6 +115,7 @@ def _summary_engine(run, peak: float, prompts, dllm: bool) -> dict:
         "forwards": run.forwards,
         "forwards_per_token": round(run.forwards / max(tokens, 1), 4),
         "sequence_forwards_per_token": round(run.seq_forwards / max(tokens, 1), 4),
+        "lm_head_rows_per_token": round(run.lm_head_rows / max(tokens, 1), 3),
         "ttfc_mean_s": round(statistics.fmean(run.ttfc), 3),
         "ttfc_p50_s": round(statistics.median(run.ttfc), 3),
         "ttfc_max_s": round(max(run.ttfc), 3),
@@ -173,11 +174,12 @@ def bench_dllm(path: Path, p: dict, peak: float) -> dict:
             log(f"dllm HF SDAR loop request {i + 1}/{n_hf}")
             first: list[float] = []
             with Clock() as clock:
-                out, forwards = hf.sdar_generate(
+                out, forwards, rows = hf.sdar_generate(
                     model, prompts[i], block_length=BLOCK, mask_id=mask_id, max_new_tokens=budgets[i],
                     stop_ids=stops, strategy=STRATEGY, denoising_steps=BLOCK, threshold=THRESHOLD,
                     on_first_block=lambda first=first: first.append(time.perf_counter()))
             per_request.append({"tokens": len(out), "seconds": clock.wall, "cpu": clock.cpu, "forwards": forwards,
+                                "rows": rows,
                                 "first_block_s": (first[0] - clock.t) if first else clock.wall,
                                 "blocks": _blocks(len(prompts[i]), len(out)),
                                 "match": out == engine_outputs.get(i)})
@@ -193,6 +195,7 @@ def bench_dllm(path: Path, p: dict, peak: float) -> dict:
         **_rates(tokens, wall, sum(r["cpu"] for r in per_request)),
         "forwards_per_token": round(forwards / tokens, 4),
         "forwards_per_block": round(forwards / sum(r["blocks"] for r in per_request), 3),
+        "lm_head_rows_per_token": round(sum(r["rows"] for r in per_request) / tokens, 3),
         "match_rate": round(sum(r["match"] for r in per_request) / n_hf, 3),
         "peak_rss_mb": round(mem.peak / 2**20),
     }
@@ -235,11 +238,13 @@ def bench_ar(path: Path, p: dict, peak: float) -> dict:
     for c in p["concurrency"]:
         n = num_requests(p, c)
         log(f"ar HF generate batch={c} requests={n}")
-        outs, first, wall, cpu = [], [], 0.0, 0.0
+        outs, first, wall, cpu, rows = [], [], 0.0, 0.0, 0
         with PeakRSS() as mem:
             for i in range(0, n, c):  # static batches of c, left padded
                 with Clock() as clock:
-                    outs += hf.ar_generate(model, prompts[i : i + c], budgets[i : i + c], stops, pad)
+                    batch_out, batch_rows = hf.ar_generate(model, prompts[i : i + c], budgets[i : i + c], stops, pad)
+                outs += batch_out
+                rows += batch_rows
                 first += [wall + clock.wall] * len(prompts[i : i + c])  # no streaming: all at the end
                 wall += clock.wall
                 cpu += clock.cpu
@@ -250,6 +255,7 @@ def bench_ar(path: Path, p: dict, peak: float) -> dict:
             "output_tokens": tokens,
             **_rates(tokens, wall, cpu),
             "ttfc_mean_s": round(statistics.fmean(first), 3),
+            "lm_head_rows_per_token": round(rows / tokens, 3),
             "peak_rss_mb": round(mem.peak / 2**20),
             "match_rate": round(sum(a == b for a, b in zip(outs, engine_outputs[c])) / n, 3),
         }

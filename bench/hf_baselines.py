@@ -66,8 +66,8 @@ def _transfer_index(confidence: torch.Tensor, masked: torch.Tensor, n: int, stra
 @torch.inference_mode()
 def sdar_generate(model, prompt: list[int], *, block_length: int, mask_id: int, max_new_tokens: int,
                   stop_ids: set[int], strategy: str, denoising_steps: int, threshold: float,
-                  on_first_block=None) -> tuple[list[int], int]:
-    """Greedy SDAR decoding of one prompt; returns (output token ids, forwards run)."""
+                  on_first_block=None) -> tuple[list[int], int, int]:
+    """Greedy SDAR decoding of one prompt; returns (output token ids, forwards run, LM-head rows)."""
     b = block_length
     prompt_len = len(prompt)
     num_blocks = -(-(prompt_len + max_new_tokens) // b)
@@ -75,12 +75,12 @@ def sdar_generate(model, prompt: list[int], *, block_length: int, mask_id: int, 
     x[0, :prompt_len] = torch.tensor(prompt)
     positions = torch.arange(num_blocks * b)[None]
     cache = DynamicCache(config=model.config)
-    forwards = 0
+    forwards = rows = 0
     prefill = prompt_len // b * b
     if prefill:
         model(x[:, :prefill], attention_mask=_block_causal(0, prefill, prefill, b),
               position_ids=positions[:, :prefill], cache=cache, use_cache=True)
-        forwards += 1
+        forwards, rows = forwards + 1, rows + prefill
     stops = torch.tensor(sorted(stop_ids))
     for k in range(prefill // b, num_blocks):
         lo, hi = k * b, (k + 1) * b
@@ -92,12 +92,12 @@ def sdar_generate(model, prompt: list[int], *, block_length: int, mask_id: int, 
             masked = cur[0] == mask_id
             if not bool(masked.any()):  # commit forward: append the block's final K/V
                 model(cur, attention_mask=mask, position_ids=positions[:, lo:hi], cache=cache, use_cache=True)
-                forwards += 1
+                forwards, rows = forwards + 1, rows + b
                 break
             logits = model(cur, attention_mask=mask, position_ids=positions[:, lo:hi], cache=cache,
                            use_cache=True).logits[0].float()
             cache.crop(lo - cache.get_seq_length())  # drop the block's K/V again
-            forwards += 1
+            forwards, rows = forwards + 1, rows + b
             probs = logits.softmax(-1)
             conf, cand = probs.max(-1)
             n = total // denoising_steps + (1 if step < total % denoising_steps else 0)
@@ -110,7 +110,7 @@ def sdar_generate(model, prompt: list[int], *, block_length: int, mask_id: int, 
         gen = x[0, prompt_len:hi]
         if bool(torch.isin(gen, stops).any()) or hi - prompt_len >= max_new_tokens:
             break
-    return cut_output(x[0, prompt_len:].tolist(), max_new_tokens, stop_ids), forwards
+    return cut_output(x[0, prompt_len:].tolist(), max_new_tokens, stop_ids), forwards, rows
 
 
 def cut_output(generated: list[int], max_new_tokens: int, stop_ids: set[int]) -> list[int]:
@@ -125,8 +125,9 @@ def cut_output(generated: list[int], max_new_tokens: int, stop_ids: set[int]) ->
 # ---- AR: generate() with left padding ---------------------------------------------------------------
 @torch.inference_mode()
 def ar_generate(model, prompts: list[list[int]], max_new_tokens: list[int], stop_ids: set[int],
-                pad_id: int) -> list[list[int]]:
-    """One batched greedy `generate()` call, left padded, run to the longest request's budget."""
+                pad_id: int) -> tuple[list[list[int]], int]:
+    """One batched greedy `generate()` call, left padded, run to the longest request's budget (or until
+    every row has stopped). Returns the outputs and the LM-head rows it projected (batch x steps)."""
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
     attn = torch.zeros((len(prompts), width), dtype=torch.long)
@@ -137,7 +138,7 @@ def ar_generate(model, prompts: list[list[int]], max_new_tokens: list[int], stop
                          eos_token_id=sorted(stop_ids), pad_token_id=pad_id, temperature=None, top_p=None,
                          top_k=None)
     gen = out[:, width:].tolist()
-    return [cut_output(g, m, stop_ids) for g, m in zip(gen, max_new_tokens)]
+    return [cut_output(g, m, stop_ids) for g, m in zip(gen, max_new_tokens)], out.shape[0] * (out.shape[1] - width)
 
 
 # ---- scoring: forward + log_softmax --------------------------------------------------------------

@@ -73,6 +73,7 @@ class EngineRun:
     ttfc: list[float]  # per request: seconds from its submission to its first chunk with tokens
     forwards: int
     seq_forwards: int  # sum over forwards of the sequences in it
+    lm_head_rows: int  # rows projected through the LM head
     steps: int
     forward_seconds: float
     forward_cpu_seconds: float  # CPU time inside the executor (`cpu_clock`)
@@ -93,6 +94,7 @@ def run_engine(engine, prompts: list[list[int]], params: list, shape: BenchShape
     stats0 = dict(vars(engine.stats))
     flops = [0]
     seq_forwards = [0]
+    lm_rows = [0]
     forward_cpu = [0.0]
     execute = engine.executor.execute
 
@@ -102,6 +104,7 @@ def run_engine(engine, prompts: list[list[int]], params: list, shape: BenchShape
         f += shape.lm_head_flops(len(batch.sample_rows) + len(batch.score_rows))
         flops[0] += f
         seq_forwards[0] += len(batch.q_lens)
+        lm_rows[0] += len(batch.sample_rows) + len(batch.score_rows)
         t = cpu_clock()
         try:
             return execute(batch)
@@ -145,6 +148,7 @@ def run_engine(engine, prompts: list[list[int]], params: list, shape: BenchShape
         ttfc=[first[r] - submitted[r] for r in order],
         forwards=st.forwards - stats0["forwards"],
         seq_forwards=seq_forwards[0],
+        lm_head_rows=lm_rows[0],
         steps=st.steps - stats0["steps"],
         forward_seconds=st.forward_seconds - stats0["forward_seconds"],
         forward_cpu_seconds=forward_cpu[0],

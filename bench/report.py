@@ -37,6 +37,7 @@ def _gen_rows(part: str, r: dict) -> list[str]:
             f"| {_fmt(b['tokens_per_cpu_s'])} | **{_fmt(w['ratio_vs_baseline'])}×** "
             f"| {_fmt(w['ratio_vs_baseline_wall'])}× "
             f"| {_fmt(e['sequence_forwards_per_token'])} / {_fmt(b.get('forwards_per_token'))} | {fpb} "
+            f"| {_fmt(e['lm_head_rows_per_token'])} / {_fmt(b.get('lm_head_rows_per_token'))} "
             f"| {_fmt(w.get('fusion_speedup'), '×') if off else '–'} "
             f"| {_fmt(e['ttfc_mean_s'])} / {_fmt(w.get('baseline_ttfc_mean_s', b.get('ttfc_mean_s')))} "
             f"| {e['engine_overhead'] * 100:.1f}% | {_fmt(e['achieved_gflops'])} ({e['share_of_mm_peak'] * 100:.0f}%) "
@@ -67,9 +68,9 @@ def render(r: dict) -> str:
     if "dllm" in r or "ar" in r:
         lines += [
             "| part | concurrent | requests | tokens | engine tok/CPU-s | baseline tok/CPU-s | ratio | ratio (wall) "
-            "| fwd/token engine / base | fwd/block engine / base | fusion on/off | TTFC mean s engine / base "
-            "| overhead | GFLOP/s (% mm peak) | peak RSS MB engine / base | match |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "| fwd/token engine / base | fwd/block engine / base | LM-head rows/token engine / base | fusion on/off "
+            "| TTFC mean s engine / base | overhead | GFLOP/s (% mm peak) | peak RSS MB engine / base | match |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         if "dllm" in r:
             lines += _gen_rows("DLLM", r["dllm"])

@@ -66,27 +66,46 @@ class AttentionMetadata:
 
 
 class TorchAttention:
-    """Reference backend: gather keys per sequence, one masked SDPA call per layer."""
+    """Reference backend: gather each sequence's keys into a padded tensor, masked SDPA.
+
+    Sequences are grouped into a few buckets of similar (query length, key length), one SDPA call per
+    bucket, because a padded call does max_q x max_kv work for every sequence in it: one bucket for a
+    decode batch with one prefill chunk in it would pad every decode row to the chunk's length."""
 
     name = "torch"
+    max_buckets = 4
 
     def prepare(self, meta: AttentionMetadata) -> None:
+        starts = [0]
+        for q_len in meta.q_lens:
+            starts.append(starts[-1] + q_len)
+        groups = _buckets(meta.q_lens, meta.kv_lens, self.max_buckets)
+        meta.extra = {"buckets": [self._bucket(meta, seqs, starts, len(groups) == 1) for seqs in groups]}
+
+    @staticmethod
+    def _bucket(meta: AttentionMetadata, seqs: list[int], starts: list[int], only: bool) -> dict:
         device = meta.positions.device
-        num_seqs = len(meta.q_lens)
-        max_q, max_kv = max(meta.q_lens), max(meta.kv_lens)
-        q_lens = torch.tensor(meta.q_lens, device=device)
-        kv_lens = torch.tensor(meta.kv_lens, device=device)
-        # flat query index -> (seq, row) in the padded layout
+        q_list = [meta.q_lens[s] for s in seqs]
+        kv_list = [meta.kv_lens[s] for s in seqs]
+        num_seqs, max_q, max_kv = len(seqs), max(q_list), max(kv_list)
+        # this bucket's query rows in the flat batch; None = all of them, in order
+        rows = None if only else torch.tensor([t for s in seqs for t in range(starts[s], starts[s + 1])],
+                                              dtype=torch.long, device=device)
+        q_lens = torch.tensor(q_list, device=device)
+        kv_lens = torch.tensor(kv_list, device=device)
+        # bucket query index -> (seq, row) in the padded layout
         seq_of_token = torch.repeat_interleave(torch.arange(num_seqs, device=device), q_lens)
-        starts = torch.cumsum(q_lens, 0) - q_lens
-        row_of_token = torch.arange(len(seq_of_token), device=device) - starts[seq_of_token]
+        first = torch.cumsum(q_lens, 0) - q_lens
+        row_of_token = torch.arange(len(seq_of_token), device=device) - first[seq_of_token]
         # padded key gather index: slot of key j of sequence s
         j = torch.arange(max_kv, device=device)
-        pages = meta.page_tables[:, (j // meta.page_size).clamp(max=meta.page_tables.shape[1] - 1)]
+        tables = meta.page_tables if only else meta.page_tables[torch.tensor(seqs, device=device)]
+        pages = tables[:, (j // meta.page_size).clamp(max=tables.shape[1] - 1)]
         key_slots = pages * meta.page_size + (j % meta.page_size)
         # key validity and mask [S, 1, max_q, max_kv]
+        positions = meta.positions if rows is None else meta.positions[rows]
         q_pos = torch.full((num_seqs, max_q), -1, dtype=torch.long, device=device)
-        q_pos[seq_of_token, row_of_token] = meta.positions
+        q_pos[seq_of_token, row_of_token] = positions
         valid_key = j[None, :] < kv_lens[:, None]
         if meta.dllm_block_length is None:
             visible = j[None, None, :] <= q_pos[:, :, None]
@@ -96,10 +115,11 @@ class TorchAttention:
         mask = visible & valid_key[:, None, :]
         mask[q_pos < 0] = False
         mask[..., 0] |= q_pos < 0  # padded query rows see one key, so softmax stays finite
-        meta.extra = {
-            # flat row of each query token in the padded [S * max_q] layout; None = no padding
+        return {
+            "rows": rows,
+            # row of each query token in the padded [S * max_q] layout; None = no padding
             # (every sequence feeds max_q tokens, e.g. AR decode or same-size DLLM blocks)
-            "padded_row": None if min(meta.q_lens) == max_q else seq_of_token * max_q + row_of_token,
+            "padded_row": None if min(q_list) == max_q else seq_of_token * max_q + row_of_token,
             "key_slots": key_slots.reshape(-1),  # index_select on a flat index: ~8x faster than 2-D indexing
             "mask": mask[:, None],
             "masks": {},  # additive float mask per dtype, made once per forward, not once per layer
@@ -118,32 +138,70 @@ class TorchAttention:
     ) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, KVH, D]; caches: [pages, page_size, KVH, D]. Returns [T, H, D]."""
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        ex = meta.extra
-        num_seqs, max_q, max_kv = ex["shape"]
-        heads, kvh, d = q.shape[1], k_cache.shape[-2], k_cache.shape[-1]
-        slots = ex["key_slots"]
-        keys = k_cache.view(-1, kvh, d).index_select(0, slots).view(num_seqs, max_kv, kvh, d)
-        values = v_cache.view(-1, kvh, d).index_select(0, slots).view(num_seqs, max_kv, kvh, d)
-        mask = ex["masks"].get(q.dtype)
-        if mask is None:  # SDPA would turn a bool mask into this in every layer
-            mask = torch.zeros(ex["mask"].shape, dtype=q.dtype, device=q.device)
-            mask.masked_fill_(~ex["mask"], float("-inf"))
-            ex["masks"][q.dtype] = mask
-        padded_row = ex["padded_row"]
-        if padded_row is None:
-            qp = q.reshape(num_seqs, max_q, heads, d)
+        buckets = meta.extra["buckets"]
+        if len(buckets) == 1:
+            return _attend(q, k_cache, v_cache, buckets[0], scale)
+        out = torch.empty_like(q)
+        for bucket in buckets:
+            rows = bucket["rows"]
+            out.index_copy_(0, rows, _attend(q.index_select(0, rows), k_cache, v_cache, bucket, scale))
+        return out
+
+
+def _buckets(q_lens: list[int], kv_lens: list[int], max_buckets: int) -> list[list[int]]:
+    """Sequences grouped so that padding each group to its longest query and key costs little: a
+    sequence joins the group its padded box grows least, unless that costs more than half its own
+    work again and a new group may still be opened. One group (in order) when nothing is gained."""
+    n = len(q_lens)
+    if n == 1 or (min(q_lens) == max(q_lens) and min(kv_lens) * 2 > max(kv_lens)):
+        return [list(range(n))]
+    groups: list[list] = []  # [members, max_q, max_kv]
+    for s in sorted(range(n), key=lambda s: (q_lens[s] * kv_lens[s], s), reverse=True):
+        q, kv = q_lens[s], kv_lens[s]
+        best, best_extra = None, None
+        for g in groups:
+            mq, mkv = max(g[1], q), max(g[2], kv)
+            extra = mq * mkv * (len(g[0]) + 1) - g[1] * g[2] * len(g[0])
+            if best is None or extra < best_extra:
+                best, best_extra = g, extra
+        if best is None or (best_extra > 1.5 * q * kv and len(groups) < max_buckets):
+            groups.append([[s], q, kv])
         else:
-            qp = q.new_zeros(num_seqs * max_q, heads, d).index_copy_(0, padded_row, q).view(num_seqs, max_q, heads, d)
-        out = F.scaled_dot_product_attention(
-            qp.transpose(1, 2),
-            keys.transpose(1, 2),
-            values.transpose(1, 2),
-            attn_mask=mask,
-            scale=scale,
-            enable_gqa=True,
-        )
-        out = out.transpose(1, 2).reshape(num_seqs * max_q, heads, d)
-        return out if padded_row is None else out.index_select(0, padded_row)
+            best[0].append(s)
+            best[1], best[2] = max(best[1], q), max(best[2], kv)
+    if len(groups) == 1:
+        return [list(range(n))]
+    return [sorted(g[0]) for g in groups]
+
+
+def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bucket: dict,
+            scale: float) -> torch.Tensor:
+    """Padded, masked SDPA of one bucket: q [T_b, H, D] (its query rows) -> [T_b, H, D]."""
+    num_seqs, max_q, max_kv = bucket["shape"]
+    heads, kvh, d = q.shape[1], k_cache.shape[-2], k_cache.shape[-1]
+    slots = bucket["key_slots"]
+    keys = k_cache.view(-1, kvh, d).index_select(0, slots).view(num_seqs, max_kv, kvh, d)
+    values = v_cache.view(-1, kvh, d).index_select(0, slots).view(num_seqs, max_kv, kvh, d)
+    mask = bucket["masks"].get(q.dtype)
+    if mask is None:  # SDPA would turn a bool mask into this in every layer
+        mask = torch.zeros(bucket["mask"].shape, dtype=q.dtype, device=q.device)
+        mask.masked_fill_(~bucket["mask"], float("-inf"))
+        bucket["masks"][q.dtype] = mask
+    padded_row = bucket["padded_row"]
+    if padded_row is None:
+        qp = q.reshape(num_seqs, max_q, heads, d)
+    else:
+        qp = q.new_zeros(num_seqs * max_q, heads, d).index_copy_(0, padded_row, q).view(num_seqs, max_q, heads, d)
+    out = F.scaled_dot_product_attention(
+        qp.transpose(1, 2),
+        keys.transpose(1, 2),
+        values.transpose(1, 2),
+        attn_mask=mask,
+        scale=scale,
+        enable_gqa=True,
+    )
+    out = out.transpose(1, 2).reshape(num_seqs * max_q, heads, d)
+    return out if padded_row is None else out.index_select(0, padded_row)
 
 
 class FlashAttention:
