@@ -295,6 +295,9 @@ def bench_scoring(path: Path, p: dict, peak: float, hf_budget_gb: float) -> dict
     diff = max(abs(a - b) for x, y in zip(engine_values, hf_values) for a, b in zip(x, y))
     e = {**_summary_engine(run, peak, seqs, dllm=False), **_rates(rows, run.seconds, run.cpu_seconds),
          "extra_peak_rss_mb": round((run.peak_rss - run.rss_start) / 2**20)}
+    for per_token in ("output_tokens", "forwards_per_token", "sequence_forwards_per_token", "lm_head_rows_per_token",
+                      "finish_stop"):  # generation figures; scoring makes no tokens
+        e.pop(per_token)
     b = {"name": "HF forward + log_softmax over the vocabulary", "batch_size": batch,
          **_rates(rows, clock.wall, clock.cpu),
          "peak_rss_mb": round(mem.peak / 2**20), "extra_peak_rss_mb": round((mem.peak - mem.start) / 2**20)}
