@@ -13,8 +13,6 @@
 
 from __future__ import annotations
 
-import json
-import os
 import time
 from pathlib import Path
 
@@ -22,18 +20,12 @@ import torch
 import transformers
 from transformers import DynamicCache
 
+from engine.tiny_checkpoint import load_hf_reference
+
 
 def load_hf(path: Path, attn: str = "sdpa") -> transformers.Qwen3ForCausalLM:
     """Load a bench checkpoint (either model type; SDAR is Qwen3 layers) into HF Qwen3ForCausalLM."""
-    cfg = json.loads((Path(path) / "config.json").read_text())
-    cfg["model_type"] = "qwen3"
-    cfg["architectures"] = ["Qwen3ForCausalLM"]
-    for key in ("block_size", "mask_token_id", "torch_dtype", "transformers_version"):
-        cfg.pop(key, None)
-    config = transformers.Qwen3Config(**cfg)
-    model = transformers.Qwen3ForCausalLM.from_pretrained(
-        os.fspath(path), config=config, dtype=torch.float32, attn_implementation=attn)
-    return model.eval()
+    return load_hf_reference(path, attn_implementation=attn)
 
 
 # ---- DLLM: the SDAR block-diffusion loop ----------------------------------------------------------

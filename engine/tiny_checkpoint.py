@@ -278,9 +278,9 @@ def write_tiny_checkpoint(
     return path
 
 
-def load_hf_reference(path: str | Path) -> transformers.Qwen3ForCausalLM:
+def load_hf_reference(path: str | Path, attn_implementation: str = "eager") -> transformers.Qwen3ForCausalLM:
     """Load a checkpoint written by `write_tiny_checkpoint` (either model type) into Hugging Face
-    `Qwen3ForCausalLM`, float32, eval mode, eager attention.
+    `Qwen3ForCausalLM`, float32, eval mode, eager attention by default (the bench passes "sdpa").
 
     Eager attention adds a 4D float mask as-is (`scores + mask`), so callers can pass a custom
     `[1, 1, T, T]` additive mask (0 = attend, `torch.finfo(float32).min` = blocked)."""
@@ -292,6 +292,6 @@ def load_hf_reference(path: str | Path) -> transformers.Qwen3ForCausalLM:
         cfg.pop(key, None)
     config = transformers.Qwen3Config(**cfg)
     model = transformers.Qwen3ForCausalLM.from_pretrained(
-        os.fspath(path), config=config, dtype=torch.float32, attn_implementation="eager"
+        os.fspath(path), config=config, dtype=torch.float32, attn_implementation=attn_implementation
     )
     return model.eval()
