@@ -25,10 +25,12 @@ from bench import hf_baselines as hf
 from bench.measure import PeakRSS, mm_peak_gflops, rss_bytes, run_engine
 from bench.models import BenchShape, mask_id_of, stop_ids_of, write_bench_models
 from bench.report import append_report
+from bench.serving import bench_serving
 from bench.workloads import Traffic, make_prompts, scoring_inputs
 from engine import EngineConfig, GenerationConfig, pipeline
 
 BLOCK = 4
+PARTS = ["memory", "dllm", "ar", "scoring", "serve"]
 STRATEGY = "low_confidence_dynamic"
 THRESHOLD = 0.85
 
@@ -48,6 +50,7 @@ def plan(quick: bool) -> dict:
             "sequential_requests": 2,
             "hf_dllm_requests": 4,  # the SDAR loop is sequential: its tokens/s is measured on a sample
             "fusion_off_at": [32],
+            "serve_concurrency": 32,
             "scoring": (4, 1024),
             "memory_tokens": 6000,
         }
@@ -59,6 +62,7 @@ def plan(quick: bool) -> dict:
         "sequential_requests": 4,
         "hf_dllm_requests": 8,
         "fusion_off_at": [1, 8, 32],
+        "serve_concurrency": 32,
         "scoring": (16, 1024),
         "memory_tokens": 6000,
     }
@@ -310,6 +314,16 @@ def bench_scoring(path: Path, p: dict, peak: float, hf_budget_gb: float) -> dict
     }
 
 
+# ---- Ray Serve HTTP vs in-process -------------------------------------------------------------
+def bench_serve(path: Path, p: dict) -> dict:
+    """The DLLM workload at `serve_concurrency` through Ray Serve HTTP and in-process (wall clock)."""
+    c = p["serve_concurrency"]
+    n = num_requests(p, c)
+    prompts, budgets = make_prompts(p["traffic"], p["shape"].vocab_size, stop_ids_of(path) | {mask_id_of(path)})
+    log(f"serve: dllm concurrency={c} requests={n}, in-process then over Ray Serve HTTP")
+    return bench_serving(path, _engine_config(), p["shape"], prompts[:n], budgets[:n], c)
+
+
 def bench_memory(path: Path, tokens: int, threads: int) -> dict:
     """Issue 4: peak RSS of scoring one `tokens`-long sequence, engine vs HF, each in its own process."""
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
@@ -339,7 +353,7 @@ def bench_memory(path: Path, tokens: int, threads: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
     ap.add_argument("--quick", action="store_true", help="smaller model and workloads (a few minutes)")
-    ap.add_argument("--only", nargs="*", choices=["memory", "dllm", "ar", "scoring"], default=None)
+    ap.add_argument("--only", nargs="*", choices=PARTS, default=None)
     ap.add_argument("--docs", default=str(Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"),
                     help="markdown file to append the results to ('' = do not write)")
     ap.add_argument("--threads", type=int, default=1,
@@ -351,7 +365,7 @@ def main() -> None:
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     p = plan(args.quick)
-    only = set(args.only or ["memory", "dllm", "ar", "scoring"])
+    only = set(args.only or PARTS)
     t_start = time.perf_counter()
     peak0 = mm_peak_gflops()
     log(f"torch.mm peak {peak0:.1f} GFLOP/s; threads {torch.get_num_threads()}")
@@ -382,6 +396,8 @@ def main() -> None:
             result["ar"] = bench_ar(paths["qwen3"], p, peak0)
         if "scoring" in only:
             result["scoring"] = bench_scoring(paths["qwen3"], p, peak0, args.hf_memory_budget_gb)
+        if "serve" in only:
+            result["serve"] = bench_serve(paths["sdar"], p)
     peak1 = mm_peak_gflops()
     result["mm_peak_gflops"] = {"start": round(peak0, 1), "end": round(peak1, 1)}
     result["machine"]["load_avg_end"] = os.getloadavg()[0]
@@ -414,6 +430,8 @@ def targets(r: dict) -> dict:
         "workloads", {}).values()]
     if overheads:
         out["engine_overhead_le_15pct"] = max(overheads) <= 0.15
+    if "serve" in r:
+        out["serve_http_ge_85pct_of_in_process"] = r["serve"]["ratio_http_vs_in_process"] >= 0.85
     return out
 
 

@@ -106,6 +106,17 @@ def render(r: dict) -> str:
             f"total peak {e['peak_rss_mb']} MB vs {h['peak_rss_mb']} MB; rows agree: {_fmt(mem['rows_agree'])}.",
             "",
         ]
+    sv = r.get("serve")
+    if sv:
+        lo, hp = sv["in_process"], sv["http"]
+        lines += [
+            f"Ray Serve HTTP path: the DLLM workload, {sv['requests']} requests at {sv['concurrency']} concurrent, "
+            f"`POST /generate` over loopback through the proxy, ingress and EngineServer replica: "
+            f"{hp['tokens_per_s']} tokens/s vs in-process {lo['tokens_per_s']} tokens/s (wall clock) = "
+            f"**{sv['ratio_http_vs_in_process'] * 100:.0f}%**; HTTP errors {hp['errors']}; outputs identical: "
+            f"{_fmt(sv['match_rate'])}.",
+            "",
+        ]
     t = r.get("targets", {})
     if t:
         lines.append("Targets (issue 6): " + ", ".join(f"{k} {_fmt(v)}" for k, v in t.items()) + ".")

@@ -91,6 +91,17 @@ class KeptOutputLinear(nn.Linear):
         return torch.mm(x, self.weight.t(), out=self.out_buffer(x.shape[0], self.weight))
 
 
+def store_lm_head_transposed(head: nn.Linear) -> None:
+    """Keep the [vocab, hidden] LM-head weight in [hidden, vocab] memory order (the parameter is then a
+    transposed view; its shape, values and tying are unchanged). On CPU `x @ W.t()` then reads a
+    contiguous [hidden, vocab] matrix, which MKL streams 15-55% faster than the transposed operand at the
+    few rows a decode step projects (measured, one thread: 1 row 33.6 -> 15.4 ms, 32 rows 110 -> 95 ms
+    for 512 x 151,936). A tied embedding shares the storage; its row gather becomes strided, which
+    costs ~15 ms per 2,048 prompt tokens, against ~1 s of layer compute for them."""
+    with torch.no_grad():
+        head.weight.data = head.weight.data.t().contiguous().t()
+
+
 def log_softmax_(x: torch.Tensor) -> torch.Tensor:
     """log_softmax over the last dim written over `x` (same values as `x.log_softmax(-1)`): no second
     rows x vocab tensor to allocate and fault in."""
@@ -122,6 +133,7 @@ class ModelRunner:
         self._buffers: dict[str, torch.Tensor] = {}
         if self.device.type == "cpu" and type(self.model.lm_head) is nn.Linear:
             self.model.lm_head.__class__ = KeptOutputLinear  # same parameters (and tying), kept output
+            store_lm_head_transposed(self.model.lm_head)
 
     def set_dllm_block_length(self, block_length: int | None) -> None:
         self.dllm_block_length = block_length
