@@ -319,9 +319,13 @@ def bench_serve(path: Path, p: dict) -> dict:
     """The DLLM workload at `serve_concurrency` through Ray Serve HTTP and in-process (wall clock)."""
     c = p["serve_concurrency"]
     n = num_requests(p, c)
-    prompts, budgets = make_prompts(p["traffic"], p["shape"].vocab_size, stop_ids_of(path) | {mask_id_of(path)})
+    avoid = stop_ids_of(path) | {mask_id_of(path)}
+    prompts, budgets = make_prompts(p["traffic"], p["shape"].vocab_size, avoid)
+    warm_prompts, warm_budgets = make_prompts(replace(p["traffic"], seed=p["traffic"].seed + 2), p["shape"].vocab_size,
+                                              avoid)
     log(f"serve: dllm concurrency={c} requests={n}, in-process then over Ray Serve HTTP")
-    return bench_serving(path, _engine_config(), p["shape"], prompts[:n], budgets[:n], c)
+    return bench_serving(path, _engine_config(), p["shape"], prompts[:n], budgets[:n],
+                         (warm_prompts[:c], warm_budgets[:c]), c)
 
 
 def bench_memory(path: Path, tokens: int, threads: int) -> dict:

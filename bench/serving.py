@@ -55,7 +55,8 @@ async def _send_all(url: str, prompts: list[list[int]], budgets: list[int], conc
 
 
 def _serve_run(path: Path, engine: dict[str, Any], prompts: list[list[int]], budgets: list[int],
-               concurrency: int, threads: int) -> tuple[list[list[int] | None], float]:
+               warmup: tuple[list[list[int]], list[int]], concurrency: int, threads: int
+               ) -> tuple[list[list[int] | None], float]:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
     from ray import serve
@@ -71,7 +72,7 @@ def _serve_run(path: Path, engine: dict[str, Any], prompts: list[list[int]], bud
         serve.run(build_app({"model": str(path), "engine": engine, "ray_actor_options": actor}), name="bench",
                   route_prefix="/bench", logging_config=QUIET)
         url = f"http://127.0.0.1:{port}/bench"
-        asyncio.run(_send_all(url, [[11, 12, 13, 14, 15, 16, 17]], [8], 1))  # warm-up
+        asyncio.run(_send_all(url, *warmup, concurrency))
         return asyncio.run(_send_all(url, prompts, budgets, concurrency))
     finally:
         serve.shutdown()
@@ -79,17 +80,20 @@ def _serve_run(path: Path, engine: dict[str, Any], prompts: list[list[int]], bud
 
 
 def bench_serving(path: Path, config: EngineConfig, shape: BenchShape, prompts: list[list[int]],
-                  budgets: list[int], concurrency: int) -> dict[str, Any]:
-    """Tokens/s of the same greedy workload in-process and over Ray Serve HTTP, and their ratio."""
+                  budgets: list[int], warmup: tuple[list[list[int]], list[int]], concurrency: int
+                  ) -> dict[str, Any]:
+    """Tokens/s of the same greedy workload in-process and over Ray Serve HTTP, and their ratio. Both
+    sides first serve the `warmup` requests (other prompts, so the prefix cache holds nothing of the
+    timed ones): kept buffers, the allocator and Ray's lazy set-up are warm when the clock starts."""
+    params = [GenerationConfig(max_new_tokens=m) for m in budgets]
     pipe = pipeline(str(path), config)
-    run_engine(pipe.engine, [[11, 12, 13, 14, 15, 16, 17]], [GenerationConfig(max_new_tokens=8)], shape, 1)
-    run = run_engine(pipe.engine, prompts, [GenerationConfig(max_new_tokens=m) for m in budgets], shape,
-                     concurrency)
+    run_engine(pipe.engine, warmup[0], [GenerationConfig(max_new_tokens=m) for m in warmup[1]], shape, concurrency)
+    run = run_engine(pipe.engine, prompts, params, shape, concurrency)
     pipe.close()
     del pipe
     local = [o.token_ids for o in run.outputs]
     with contextlib.redirect_stdout(sys.stderr):  # Ray's messages: stdout carries only the figures
-        served, seconds = _serve_run(path, config.model_dump(), prompts, budgets, concurrency,
+        served, seconds = _serve_run(path, config.model_dump(), prompts, budgets, warmup, concurrency,
                                      torch.get_num_threads())
     served_tokens = sum(len(o) for o in served if o is not None)
     local_rate = run.output_tokens / run.seconds

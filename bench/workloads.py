@@ -14,30 +14,26 @@ class Traffic:
     seed: int = 0
 
 
+def _random_ids(rng: random.Random, n: int, vocab: int, avoid: set[int]) -> list[int]:
+    """n token ids drawn uniformly from the vocabulary, none of them in `avoid`."""
+    out: list[int] = []
+    while len(out) < n:
+        tok = rng.randrange(vocab)
+        if tok not in avoid:
+            out.append(tok)
+    return out
+
+
 def make_prompts(t: Traffic, vocab: int, avoid: set[int]) -> tuple[list[list[int]], list[int]]:
     """Random token-id prompts (ids anywhere in the vocabulary) and per-request output budgets."""
     rng = random.Random(t.seed)
     prompts, budgets = [], []
     for _ in range(t.num_requests):
-        n = rng.randint(*t.prompt_len)
-        prompt = []
-        while len(prompt) < n:
-            tok = rng.randrange(vocab)
-            if tok not in avoid:
-                prompt.append(tok)
-        prompts.append(prompt)
+        prompts.append(_random_ids(rng, rng.randint(*t.prompt_len), vocab, avoid))
         budgets.append(rng.randint(*t.max_new_tokens))
     return prompts, budgets
 
 
 def scoring_inputs(num: int, length: int, vocab: int, avoid: set[int], seed: int = 1) -> list[list[int]]:
     rng = random.Random(seed)
-    out = []
-    for _ in range(num):
-        seq = []
-        while len(seq) < length:
-            tok = rng.randrange(vocab)
-            if tok not in avoid:
-                seq.append(tok)
-        out.append(seq)
-    return out
+    return [_random_ids(rng, length, vocab, avoid) for _ in range(num)]

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from engine.checkpoint import CheckpointError, ModelSpec
-from ops.attention import AttentionMetadata, FlashAttention, TorchAttention
+from ops.attention import AttentionBackend, AttentionMetadata
 from ops.layers import apply_rope, rms_norm, rope_cos_sin, silu_and_mul
 
 
@@ -147,7 +147,7 @@ class Qwen3ForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
-        backend: TorchAttention | FlashAttention,
+        backend: AttentionBackend,
     ) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(positions, self.spec.head_dim, self.spec.rope_theta, x.dtype)

@@ -12,12 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from torch import nn
 
 from configs import EngineConfig
 from engine.checkpoint import ModelSpec, iter_weights
 from engine.model import Qwen3ForCausalLM, TPContext
 from ops.attention import AttentionMetadata, make_attention_backend
+from ops.cpu_linear import CpuLMHead, convert_for_cpu
 
 
 @dataclass
@@ -77,31 +77,6 @@ def num_kv_pages(spec: ModelSpec, config: EngineConfig, device: torch.device, dt
     return max(1, min(pages, max_useful))
 
 
-class KeptOutputLinear(nn.Linear):
-    """The LM head on CPU: while `out_buffer` is set, `forward` writes its [rows, vocab] output into
-    the tensor `out_buffer(rows, weight)` returns instead of a fresh one. A fresh rows x 151,936 float32
-    tensor is mapped anew on every forward, and faulting its pages in costs about as much as the
-    softmax that reads it; the values are the same (`torch.mm` is what `F.linear` runs)."""
-
-    out_buffer = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.out_buffer is None or self.bias is not None or x.dim() != 2 or x.shape[0] == 0:
-            return super().forward(x)
-        return torch.mm(x, self.weight.t(), out=self.out_buffer(x.shape[0], self.weight))
-
-
-def store_lm_head_transposed(head: nn.Linear) -> None:
-    """Keep the [vocab, hidden] LM-head weight in [hidden, vocab] memory order (the parameter is then a
-    transposed view; its shape, values and tying are unchanged). On CPU `x @ W.t()` then reads a
-    contiguous [hidden, vocab] matrix, which MKL streams 15-55% faster than the transposed operand at the
-    few rows a decode step projects (measured, one thread: 1 row 33.6 -> 15.4 ms, 32 rows 110 -> 95 ms
-    for 512 x 151,936). A tied embedding shares the storage; its row gather becomes strided, which
-    costs ~15 ms per 2,048 prompt tokens, against ~1 s of layer compute for them."""
-    with torch.no_grad():
-        head.weight.data = head.weight.data.t().contiguous().t()
-
-
 def log_softmax_(x: torch.Tensor) -> torch.Tensor:
     """log_softmax over the last dim written over `x` (same values as `x.log_softmax(-1)`): no second
     rows x vocab tensor to allocate and fault in."""
@@ -131,9 +106,8 @@ class ModelRunner:
         ]
         self.num_forwards = 0
         self._buffers: dict[str, torch.Tensor] = {}
-        if self.device.type == "cpu" and type(self.model.lm_head) is nn.Linear:
-            self.model.lm_head.__class__ = KeptOutputLinear  # same parameters (and tying), kept output
-            store_lm_head_transposed(self.model.lm_head)
+        if self.device.type == "cpu":
+            convert_for_cpu(self.model, self.model.lm_head)
 
     def set_dllm_block_length(self, block_length: int | None) -> None:
         self.dllm_block_length = block_length
@@ -166,9 +140,9 @@ class ModelRunner:
 
     def _logits(self, rows: torch.Tensor, name: str) -> torch.Tensor:
         """`model.logits(rows)`; on CPU the LM head writes into the kept buffer `name` (see
-        KeptOutputLinear). The result is only valid until the next forward (ForwardOutput.logits too)."""
+        CpuLMHead). The result is only valid until the next forward (ForwardOutput.logits too)."""
         head = self.model.lm_head
-        if not isinstance(head, KeptOutputLinear):
+        if not isinstance(head, CpuLMHead):
             return self.model.logits(rows)
         head.out_buffer = lambda n, like: self._buffer(name, n, like)
         try:

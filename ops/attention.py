@@ -65,7 +65,35 @@ class AttentionMetadata:
     extra: dict | None = None
 
 
-class TorchAttention:
+class AttentionBackend:
+    """One way to attend over the paged cache. `prepare` derives what every layer of a forward shares
+    (into `meta.extra`); `forward` writes this forward's K/V into the cache, then `attend`s."""
+
+    name = "base"
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        raise NotImplementedError
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+               scale: float) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """q: [T, H, D]; k, v: [T, KVH, D]; caches: [pages, page_size, KVH, D]. Returns [T, H, D]."""
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        return self.attend(q, k_cache, v_cache, meta, scale)
+
+
+class TorchAttention(AttentionBackend):
     """Reference backend: gather each sequence's keys into a padded tensor, masked SDPA.
 
     Sequences are grouped into a few buckets of similar (query length, key length), one SDPA call per
@@ -126,18 +154,8 @@ class TorchAttention:
             "shape": (num_seqs, max_q, max_kv),
         }
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-    ) -> torch.Tensor:
-        """q: [T, H, D]; k, v: [T, KVH, D]; caches: [pages, page_size, KVH, D]. Returns [T, H, D]."""
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+               scale: float) -> torch.Tensor:
         buckets = meta.extra["buckets"]
         if len(buckets) == 1:
             return _attend(q, k_cache, v_cache, buckets[0], scale)
@@ -204,7 +222,7 @@ def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bucke
     return out if padded_row is None else out.index_select(0, padded_row)
 
 
-class FlashAttention:
+class FlashAttention(AttentionBackend):
     """vllm-flash-attn over the paged cache (CUDA only; needs page_size a multiple of 16)."""
 
     name = "flash"
@@ -239,17 +257,8 @@ class FlashAttention:
             "causal": causal,
         }
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-    ) -> torch.Tensor:
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+               scale: float) -> torch.Tensor:
         ex = meta.extra
         return flash_attn_varlen_func(
             q,

@@ -39,6 +39,23 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="session")
+def ar_ckpt(tmp_path_factory) -> str:
+    """A tiny Qwen3 (AR) checkpoint with mildly peaked logits, shared by the engine-level tests."""
+    from engine.tiny_checkpoint import write_tiny_checkpoint
+
+    return str(write_tiny_checkpoint(tmp_path_factory.mktemp("ar"), model_type="qwen3", seed=4, logit_scale=2.0))
+
+
+@pytest.fixture(scope="session")
+def dllm_ckpt(tmp_path_factory) -> str:
+    """A tiny SDAR (DLLM) checkpoint whose confidences give dynamic unmasking something to do."""
+    from engine.tiny_checkpoint import DLLM_TEST_LOGIT_SCALE, write_tiny_checkpoint
+
+    return str(write_tiny_checkpoint(tmp_path_factory.mktemp("sdar"), model_type="sdar", seed=5,
+                                     logit_scale=DLLM_TEST_LOGIT_SCALE))
+
+
+@pytest.fixture(scope="session")
 def tiny_checkpoints(tmp_path_factory) -> dict[str, Path]:
     """One tiny SDAR (DLLM) and one tiny Qwen3 (AR) checkpoint on disk."""
     from engine.tiny_checkpoint import DLLM_TEST_LOGIT_SCALE, write_tiny_checkpoint
@@ -104,6 +121,41 @@ def sse_events(lines) -> list:
             payload = line[len("data: "):]
             events.append(payload if payload == "[DONE]" else json.loads(payload))
     return events
+
+
+async def in_flight_then(url: str, body: dict, fault, headers: dict | None = None) -> tuple[float, list]:
+    """Fault drill: two streams and two unary `body` requests in flight; once both streams have sent a
+    first event (and 0.2 s more, so the unary ones are in the engine too), run the blocking `fault()` in
+    a thread. Returns (seconds from the fault until every request ended, their endings): ("stream",
+    events) or ("unary", (status, Retry-After, JSON body))."""
+    import asyncio
+    import time
+
+    import httpx
+
+    async with httpx.AsyncClient(timeout=120, headers=headers) as client:
+        async def stream(first: asyncio.Event) -> tuple[str, object]:
+            async with client.stream("POST", url + "/generate", json={**body, "stream": True}) as r:
+                assert r.status_code == 200
+                lines = []
+                async for line in r.aiter_lines():
+                    lines.append(line)
+                    if line.startswith("data: "):
+                        first.set()
+            return "stream", sse_events(lines)
+
+        async def unary() -> tuple[str, object]:
+            r = await client.post(url + "/generate", json=body)
+            return "unary", (r.status_code, r.headers.get("retry-after"), r.json())
+
+        firsts = [asyncio.Event(), asyncio.Event()]
+        tasks = [asyncio.ensure_future(stream(e)) for e in firsts] + [asyncio.ensure_future(unary()) for _ in range(2)]
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in firsts)), 60)
+        await asyncio.sleep(0.2)
+        await asyncio.to_thread(fault)
+        started = time.monotonic()
+        done = await asyncio.wait_for(asyncio.gather(*tasks), 60)
+        return time.monotonic() - started, done
 
 
 def without_ids(body: dict) -> dict:

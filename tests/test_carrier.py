@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from engine import EngineConfig, GenerationConfig, OutputChunk, Response, pipeline
-from engine.tiny_checkpoint import DLLM_TEST_LOGIT_SCALE, write_tiny_checkpoint
 
 BUILTIN = (str, int, float, bool, type(None))
 
@@ -32,25 +31,14 @@ def assert_plain(value, where="value"):
 
 
 @pytest.fixture(scope="module")
-def ar(tmp_path_factory):
-    return str(write_tiny_checkpoint(tmp_path_factory.mktemp("ar"), model_type="qwen3", seed=50, logit_scale=2.0))
-
-
-@pytest.fixture(scope="module")
-def dllm(tmp_path_factory):
-    return str(write_tiny_checkpoint(tmp_path_factory.mktemp("sdar"), model_type="sdar", seed=51,
-                                     logit_scale=DLLM_TEST_LOGIT_SCALE))
-
-
-@pytest.fixture(scope="module")
-def ar_pipe(ar):
-    with pipeline(ar, EngineConfig(logprobs_mode="raw_logprobs", kv_block_size=4)) as pipe:
+def ar_pipe(ar_ckpt):
+    with pipeline(ar_ckpt, EngineConfig(logprobs_mode="raw_logprobs", kv_block_size=4)) as pipe:
         yield pipe
 
 
 @pytest.fixture(scope="module")
-def dllm_pipe(dllm):
-    with pipeline(dllm, EngineConfig(logprobs_mode="raw_logprobs", kv_block_size=4, dllm_block_length=4)) as pipe:
+def dllm_pipe(dllm_ckpt):
+    with pipeline(dllm_ckpt, EngineConfig(logprobs_mode="raw_logprobs", kv_block_size=4, dllm_block_length=4)) as pipe:
         yield pipe
 
 

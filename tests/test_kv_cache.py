@@ -8,7 +8,6 @@ import torch
 
 from engine import EngineConfig, GenerationConfig, pipeline
 from engine.kv_cache import KVBlockManager, PageTable
-from engine.tiny_checkpoint import DLLM_TEST_LOGIT_SCALE, write_tiny_checkpoint
 
 # ---- unit: KVBlockManager ---------------------------------------------------------------------
 
@@ -179,17 +178,6 @@ def test_dllm_key_extends_to_the_end_of_the_block(page_size, block):
 # ---- engine level ------------------------------------------------------------------------------
 
 N_NEW = 6
-
-
-@pytest.fixture(scope="module")
-def ar_ckpt(tmp_path_factory):
-    return str(write_tiny_checkpoint(tmp_path_factory.mktemp("ar"), model_type="qwen3", seed=4, logit_scale=2.0))
-
-
-@pytest.fixture(scope="module")
-def dllm_ckpt(tmp_path_factory):
-    return str(write_tiny_checkpoint(tmp_path_factory.mktemp("sdar"), model_type="sdar", seed=5,
-                                     logit_scale=DLLM_TEST_LOGIT_SCALE))
 
 
 def prompt(n: int, seed: int) -> list[int]:

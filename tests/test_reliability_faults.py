@@ -11,7 +11,7 @@ import time
 
 import httpx
 import pytest
-from conftest import SERVE_ENGINE, sse_events
+from conftest import SERVE_ENGINE, in_flight_then
 from ray import serve
 
 from configs import EngineConfig, GenerationConfig
@@ -37,38 +37,15 @@ def test_debug_hook_is_off_by_default_and_has_no_http_route(served_apps, reliabi
     assert r.status_code == 200 and r.json()["meta_info"]["completion_tokens"] == 6
 
 
-async def _in_flight_then_stall(url: str, app: str) -> tuple[float, list]:
-    """Two streams and two unary requests in flight; stall the loop; return (seconds from the stall
-    until every request ended, their endings)."""
-    async with httpx.AsyncClient(timeout=120) as client:
-        async def stream(first: asyncio.Event) -> tuple[str, object]:
-            async with client.stream("POST", url + "/generate", json={**LONG, "stream": True}) as r:
-                assert r.status_code == 200
-                lines = []
-                async for line in r.aiter_lines():
-                    lines.append(line)
-                    if sse_events(lines):
-                        first.set()
-            return "stream", sse_events(lines)
-
-        async def unary() -> tuple[str, object]:
-            r = await client.post(url + "/generate", json=LONG)
-            return "unary", (r.status_code, r.headers.get("retry-after"), r.json())
-
-        firsts = [asyncio.Event(), asyncio.Event()]
-        tasks = [asyncio.ensure_future(stream(e)) for e in firsts] + [asyncio.ensure_future(unary()) for _ in range(2)]
-        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in firsts)), 60)
-        h = serve.get_deployment_handle("EngineServer", app)
-        assert await asyncio.to_thread(lambda: h.debug_stall.remote(120).result()) is True
-        stalled = time.monotonic()
-        done = await asyncio.wait_for(asyncio.gather(*tasks), 60)
-        return time.monotonic() - stalled, done
-
-
 def test_stalled_engine_loop_errors_in_flight_requests_and_replica_is_replaced(reliability_apps):
     app = reliability_apps["sdar_stall"]
     (before,) = replicas(app.name)
-    elapsed, endings = asyncio.run(_in_flight_then_stall(app.url, app.name))
+    h = serve.get_deployment_handle("EngineServer", app.name)
+
+    def stall() -> None:
+        assert h.debug_stall.remote(120).result() is True
+
+    elapsed, endings = asyncio.run(in_flight_then(app.url, LONG, stall))
     assert elapsed < 10, f"in-flight requests took {elapsed:.1f}s to end"
     for kind, result in endings:
         if kind == "stream":

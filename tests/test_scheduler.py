@@ -7,20 +7,8 @@ import pytest
 import torch
 
 from engine import EngineConfig, GenerationConfig, Response, pipeline
-from engine.tiny_checkpoint import DLLM_TEST_LOGIT_SCALE, write_tiny_checkpoint
 
 PAGE = 4
-
-
-@pytest.fixture(scope="module")
-def ar_ckpt(tmp_path_factory):
-    return str(write_tiny_checkpoint(tmp_path_factory.mktemp("ar"), model_type="qwen3", seed=7, logit_scale=2.0))
-
-
-@pytest.fixture(scope="module")
-def dllm_ckpt(tmp_path_factory):
-    return str(write_tiny_checkpoint(tmp_path_factory.mktemp("sdar"), model_type="sdar", seed=8,
-                                     logit_scale=DLLM_TEST_LOGIT_SCALE))
 
 
 def prompt(n: int, seed: int) -> list[int]:

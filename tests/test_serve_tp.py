@@ -4,13 +4,12 @@ joined with gloo), the optional API key, and a dead TP worker ending its request
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 
 import httpx
 import pytest
 import ray
-from conftest import SERVE_ENGINE, deploy, sse_events
+from conftest import SERVE_ENGINE, deploy, in_flight_then, sse_events
 from ray import serve
 
 KEY = "test-secret-key"
@@ -69,40 +68,11 @@ def test_api_key_enforced_on_every_route_but_health(tp2_app):
         assert r.status_code == 200 and sse_events(r.iter_lines())[-1] == "[DONE]"
 
 
-async def _in_flight_then_kill(url: str, worker) -> tuple[float, list]:
-    """Two streams and two unary requests in flight on the tp=2 replica; kill its TP worker; return
-    (seconds from the kill until every request ended, their endings)."""
-    body = {"prompt": "Tell me a long story.", "max_tokens": 480, "temperature": 3.0, "seed": 1, "ignore_eos": True}
-    async with httpx.AsyncClient(timeout=60, headers=AUTH) as client:
-        async def stream(first: asyncio.Event) -> tuple[str, object]:
-            async with client.stream("POST", url + "/generate", json={**body, "stream": True}) as r:
-                assert r.status_code == 200
-                lines = []
-                async for line in r.aiter_lines():
-                    lines.append(line)
-                    if line.startswith("data: "):
-                        assert first.is_set() or json.loads(line[6:])["meta_info"]["finish_reason"] is None
-                        first.set()
-            return "stream", sse_events(lines)
-
-        async def unary() -> tuple[str, object]:
-            r = await client.post(url + "/generate", json=body)
-            return "unary", (r.status_code, r.headers.get("retry-after"), r.json())
-
-        firsts = [asyncio.Event(), asyncio.Event()]
-        tasks = [asyncio.ensure_future(stream(e)) for e in firsts] + [asyncio.ensure_future(unary()) for _ in range(2)]
-        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in firsts)), 60)
-        await asyncio.sleep(0.2)  # the unary requests are in the engine too by now
-        ray.kill(worker)
-        killed = time.monotonic()
-        done = await asyncio.wait_for(asyncio.gather(*tasks), 60)
-        return time.monotonic() - killed, done
-
-
 def test_dead_tp_worker_errors_in_flight_requests_and_replica_is_replaced(tp2_app):
     (before,) = tp_stats(tp2_app)
     worker = ray.get_actor(before["tp_worker_names"][0], namespace=before["tp_namespace"])
-    elapsed, endings = asyncio.run(_in_flight_then_kill(tp2_app.url, worker))
+    body = {"prompt": "Tell me a long story.", "max_tokens": 480, "temperature": 3.0, "seed": 1, "ignore_eos": True}
+    elapsed, endings = asyncio.run(in_flight_then(tp2_app.url, body, lambda: ray.kill(worker), AUTH))
     assert elapsed < 10, f"in-flight requests took {elapsed:.1f}s to end"
     for kind, result in endings:  # every one ends with an explicit error, none hangs or vanishes
         if kind == "stream":
