@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from configs import GenerationConfig
+from ops.layers import row_max
 
 
 @dataclass
@@ -82,10 +83,10 @@ def pick_tokens(logits: torch.Tensor, groups: list[tuple[int, int, RowGroup]],
         for _, _, g in groups
     )
     if plain_greedy and not need_confidence:
-        return logits.argmax(-1).tolist(), []
+        return row_max(logits)[1].tolist(), []
     if plain_greedy:  # the common case, one batched op
         probs = softmax_(logits) if overwrite and logits.device.type == "cpu" else logits.softmax(-1)
-        conf, tok = probs.max(-1)
+        conf, tok = row_max(probs)
         return tok.tolist(), conf.tolist()
     tokens: list[int] = []
     confidence: list[float] = []

@@ -34,3 +34,22 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(gate) * up
+
+
+def row_max(x: torch.Tensor, chunk: int = 2048) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, indices) of each row's maximum of a 2-D tensor, exactly as `x.max(-1)` (the first index
+    on ties). On CPU `max(dim)` / `argmax` track indices element by element (~21 ms for 85 x 151,936
+    on one core) while `amax` is vectorised (~4 ms), so: the maximum of every `chunk` columns, the
+    first chunk that holds the row's maximum, and an index search inside that chunk only."""
+    rows, n = x.shape
+    if x.device.type != "cpu" or n < 4 * chunk or rows == 0:
+        return x.max(-1)
+    full = n // chunk * chunk
+    chunk_max = x[:, :full].view(rows, full // chunk, chunk).amax(-1)
+    if full < n:
+        chunk_max = torch.cat([chunk_max, x[:, full:].amax(-1, keepdim=True)], 1)
+    values, best = chunk_max.max(-1)
+    starts = best * chunk
+    # the last chunk may be short: its clamped indices repeat column n - 1 after the real one
+    cols = (starts[:, None] + torch.arange(chunk, device=x.device)).clamp_max(n - 1)
+    return values, starts + x.gather(1, cols).argmax(-1)
