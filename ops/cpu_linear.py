@@ -17,10 +17,11 @@ So every projection runs on a oneDNN pre-packed copy of its weight (`torch.ops.m
 _reorder_linear_weight`, what torch.compile's CPU freezing uses), and the LM head, below
 `PACKED_MIN_ROWS` rows, on its weight stored in [hidden, vocab] memory order (the parameter stays a
 [vocab, hidden] view: same shape, values and tying; a tied embedding's row gather becomes strided,
-~15 ms per 2,048 prompt tokens against ~1 s of layer compute for them). The packed copies cost one
-more copy of the weights in memory. Values agree with `F.linear` to float32 rounding (relative 1e-6:
-the summation order differs); each packed weight is checked against `torch.mm` once and left out if
-it disagrees or the op is missing (then `F.linear` runs, as on CUDA).
+~15 ms per 2,048 prompt tokens against ~1 s of layer compute for them). A projection's packed copy
+replaces its dense weight; the LM head keeps both (one more copy of it in memory). Values agree with
+`F.linear` to float32 rounding (relative 1e-6: the summation order differs); each packed weight is
+checked against `torch.mm` once and left out if it disagrees or the op is missing (then `F.linear`
+runs, as on CUDA).
 """
 
 from __future__ import annotations
@@ -51,16 +52,20 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 class PackedLinear(nn.Linear):
-    """`nn.Linear` that multiplies with a oneDNN pre-packed copy of its weight when it has one."""
+    """`nn.Linear` that multiplies with a oneDNN pre-packed copy of its weight when it has one; the
+    packed copy then replaces the dense weight (`weight` becomes None), so the layer stack is held once."""
 
     packed: torch.Tensor | None = None
+    keeps_dense_weight = False
 
     @classmethod
     def convert(cls, linear: nn.Linear) -> None:
-        """Turn a loaded CPU `nn.Linear` into this class in place (parameters and tying unchanged)."""
+        """Turn a loaded CPU `nn.Linear` into this class in place."""
         linear.__class__ = cls
         with torch.no_grad():
             linear.packed = pack_weight(linear.weight.data)
+        if linear.packed is not None and not cls.keeps_dense_weight:
+            linear.weight = None
 
     def _packed_forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1]).contiguous()
@@ -68,8 +73,10 @@ class PackedLinear(nn.Linear):
         return out.view(*x.shape[:-1], out.shape[-1])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is None or x.numel() == 0:
+        if self.packed is None:
             return super().forward(x)
+        if x.numel() == 0:
+            return x.new_empty(*x.shape[:-1], self.out_features)
         return self._packed_forward(x)
 
 
@@ -80,6 +87,7 @@ class CpuLMHead(PackedLinear):
     anew each time, and faulting its pages in costs about as much as the softmax that reads it)."""
 
     out_buffer: Callable[[int, torch.Tensor], torch.Tensor] | None = None
+    keeps_dense_weight = True  # the few-rows path and a tied embedding read it
 
     @classmethod
     def convert(cls, linear: nn.Linear) -> None:
@@ -89,7 +97,7 @@ class CpuLMHead(PackedLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2 or x.shape[0] == 0 or self.bias is not None:
-            return super().forward(x)
+            return nn.Linear.forward(self, x)
         if self.packed is not None and x.shape[0] >= PACKED_MIN_ROWS:
             return self._packed_forward(x)
         out = None if self.out_buffer is None else self.out_buffer(x.shape[0], self.weight)

@@ -25,6 +25,7 @@ def test_packed_linear_matches_f_linear(bias, rows):
     PackedLinear.convert(lin)
     assert isinstance(lin, PackedLinear)
     assert lin.packed is not None  # this CPU build has oneDNN; the layout under test is really used
+    assert lin.weight is None  # the packed copy replaced the dense weight
     assert _close(lin(x), want)
     assert _close(lin(x.view(1, rows, 96)), want.view(1, rows, 80))  # leading dims kept
 
@@ -61,6 +62,7 @@ def test_convert_for_cpu_converts_every_linear():
     convert_for_cpu(model, model[2])
     assert type(model[0]) is PackedLinear and type(model[2]) is CpuLMHead
     assert _close(model(x), want)
+    assert model(x[:0]).shape == (0, 40) and model[0](x[:0]).shape == (0, 16)
 
 
 def test_no_packed_weight_falls_back_to_f_linear():
