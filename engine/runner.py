@@ -17,7 +17,7 @@ from configs import EngineConfig
 from engine.checkpoint import ModelSpec, iter_weights
 from engine.model import Qwen3ForCausalLM, TPContext
 from ops.attention import AttentionMetadata, make_attention_backend
-from ops.cpu_linear import CpuLMHead, convert_for_cpu
+from ops.cpu_linear import convert_for_cpu
 
 
 @dataclass
@@ -105,9 +105,8 @@ class ModelRunner:
             for _ in range(spec.num_hidden_layers)
         ]
         self.num_forwards = 0
-        self._buffers: dict[str, torch.Tensor] = {}
         if self.device.type == "cpu":
-            convert_for_cpu(self.model, self.model.lm_head)
+            convert_for_cpu(self.model, shared=(self.model.model.embed_tokens.weight,))
 
     def set_dllm_block_length(self, block_length: int | None) -> None:
         self.dllm_block_length = block_length
@@ -131,30 +130,11 @@ class ModelRunner:
         )
         hidden = self.model(self._tensor(batch.input_ids), meta.positions, self.kv_caches, meta, self.backend)
         self.num_forwards += 1
-        logits = self._logits(hidden[self._tensor(batch.sample_rows)], "sample")
+        logits = self.model.logits(hidden[self._tensor(batch.sample_rows)])
         out = ForwardOutput(logits=logits)
         if batch.score_rows:
             self._score(hidden, batch, out)
-            self._buffers.pop("score", None)  # a scoring chunk's rows x vocab are not kept between forwards
         return out
-
-    def _logits(self, rows: torch.Tensor, name: str) -> torch.Tensor:
-        """`model.logits(rows)`; on CPU the LM head writes into the kept buffer `name` (see
-        CpuLMHead). The result is only valid until the next forward (ForwardOutput.logits too)."""
-        head = self.model.lm_head
-        if not isinstance(head, CpuLMHead):
-            return self.model.logits(rows)
-        head.out_buffer = lambda n, like: self._buffer(name, n, like)
-        try:
-            return self.model.logits(rows)
-        finally:
-            head.out_buffer = None
-
-    def _buffer(self, name: str, rows: int, like: torch.Tensor) -> torch.Tensor:
-        buf = self._buffers.get(name)
-        if buf is None or buf.shape[0] < rows or buf.dtype != like.dtype:
-            buf = self._buffers[name] = torch.empty(rows, like.shape[0], dtype=like.dtype, device=like.device)
-        return buf[:rows]
 
     def _score(self, hidden: torch.Tensor, batch: ForwardBatch, out: ForwardOutput) -> None:
         raw = self.config.logprobs_mode == "raw_logits"
@@ -163,7 +143,7 @@ class ModelRunner:
         step = self.config.logprobs_chunk_rows
         for i in range(0, len(batch.score_rows), step):
             rows = self._tensor(batch.score_rows[i : i + step])
-            values = self._logits(hidden[rows], "score")
+            values = self.model.logits(hidden[rows])
             if not raw:
                 values = log_softmax_(values) if self.device.type == "cpu" else values.log_softmax(-1)
             targets = self._tensor(batch.score_targets[i : i + step])

@@ -1,5 +1,6 @@
-"""CPU linear layouts (ops/cpu_linear.py): same values as `F.linear` at every row count, tying kept,
-the kept-output buffer honoured, and a clean fallback where no packed weight is made."""
+"""CPU linear layers (ops/cpu_linear.py): the packed weight gives `F.linear`'s values at every row
+count, bit-identical rows whatever the batch size, an exact `state_dict()`, tying kept, and a clean
+fallback where no packed weight is made."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from ops.cpu_linear import PACKED_MIN_ROWS, CpuLMHead, PackedLinear, convert_for_cpu, pack_weight
+from ops.cpu_linear import PackedLinear, convert_for_cpu, pack_weight
 
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -22,47 +23,42 @@ def test_packed_linear_matches_f_linear(bias, rows):
     lin = nn.Linear(96, 80, bias=bias)
     x = torch.randn(rows, 96)
     want = lin(x)
+    dense = lin.weight.detach().clone()
     PackedLinear.convert(lin)
     assert isinstance(lin, PackedLinear)
-    assert lin.packed is not None  # this CPU build has oneDNN; the layout under test is really used
-    assert lin.weight is None  # the packed copy replaced the dense weight
+    assert lin.packed is not None  # this CPU build has oneDNN: the packed kernel is what runs
+    assert lin.weight is None  # the packed copy replaced the dense weight ...
+    assert torch.equal(lin.state_dict()["weight"], dense)  # ... and state_dict() unpacks it exactly
     assert _close(lin(x), want)
     assert _close(lin(x.view(1, rows, 96)), want.view(1, rows, 80))  # leading dims kept
+    assert lin(x[:0]).shape == (0, 80)
 
 
-@pytest.mark.parametrize("rows", [1, PACKED_MIN_ROWS - 1, PACKED_MIN_ROWS, 50])
-def test_lm_head_matches_and_keeps_tying(rows):
-    torch.manual_seed(0)
-    embed = nn.Embedding(1000, 64)
-    head = nn.Linear(64, 1000, bias=False)
-    head.weight = embed.weight  # tied, as in the model
-    ids = torch.tensor([3, 999, 0, 512])
-    emb_before = embed(ids).clone()
-    x = torch.randn(rows, 64)
-    want = x @ embed.weight.detach().t()
-    CpuLMHead.convert(head)
-    assert head.weight is embed.weight and head.weight.shape == (1000, 64)
-    assert torch.equal(embed(ids), emb_before)  # the transposed storage serves the row gather too
-    assert head.weight.t().is_contiguous()
+@pytest.mark.parametrize("shape", [(80, 96), (1536, 512), (151_936, 64)])
+def test_packed_rows_do_not_depend_on_the_batch(shape):
+    """A row's output bits are the same at every batch size (F.linear changes kernel below 4 rows)."""
+    torch.manual_seed(1)
+    lin = nn.Linear(shape[1], shape[0], bias=False)
+    PackedLinear.convert(lin)
+    x = torch.randn(40, shape[1])
     with torch.no_grad():
-        assert _close(head(x), want)
-        buf = torch.empty(rows, 1000)
-        head.out_buffer = lambda n, like: buf[:n]
-        out = head(x)
-        head.out_buffer = None
-    assert _close(out, want)
-    if rows < PACKED_MIN_ROWS:
-        assert out.data_ptr() == buf.data_ptr()  # few rows: written into the kept buffer
+        full = lin(x)
+        for rows in (1, 2, 3, 4, 5, 17, 39):
+            assert torch.equal(lin(x[:rows]), full[:rows]), rows
+            assert torch.equal(lin(x[rows - 1 : rows + 1]), full[rows - 1 : rows + 1]), rows
 
 
-def test_convert_for_cpu_converts_every_linear():
-    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 40, bias=False))
-    x = torch.randn(5, 8)
-    want = model(x)
-    convert_for_cpu(model, model[2])
-    assert type(model[0]) is PackedLinear and type(model[2]) is CpuLMHead
-    assert _close(model(x), want)
-    assert model(x[:0]).shape == (0, 40) and model[0](x[:0]).shape == (0, 16)
+def test_tied_weight_keeps_its_dense_copy():
+    embed = nn.Embedding(1000, 64)
+    model = nn.ModuleDict({"embed": embed, "head": nn.Linear(64, 1000, bias=False)})
+    model["head"].weight = embed.weight
+    x = torch.randn(6, 64)
+    want = x @ embed.weight.detach().t()
+    convert_for_cpu(model, shared=(embed.weight,))
+    head = model["head"]
+    assert type(head) is PackedLinear and head.packed is not None
+    assert head.weight is embed.weight  # still tied: the embedding reads the dense rows
+    assert _close(head(x), want)
 
 
 def test_no_packed_weight_falls_back_to_f_linear():
@@ -71,4 +67,4 @@ def test_no_packed_weight_falls_back_to_f_linear():
     x = torch.randn(6, 32, dtype=torch.float64)
     want = lin(x)
     PackedLinear.convert(lin)
-    assert lin.packed is None and torch.equal(lin(x), want)
+    assert lin.packed is None and lin.weight is not None and torch.equal(lin(x), want)

@@ -189,10 +189,11 @@ def test_bad_input_is_a_4xx_naming_the_field(served_apps, app, route, body, stat
 
 def test_still_serves_after_bad_input_and_never_answered_5xx(served_apps):
     for name, app in served_apps.items():
-        r = httpx.post(app.url + "/generate", json={"prompt": "Hello", "max_tokens": 4, "temperature": 0},
-                       timeout=TIMEOUT)
+        body = {"prompt": "Hello", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+        r = httpx.post(app.url + "/generate", json=body, timeout=TIMEOUT)
         assert r.status_code == 200 and len(r.json()["output_ids"]) == 4, r.text
-        r = httpx.post(app.url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 3}, timeout=TIMEOUT)
+        r = httpx.post(app.url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 3, "ignore_eos": True},
+                       timeout=TIMEOUT)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3, r.text
         metrics = httpx.get(app.url + "/metrics", timeout=TIMEOUT).text
         fivexx = [line for line in metrics.splitlines()
