@@ -23,7 +23,6 @@ import contextlib
 import json
 import math
 import random
-import socket
 import statistics
 import sys
 import tempfile
@@ -33,6 +32,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+from bench.local_cluster import QUIET, local_serve
 
 # the test cluster's engines (tests/conftest.py SERVE_ENGINE): tiny checkpoints, 4-token pages
 LOCAL_ENGINE = {"max_model_len": 512, "num_kv_blocks": 192, "kv_block_size": 4, "max_batch_size": 32,
@@ -248,47 +249,29 @@ def run(urls: dict[str, str], n: int = 256, seed: int = 0, headers: dict[str, st
 
 
 # ---- a local cluster like the test suite's (when no URLs are given) ----------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_local(n: int, seed: int) -> dict[str, Any]:
     with contextlib.redirect_stdout(sys.stderr):  # Ray's own messages: stdout carries only the figures
         return _run_local(n, seed)
 
 
 def _run_local(n: int, seed: int) -> dict[str, Any]:
-    import os
-
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    import ray
     from ray import serve
 
     from deployments.app import build_app
     from engine.tiny_checkpoint import DLLM_TEST_LOGIT_SCALE, write_tiny_checkpoint
 
-    quiet = {"log_level": "WARNING", "enable_access_log": False}
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, local_serve(num_cpus=16) as base_url:
         sdar = write_tiny_checkpoint(Path(tmp) / "sdar", model_type="sdar", logit_scale=DLLM_TEST_LOGIT_SCALE)
         qwen3 = write_tiny_checkpoint(Path(tmp) / "qwen3", model_type="qwen3")
-        ray.init(num_cpus=16, include_dashboard=False, logging_level="warning", log_to_driver=False)
-        try:
-            port = _free_port()
-            serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config=quiet)
-            specs = {"sdar": (sdar, dict(LOCAL_ENGINE), {}),
-                     "qwen3": (qwen3, dict(LOCAL_ENGINE, logprobs_mode="raw_logprobs"), {"num_replicas": 2})}
-            print("deploying the tiny sdar and qwen3 apps ...", file=sys.stderr)
-            serve.run_many([serve.RunTarget(build_app({"model": str(m), "engine": e, **a}), name=name,
-                                            route_prefix=f"/{name}", logging_config=quiet)
-                            for name, (m, e, a) in specs.items()])
-            urls = {name: f"http://127.0.0.1:{port}/{name}" for name in specs}
-            run(urls, n=min(n, 16), seed=seed + 1)  # warm-up
-            return run(urls, n=n, seed=seed)
-        finally:
-            serve.shutdown()
-            ray.shutdown()
+        specs = {"sdar": (sdar, dict(LOCAL_ENGINE), {}),
+                 "qwen3": (qwen3, dict(LOCAL_ENGINE, logprobs_mode="raw_logprobs"), {"num_replicas": 2})}
+        print("deploying the tiny sdar and qwen3 apps ...", file=sys.stderr)
+        serve.run_many([serve.RunTarget(build_app({"model": str(m), "engine": e, **a}), name=name,
+                                        route_prefix=f"/{name}", logging_config=QUIET)
+                        for name, (m, e, a) in specs.items()])
+        urls = {name: f"{base_url}/{name}" for name in specs}
+        run(urls, n=min(n, 16), seed=seed + 1)  # warm-up
+        return run(urls, n=n, seed=seed)
 
 
 def main(argv: list[str] | None = None) -> int:

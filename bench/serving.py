@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import socket
 import sys
 import time
 from pathlib import Path
@@ -21,18 +19,11 @@ from typing import Any
 import httpx
 import torch
 
+from bench.local_cluster import QUIET, local_serve
 from bench.measure import run_engine
 from bench.models import BenchShape
 from configs import EngineConfig, GenerationConfig
 from engine import pipeline
-
-QUIET = {"log_level": "WARNING", "enable_access_log": False}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def _send_all(url: str, prompts: list[list[int]], budgets: list[int], concurrency: int
@@ -57,26 +48,18 @@ async def _send_all(url: str, prompts: list[list[int]], budgets: list[int], conc
 def _serve_run(path: Path, engine: dict[str, Any], prompts: list[list[int]], budgets: list[int],
                warmup: tuple[list[list[int]], list[int]], concurrency: int, threads: int
                ) -> tuple[list[list[int] | None], float]:
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    import ray
     from ray import serve
 
     from deployments.app import build_app
 
-    ray.init(num_cpus=4, include_dashboard=False, logging_level="warning", log_to_driver=False)
-    try:
-        port = _free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config=QUIET)
+    with local_serve(num_cpus=4) as base_url:
         # the replica gets the same torch thread count as the in-process engine
         actor = {"num_cpus": 1, "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(threads)}}}
         serve.run(build_app({"model": str(path), "engine": engine, "ray_actor_options": actor}), name="bench",
                   route_prefix="/bench", logging_config=QUIET)
-        url = f"http://127.0.0.1:{port}/bench"
+        url = f"{base_url}/bench"
         asyncio.run(_send_all(url, *warmup, concurrency))
         return asyncio.run(_send_all(url, prompts, budgets, concurrency))
-    finally:
-        serve.shutdown()
-        ray.shutdown()
 
 
 def bench_serving(path: Path, config: EngineConfig, shape: BenchShape, prompts: list[list[int]],
@@ -84,7 +67,7 @@ def bench_serving(path: Path, config: EngineConfig, shape: BenchShape, prompts: 
                   ) -> dict[str, Any]:
     """Tokens/s of the same greedy workload in-process and over Ray Serve HTTP, and their ratio. Both
     sides first serve the `warmup` requests (other prompts, so the prefix cache holds nothing of the
-    timed ones): kept buffers, the allocator and Ray's lazy set-up are warm when the clock starts."""
+    timed ones): the allocator and Ray's lazy set-up are warm when the clock starts."""
     params = [GenerationConfig(max_new_tokens=m) for m in budgets]
     pipe = pipeline(str(path), config)
     run_engine(pipe.engine, warmup[0], [GenerationConfig(max_new_tokens=m) for m in warmup[1]], shape, concurrency)
