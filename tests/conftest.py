@@ -158,6 +158,20 @@ async def in_flight_then(url: str, body: dict, fault, headers: dict | None = Non
         return time.monotonic() - started, done
 
 
+def record_lm_head_rows(pipe) -> list[int]:
+    """Wrap the real model's `logits` (no mock) to record how many rows each call projects."""
+    model = pipe.engine.executor.runner.model
+    rows: list[int] = []
+    real = model.logits
+
+    def logits(hidden):
+        rows.append(hidden.shape[0])
+        return real(hidden)
+
+    model.logits = logits
+    return rows
+
+
 def without_ids(body: dict) -> dict:
     """A /generate body without its per-request id (two requests never share one)."""
     return {**body, "meta_info": {k: v for k, v in body["meta_info"].items() if k != "id"}}

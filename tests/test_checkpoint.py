@@ -213,22 +213,24 @@ def test_missing_shard(tmp_path):
         pipeline(str(path))
 
 
-def test_missing_tensor(copy, base):
-    path = copy(base)
+def drop_tensor(path: Path, name: str) -> None:
+    """Rewrite the checkpoint's model.safetensors without tensor `name`."""
     file = path / "model.safetensors"
     with safe_open(str(file), framework="pt") as f:
-        tensors = {k: f.get_tensor(k) for k in f.keys() if k != "model.layers.1.mlp.up_proj.weight"}
+        tensors = {k: f.get_tensor(k) for k in f.keys() if k != name}
     save_file(tensors, str(file))
+
+
+def test_missing_tensor(copy, base):
+    path = copy(base)
+    drop_tensor(path, "model.layers.1.mlp.up_proj.weight")
     with pytest.raises(ValueError, match="model.layers.1.mlp.up_proj.weight"):
         pipeline(str(path))
 
 
 def test_untied_checkpoint_without_lm_head_is_an_error(copy, base):
     path = copy(base)
-    file = path / "model.safetensors"
-    with safe_open(str(file), framework="pt") as f:
-        tensors = {k: f.get_tensor(k) for k in f.keys() if k != "lm_head.weight"}
-    save_file(tensors, str(file))
+    drop_tensor(path, "lm_head.weight")
     with pytest.raises(ValueError, match="lm_head"):
         pipeline(str(path))
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import record_lm_head_rows
 
 from engine import EngineConfig, GenerationConfig, pipeline
 from engine.tiny_checkpoint import load_hf_reference, write_tiny_checkpoint
@@ -167,15 +168,7 @@ def test_lm_head_projects_only_sampled_rows(checkpoints):
     path, hf = checkpoints["untied-single"]
     prompt = make_prompt(17, 120)
     with pipeline(str(path), EngineConfig(max_prefill_token_num=4, kv_block_size=4)) as pipe:
-        model = pipe.engine.executor.runner.model
-        rows: list[int] = []
-        real = model.logits
-
-        def logits(hidden):
-            rows.append(hidden.shape[0])
-            return real(hidden)
-
-        model.logits = logits
+        rows = record_lm_head_rows(pipe)
         out = pipe(prompt, greedy())
     assert out.token_ids == hf_greedy(hf, prompt, NEW_TOKENS)[0]
     assert [r for r in rows if r] == [1] * NEW_TOKENS

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import record_lm_head_rows
 
 from engine import EngineConfig, GenerationConfig, Response, pipeline
 from engine.requests import RequestError
@@ -119,15 +120,7 @@ def test_lm_head_sees_only_scored_rows_in_bounded_chunks(ckpt, hf):
     n = 9
     cfg = EngineConfig(logprobs_mode="raw_logprobs", logprobs_chunk_rows=3)
     with pipeline(str(ckpt), cfg) as pipe:
-        model = pipe.engine.executor.runner.model
-        sizes: list[int] = []
-        real = model.logits
-
-        def logits(hidden):
-            sizes.append(hidden.shape[0])
-            return real(hidden)
-
-        model.logits = logits
+        sizes = record_lm_head_rows(pipe)
         r = pipe(ids, score(n))
     check_rows(r, hf, ids, n, "raw_logprobs", 5)
     projected = [s for s in sizes if s]
