@@ -150,11 +150,6 @@ class EngineServer:
         return self.engine.stats() | info | {"replica": self.replica, "model_type": self.engine.spec.model_type,
                                              "tp": cfg.tp, "max_model_len": cfg.max_model_len}
 
-    def model_info(self) -> dict[str, Any]:
-        spec, cfg = self.engine.spec, self.engine.config
-        return {"model_type": spec.model_type, "vocab_size": spec.vocab_size, "is_dllm": spec.is_dllm,
-                "max_model_len": cfg.max_model_len, "tp": cfg.tp}
-
     def check_health(self) -> None:
         """Serve's health check: raises when the engine loop is dead or stalled (Serve then replaces
         this replica). A stall also ends the requests in flight with an error at once."""

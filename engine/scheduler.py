@@ -47,10 +47,6 @@ class Scheduler:
             self.waiting.remove(seq)
         self.kv.free(seq.table)
 
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
-
     def _is_decoding(self, seq: Sequence) -> bool:
         """Past its prefill: an AR decode row, or a DLLM block (with at most the commit of the last).
         Such work is not charged to the chunked-prefill budget."""

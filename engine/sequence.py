@@ -69,7 +69,3 @@ class Sequence:
     def score_end(self) -> int:
         """One past the last position whose logits score an input token (rows for N .. L-2)."""
         return self.prompt_len - 1 if self.wants_input_logprobs else 0
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status is SeqStatus.FINISHED
