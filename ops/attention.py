@@ -11,39 +11,30 @@ Backends:
 
 * `TorchAttention` -- the reference: gathers each sequence's keys into a padded tensor and runs
   `scaled_dot_product_attention` with an explicit mask. Runs everywhere.
-* `FlashAttention` -- vllm-flash-attn's `flash_attn_varlen_func` reading the paged cache through
-  `block_table`. Block-causal attention is expressed without a custom mask: every DLLM block of
-  queries becomes its own varlen entry that sees keys up to its block end, non-causally.
+* `FlashAttention` -- the FlashAttention-2 paged varlen kernel (`ops.flash_kernel`: vllm's bundled
+  copy or the standalone vllm-flash-attn wheel) reading the paged cache through `block_table`.
+  Block-causal attention is expressed without a custom mask: every DLLM block of queries becomes its
+  own varlen entry that sees keys up to its block end, non-causally.
+
+`make_attention_backend` picks one from the config and the settings the kernel depends on.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
 
+from ops import flash_kernel
+from ops.flash_kernel import FlashKernel, flash_unmet
 
-def _import_flash():
-    try:  # the kernels current vllm ships
-        from vllm.vllm_flash_attn import flash_attn_varlen_func
+log = logging.getLogger(__name__)
 
-        return flash_attn_varlen_func
-    except ImportError:
-        pass
-    try:  # the standalone vllm-flash-attn wheel
-        from vllm_flash_attn import flash_attn_varlen_func
-
-        return flash_attn_varlen_func
-    except ImportError:
-        return None
-
-
-flash_attn_varlen_func = _import_flash()
-
-
-def flash_available() -> bool:
-    return flash_attn_varlen_func is not None and torch.cuda.is_available()
+# `enable_gqa` arrived in torch 2.5; before it, K/V heads are repeated for SDPA instead.
+SDPA_HAS_GQA = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 5)
 
 
 @dataclass
@@ -119,12 +110,11 @@ class TorchAttention(AttentionBackend):
         # this bucket's query rows in the flat batch; None = all of them, in order
         rows = None if only else torch.tensor([t for s in seqs for t in range(starts[s], starts[s + 1])],
                                               dtype=torch.long, device=device)
-        q_lens = torch.tensor(q_list, device=device)
+        # row of each of the bucket's query tokens in the padded [S * max_q] layout, built on the host:
+        # one copy, no device sync to learn an output size
+        padded_row = torch.tensor([i * max_q + r for i, n in enumerate(q_list) for r in range(n)],
+                                  dtype=torch.long, device=device)
         kv_lens = torch.tensor(kv_list, device=device)
-        # bucket query index -> (seq, row) in the padded layout
-        seq_of_token = torch.repeat_interleave(torch.arange(num_seqs, device=device), q_lens)
-        first = torch.cumsum(q_lens, 0) - q_lens
-        row_of_token = torch.arange(len(seq_of_token), device=device) - first[seq_of_token]
         # padded key gather index: slot of key j of sequence s
         j = torch.arange(max_kv, device=device)
         tables = meta.page_tables if only else meta.page_tables[torch.tensor(seqs, device=device)]
@@ -132,22 +122,21 @@ class TorchAttention(AttentionBackend):
         key_slots = pages * meta.page_size + (j % meta.page_size)
         # key validity and mask [S, 1, max_q, max_kv]
         positions = meta.positions if rows is None else meta.positions[rows]
-        q_pos = torch.full((num_seqs, max_q), -1, dtype=torch.long, device=device)
-        q_pos[seq_of_token, row_of_token] = positions
+        q_pos = torch.full((num_seqs * max_q,), -1, dtype=torch.long, device=device)
+        q_pos = q_pos.index_copy_(0, padded_row, positions).view(num_seqs, max_q)
         valid_key = j[None, :] < kv_lens[:, None]
         if meta.dllm_block_length is None:
             visible = j[None, None, :] <= q_pos[:, :, None]
         else:
             b = meta.dllm_block_length
             visible = (j // b)[None, None, :] <= (q_pos // b)[:, :, None]
-        mask = visible & valid_key[:, None, :]
-        mask[q_pos < 0] = False
-        mask[..., 0] |= q_pos < 0  # padded query rows see one key, so softmax stays finite
+        # padded query rows see key 0 alone, so softmax stays finite
+        mask = torch.where((q_pos >= 0)[:, :, None], visible & valid_key[:, None, :], j == 0)
         return {
             "rows": rows,
             # row of each query token in the padded [S * max_q] layout; None = no padding
             # (every sequence feeds max_q tokens, e.g. AR decode or same-size DLLM blocks)
-            "padded_row": None if min(q_list) == max_q else seq_of_token * max_q + row_of_token,
+            "padded_row": None if min(q_list) == max_q else padded_row,
             "key_slots": key_slots.reshape(-1),  # index_select on a flat index: ~8x faster than 2-D indexing
             "mask": mask[:, None],
             "masks": {},  # additive float mask per dtype, made once per forward, not once per layer
@@ -210,22 +199,28 @@ def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bucke
         qp = q.reshape(num_seqs, max_q, heads, d)
     else:
         qp = q.new_zeros(num_seqs * max_q, heads, d).index_copy_(0, padded_row, q).view(num_seqs, max_q, heads, d)
-    out = F.scaled_dot_product_attention(
-        qp.transpose(1, 2),
-        keys.transpose(1, 2),
-        values.transpose(1, 2),
-        attn_mask=mask,
-        scale=scale,
-        enable_gqa=True,
-    )
+    out = sdpa_gqa(qp.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), mask, scale)
     out = out.transpose(1, 2).reshape(num_seqs * max_q, heads, d)
     return out if padded_row is None else out.index_select(0, padded_row)
 
 
+def sdpa_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """SDPA with grouped K/V heads: q [S, H, Q, D], k/v [S, KVH, K, D]; query head h reads K/V head
+    h // (H // KVH), as FlashAttention and Hugging Face group them."""
+    if SDPA_HAS_GQA:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
 class FlashAttention(AttentionBackend):
-    """vllm-flash-attn over the paged cache (CUDA only; needs page_size a multiple of 16)."""
+    """The paged varlen FlashAttention kernel (CUDA; fp16/bf16; page size a multiple of 16)."""
 
     name = "flash"
+
+    def __init__(self, kernel: FlashKernel):
+        self.kernel = kernel
 
     def prepare(self, meta: AttentionMetadata) -> None:
         device = meta.positions.device
@@ -238,19 +233,20 @@ class FlashAttention(AttentionBackend):
                 tables.append(s)
                 continue
             # one entry per DLLM block of queries, seeing keys up to that block's end
-            first = kv_len - q_len
-            pos = first
+            pos = kv_len - q_len
             while pos < kv_len:
                 block_end = min((pos // b + 1) * b, kv_len)
                 q_lens.append(block_end - pos)
                 k_lens.append(block_end)
                 tables.append(s)
                 pos = block_end
+        if self.kernel.key_lengths == "seqused_k":
+            key_lengths = torch.tensor(k_lens, dtype=torch.int32, device=device)
+        else:
+            key_lengths = _cumulative(k_lens, device)
         meta.extra = {
             "cu_seqlens_q": _cumulative(q_lens, device),
-            # with block_table, cu_seqlens_k only carries per-entry key lengths (both the standalone
-            # vllm-flash-attn 2.6 wheel and vllm's bundled kernels accept it)
-            "cu_seqlens_k": _cumulative(k_lens, device),
+            self.kernel.key_lengths: key_lengths,
             "block_table": meta.page_tables[torch.tensor(tables, device=device)].to(torch.int32),
             "max_seqlen_q": max(q_lens),
             "max_seqlen_k": max(k_lens),
@@ -259,25 +255,12 @@ class FlashAttention(AttentionBackend):
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                scale: float) -> torch.Tensor:
-        ex = meta.extra
-        return flash_attn_varlen_func(
-            q,
-            k_cache,
-            v_cache,
-            max_seqlen_q=ex["max_seqlen_q"],
-            cu_seqlens_q=ex["cu_seqlens_q"],
-            max_seqlen_k=ex["max_seqlen_k"],
-            cu_seqlens_k=ex["cu_seqlens_k"],
-            softmax_scale=scale,
-            causal=ex["causal"],
-            block_table=ex["block_table"],
-        )
+        return self.kernel.fn(q, k_cache, v_cache, softmax_scale=scale, **meta.extra)
 
 
 def _cumulative(lengths: list[int], device: torch.device) -> torch.Tensor:
-    out = torch.zeros(len(lengths) + 1, dtype=torch.int32, device=device)
-    out[1:] = torch.cumsum(torch.tensor(lengths, device=device), 0)
-    return out
+    """[0, l0, l0 + l1, ...] as int32, summed on the host (one copy to the device)."""
+    return torch.tensor([0, *accumulate(lengths)], dtype=torch.int32, device=device)
 
 
 def write_kv(
@@ -289,15 +272,20 @@ def write_kv(
     v_cache.view(-1, kvh, d).index_copy_(0, slots, v)
 
 
-def make_attention_backend(name: str, device: torch.device) -> TorchAttention | FlashAttention:
-    """`auto` picks flash on CUDA when vllm-flash-attn imports, else the torch reference."""
-    if name == "flash":
-        if not flash_available():
-            raise ValueError(
-                "attention_backend='flash' needs CUDA and vllm-flash-attn "
-                "(pip install 'blockserve[cuda]'); use 'torch' or 'auto'"
-            )
-        return FlashAttention()
-    if name == "auto" and device.type == "cuda" and flash_available():
-        return FlashAttention()
-    return TorchAttention()
+def make_attention_backend(name: str, device: torch.device, dtype: torch.dtype = torch.bfloat16,
+                           page_size: int = 16, head_dim: int = 128) -> AttentionBackend:  # TEMP defaults
+    """The backend for `EngineConfig.attention_backend`: `torch` always; `flash` when the installed
+    kernel can run these settings, else a ValueError naming every unmet condition; `auto` flash when
+    it can, else torch, logging which and why."""
+    unmet = flash_unmet(flash_kernel.INSTALLED, device, dtype, page_size, head_dim)
+    if name == "torch":
+        return TorchAttention()
+    if name == "flash" and unmet:
+        raise ValueError("attention_backend='flash' cannot run: " + "; ".join(unmet)
+                         + ". Use attention_backend='torch' or 'auto'")
+    if unmet:
+        log.info("attention backend: torch (flash not used: %s)", "; ".join(unmet))
+        return TorchAttention()
+    kernel = flash_kernel.INSTALLED
+    log.info("attention backend: flash (%s, key lengths by %s)", kernel.source, kernel.key_lengths)
+    return FlashAttention(kernel)

@@ -1,5 +1,5 @@
 """Paged KV write and the reference paged attention (`ops.attention.TorchAttention`) against dense
-SDPA, per sequence, with causal and block-causal masks, random page tables and GQA (ISSUE 2)."""
+SDPA, per sequence, with causal and block-causal masks, random page tables and GQA."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import ops.attention as attention
 from ops.attention import AttentionMetadata, TorchAttention, write_kv
 
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 8
@@ -204,3 +205,18 @@ def test_forward_writes_new_kv_into_the_cache_and_nothing_else():
     for cache, before in ((k_cache, k_before), (v_cache, v_before)):
         flat, flat_before = cache.view(-1, KV_HEADS, HEAD_DIM), before.view(-1, KV_HEADS, HEAD_DIM)
         assert torch.equal(flat[untouched], flat_before[untouched])
+
+
+@pytest.mark.parametrize("mix, block_length", [(MIXES[1], None), (MIXES_DLLM[0], 4)])
+def test_torch_before_2_5_repeats_kv_heads_instead_of_enable_gqa(monkeypatch, mix, block_length):
+    """torch < 2.5 has no `enable_gqa` (the vllm-flash-attn 2.6 wheel pins torch 2.4): the reference
+    backend repeats K/V heads itself and gives the same result."""
+    sdpa = F.scaled_dot_product_attention
+
+    def sdpa_torch_2_4(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None):
+        assert q.shape[-3] == k.shape[-3], "torch 2.4 SDPA needs as many K/V heads as query heads"
+        return sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale)
+
+    monkeypatch.setattr(attention, "SDPA_HAS_GQA", False)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", sdpa_torch_2_4)
+    run_case(mix, 4, block_length, seed=5)
