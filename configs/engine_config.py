@@ -1,4 +1,4 @@
-"""Engine-wide settings: one EngineConfig per engine replica (CONTRACT.md §2)."""
+"""Engine-wide settings: one EngineConfig per engine replica."""
 
 from __future__ import annotations
 
@@ -6,8 +6,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-UnmaskingStrategy = Literal["low_confidence_dynamic", "low_confidence_static", "sequential"]
-LogprobsMode = Literal["raw_logits", "raw_logprobs"]
+from configs.generation_config import UnmaskingStrategy
+
+LogprobsMode = Literal["raw_logits", "raw_logprobs", "processed_logits", "processed_logprobs"]
 
 
 class EngineConfig(BaseModel):
@@ -23,7 +24,10 @@ class EngineConfig(BaseModel):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     tp: int = Field(1, ge=1, description="tensor-parallel size")
     max_batch_size: int = Field(64, ge=1, description="most sequences in one forward")
-    max_model_len: int = Field(4096, ge=1, description="most tokens (prompt + output) per sequence")
+    max_model_len: int | None = Field(
+        None, ge=1, description="most tokens (prompt + output) per sequence; default and upper bound: the "
+        "checkpoint's max_position_embeddings"
+    )
     kv_block_size: int = Field(16, ge=1, description="tokens per KV page")
     num_kv_blocks: int | float | None = Field(
         None, description="KV pages (int) or a memory fraction (float in (0, 1]); None = auto"
@@ -38,16 +42,28 @@ class EngineConfig(BaseModel):
     dllm_block_length: int | None = Field(None, ge=1)
     dllm_unmasking_strategy: UnmaskingStrategy = "low_confidence_dynamic"
     dllm_denoising_steps: int | None = Field(None, ge=1, description="default: the block length")
-    dllm_confidence_threshold: float = Field(0.85, ge=0.0, le=1.0)
+    dllm_confidence_threshold: float = Field(
+        0.85, ge=0.0, le=1.0, description="low_confidence_dynamic: reveal every position at least this confident"
+    )
+    dllm_entropy_threshold: float = Field(
+        0.35, gt=0.0, description="entropy_bounded: reveal the lowest-entropy positions while their summed "
+        "entropy (nats) stays below this bound"
+    )
     dllm_commit_fusion: bool = Field(
         True, description="fuse a block's commit forward with the next block's first step"
     )
-    logprobs_mode: LogprobsMode | None = None
+    logprobs_mode: LogprobsMode | None = Field(
+        None, description="raw_* = from the model's logits; processed_* = from the distribution the sampler drew "
+        "from (after penalties, temperature and top-k/top-p/min-p)"
+    )
     logprobs_chunk_rows: int = Field(
         256, ge=1, description="rows per LM-head chunk when scoring: bounds logits memory"
     )
     attention_backend: Literal["auto", "torch", "flash"] = "auto"
-    seed: int = 0
+    seed: int = Field(0, description="seed of the model's random init before loading (not of sampling)")
+    dllm_mask_token_id: int | None = Field(
+        None, ge=0, description="mask token of a block-diffusion model whose checkpoint names none"
+    )
 
     @model_validator(mode="after")
     def _check(self) -> EngineConfig:

@@ -1,8 +1,12 @@
-"""Per-request sampling and output settings (CONTRACT.md §2)."""
+"""Per-request sampling and output settings."""
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+UnmaskingStrategy = Literal["low_confidence_dynamic", "low_confidence_static", "sequential", "entropy_bounded"]
 
 
 class GenerationConfig(BaseModel):
@@ -27,6 +31,18 @@ class GenerationConfig(BaseModel):
     logprobs: int | None = Field(None, ge=0, description="None = none; k = chosen + top-k")
     logprob_start_len: int = Field(-1, ge=-1)
     return_step_trace: bool = False
+    # block diffusion, per request (None = the engine's setting)
+    dllm_unmasking_strategy: UnmaskingStrategy | None = None
+    dllm_denoising_steps: int | None = Field(None, ge=1)
+    dllm_confidence_threshold: float | None = Field(None, ge=0.0, le=1.0)
+    dllm_entropy_threshold: float | None = Field(None, gt=0.0)
+    dllm_block_length: int | None = Field(
+        None, ge=1, description="must equal the model's block length if given (it cannot change per request)"
+    )
+    # RL rollouts
+    n: int = Field(1, ge=1, le=64, description="samples per prompt")
+    return_block_step_map: bool = False
+    return_dllm_replay: bool = False
 
     @field_validator("top_p")
     @classmethod

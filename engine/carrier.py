@@ -4,7 +4,7 @@ An `OutputChunk` is what one engine step adds to one request. A `Response` is th
 request's chunks. Both hold only built-in types (no tensors), so they pickle through Ray and
 serialise to JSON unchanged.
 
-The None / [] rule (CONTRACT.md §2): a field is None when it was not requested or does not apply
+The None / [] rule: a field is None when it was not requested or does not apply
 (e.g. `step_map` for an AR model, `logprobs` without `logprobs=k`), and a list -- possibly empty --
 when it was requested. Every chunk of a request follows the same rule, so concatenating chunks
 keeps it: `Response.from_chunks(chunks)` equals the unary response exactly.
@@ -42,10 +42,17 @@ class _CarrierFields:
     input_token_logprobs: list[InputRow] | None = None
     input_top_logprobs: list[list[InputRow]] | None = None
     step_trace: list[StepEvent] | None = None
+    block_step_map: list[int] | None = None  # per token: 1-based step index within its own block
     finish_reason: FinishReason | None = None
+    matched: int | str | None = None  # with finish_reason "stop": the stop id or stop string
     error: str | None = None
     input_token_len: int = 0
     generate_token_len: int = 0  # cumulative: tokens generated so far
+    num_steps: int | None = None  # cumulative (block diffusion): denoising steps taken so far
+    # final block replay (block diffusion, on request; in the last chunk only)
+    dllm_replay_token_ids: list[int] | None = None
+    dllm_replay_step_maps: list[int] | None = None
+    dllm_stop_length: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -62,7 +69,7 @@ class OutputChunk(_CarrierFields):
 
 @dataclass
 class Response(_CarrierFields):
-    """The whole result of one request (CONTRACT.md §2)."""
+    """The whole result of one request: the sum of its deltas."""
 
     def add(self, chunk: OutputChunk) -> Response:
         """Fold one delta in (in place) and return self."""
@@ -74,10 +81,12 @@ class Response(_CarrierFields):
         self.input_token_logprobs = _extend(self.input_token_logprobs, chunk.input_token_logprobs)
         self.input_top_logprobs = _extend(self.input_top_logprobs, chunk.input_top_logprobs)
         self.step_trace = _extend(self.step_trace, chunk.step_trace)
-        if chunk.finish_reason is not None:
-            self.finish_reason = chunk.finish_reason
-        if chunk.error is not None:
-            self.error = chunk.error
+        self.block_step_map = _extend(self.block_step_map, chunk.block_step_map)
+        for name in ("finish_reason", "matched", "error", "num_steps", "dllm_replay_token_ids",
+                     "dllm_replay_step_maps", "dllm_stop_length"):
+            value = getattr(chunk, name)
+            if value is not None:
+                setattr(self, name, value)
         self.input_token_len = chunk.input_token_len
         self.generate_token_len = chunk.generate_token_len
         return self

@@ -1,26 +1,47 @@
-"""LLMEngine: one replica's synchronous step loop (request -> scheduler -> runner -> sampler/unmasker
--> carrier). `step()` runs one forward for the scheduled batch and returns the OutputChunks it made.
+"""LLMEngine: one replica's synchronous step loop.
+
+request -> scheduler -> batch -> runner (model) -> sampler -> decoding strategy -> stop rule ->
+output builder (carrier). `step()` runs one forward for the scheduled batch and returns the
+OutputChunks it made. The engine only orchestrates: what to feed and how to advance is the decoding
+strategy's (`engine.decoding`), where an output ends is the stop rule's (`engine.stopping`),
+batch layout and scoring rows live in `engine.batch` / `engine.scoring`.
+
+Fault isolation: a step that raises is re-run one request at a time (K/V writes are idempotent and
+sampling draws are counter-based, so a re-run reproduces exactly what that request would have got
+in the batch); only the request(s) that still fail end, with an error naming their parameters.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
+import secrets
 import time
 from dataclasses import dataclass
 
-import torch
-
 from configs import EngineConfig, GenerationConfig
+from engine.batch import SampleSlice, build_batch
 from engine.carrier import OutputChunk
 from engine.checkpoint import ModelSpec, load_model_spec, load_tokenizer
+from engine.decoding import AutoregressiveDecoding, BlockDiffusionDecoding, DecodingStrategy, PickedRows
+from engine.decoding.unmasking import UnmaskingSettings
 from engine.kv_cache import KVBlockManager
 from engine.output import OutputBuilder
 from engine.requests import RequestError, validate_request
 from engine.runner import ForwardBatch, ForwardOutput, ModelRunner
 from engine.sampler import RowGroup, logprob_entries, pick_tokens
 from engine.scheduler import ScheduledSeq, Scheduler
-from engine.sequence import DLLMBlock, SeqStatus, Sequence
-from engine.unmasking import choose_positions, tokens_this_step
+from engine.scoring import take_score_rows
+from engine.sequence import SeqStatus, Sequence
+from engine.stopping import StopChecker
+
+log = logging.getLogger(__name__)
+
+MASK_TOKEN_TEXT = "<|MASK|>"
+# Request fields that shape the sampling distribution (named when a request's step fails).
+_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "do_sample", "random_seed",
+                    "min_new_tokens", "stop_token_ids", "dllm_unmasking_strategy", "dllm_denoising_steps",
+                    "dllm_confidence_threshold", "dllm_entropy_threshold")
 
 
 class LocalExecutor:
@@ -56,37 +77,68 @@ class EngineStats:
     forward_seconds: float = 0.0
     step_seconds: float = 0.0
     last_step_time: float = 0.0
+    isolated_failures: int = 0  # requests ended because their own step failed
+
+
+@dataclass
+class _Forward:
+    """One forward and what the sampler made of it, before anything is applied to the sequences."""
+
+    items: list[ScheduledSeq]
+    batch: ForwardBatch
+    result: ForwardOutput
+    slices: list[SampleSlice]
+    picked: list[PickedRows]
+
+
+def resolve_max_model_len(config: EngineConfig, spec: ModelSpec) -> int:
+    """`max_model_len`, defaulting to and bounded by the checkpoint's max_position_embeddings."""
+    limit = spec.max_position_embeddings
+    if config.max_model_len is None:
+        return limit
+    if config.max_model_len > limit:
+        raise ValueError(f"max_model_len={config.max_model_len} exceeds the checkpoint's max_position_embeddings="
+                         f"{limit}; lower max_model_len (or leave it unset to use {limit})")
+    return config.max_model_len
+
+
+def resolve_mask_token_id(spec: ModelSpec, tokenizer, config: EngineConfig) -> int:
+    """The mask token of a block-diffusion model: config.json `mask_token_id`, else the tokenizer's mask
+    token, else the `<|MASK|>` token of the vocabulary, else `EngineConfig.dllm_mask_token_id`."""
+    for candidate in (spec.mask_token_id, tokenizer.mask_token_id, tokenizer.get_vocab().get(MASK_TOKEN_TEXT),
+                      config.dllm_mask_token_id):
+        if candidate is not None:
+            return int(candidate)
+    raise ValueError(f"{spec.path}: a block-diffusion model needs a mask token and none was found: set "
+                     f"mask_token_id in config.json, a mask_token in tokenizer_config.json, a {MASK_TOKEN_TEXT} token "
+                     "in the vocabulary, or EngineConfig.dllm_mask_token_id")
 
 
 class LLMEngine:
     def __init__(self, model_path: str, config: EngineConfig | None = None, executor_factory=None):
-        self.config = config = config or EngineConfig()
+        config = config or EngineConfig()
         self.spec = spec = load_model_spec(model_path)
         self.tokenizer = load_tokenizer(model_path)
+        self.config = config = config.model_copy(update={"max_model_len": resolve_max_model_len(config, spec)})
         self.is_dllm = spec.is_dllm
-        self.block_length = None
-        self.mask_id = None
+        self.block_length: int | None = None
+        self.mask_id: int | None = None
+        self.decoding: DecodingStrategy
         if self.is_dllm:
             self.block_length = config.dllm_block_length or spec.block_size or 4
-            self.mask_id = spec.mask_token_id
-            if self.mask_id is None:
-                self.mask_id = self.tokenizer.mask_token_id
-            if self.mask_id is None:
-                raise ValueError(
-                    f"{model_path}: a DLLM needs a mask token: set mask_token_id in config.json "
-                    "or a mask_token in the tokenizer"
-                )
-        self.denoising_steps = config.dllm_denoising_steps or self.block_length
+            self.mask_id = resolve_mask_token_id(spec, self.tokenizer, config)
+            self.decoding = BlockDiffusionDecoding(self.block_length, self.mask_id, config.dllm_commit_fusion)
+        else:
+            self.decoding = AutoregressiveDecoding()
         self.executor = (executor_factory or LocalExecutor)(spec, config)
         self.executor.set_dllm_block_length(self.block_length)
         self.kv = KVBlockManager(self.executor.num_pages, config.kv_block_size,
                                  config.enable_prefix_caching, self.block_length)
-        self.scheduler = Scheduler(config, self.kv, self.block_length)
+        self.scheduler = Scheduler(config, self.kv, self.decoding)
         self.seqs: dict[str, Sequence] = {}
         self.outputs: dict[str, OutputBuilder] = {}
         self.stats = EngineStats()
         self._ids = itertools.count()
-        self._seed_source = torch.Generator().manual_seed(config.seed)
 
     # ---- requests ----------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: GenerationConfig | None = None,
@@ -97,24 +149,43 @@ class LLMEngine:
         if request_id in self.seqs:
             raise RequestError(f"request_id {request_id!r} is already in flight", "request_id")
         prompt_ids = validate_request(self, prompt, params)
+        unmasking = self._unmasking_settings(params) if self.is_dllm else None
         stop_ids = set(params.stop_token_ids or [])
         if not params.ignore_eos:
             stop_ids |= self.spec.eos_token_ids
-        seed = params.random_seed
-        if seed is None:
-            seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_source))
+        stop_ids = frozenset(stop_ids)
+        # unseeded requests draw a fresh seed: distinct on every replica and after every restart
+        seed = params.random_seed if params.random_seed is not None else secrets.randbits(63)
         seq = Sequence(
-            request_id=request_id, prompt_ids=prompt_ids, params=params, stop_ids=frozenset(stop_ids),
-            generator=torch.Generator().manual_seed(seed), arrival=next(self._ids),
-            tokens=list(prompt_ids), next_score_pos=max(params.logprob_start_len, 0),
+            request_id=request_id, prompt_ids=prompt_ids, params=params, stop_ids=stop_ids,
+            stop=StopChecker(self.tokenizer, params, stop_ids), seed=seed, arrival=next(self._ids),
+            tokens=list(prompt_ids), next_score_pos=max(params.logprob_start_len, 0), unmasking=unmasking,
+            penalty_ids=set(prompt_ids) - {self.mask_id},
         )
-        if self.is_dllm:
-            self._open_block(seq)
+        self.decoding.start(seq)
         self.seqs[request_id] = seq
-        self.outputs[request_id] = OutputBuilder(seq, self.tokenizer, self.is_dllm)
+        self.outputs[request_id] = OutputBuilder(seq, self.is_dllm)
         self.scheduler.add(seq)
         self.stats.prompt_tokens += len(prompt_ids)
         return request_id
+
+    def _unmasking_settings(self, p: GenerationConfig) -> UnmaskingSettings:
+        """The request's block-diffusion knobs over the engine's defaults."""
+        cfg = self.config
+        if p.dllm_block_length is not None and p.dllm_block_length != self.block_length:
+            raise RequestError(f"dllm_block_length={p.dllm_block_length}: this model decodes blocks of "
+                               f"{self.block_length} tokens and the block length cannot change per request; "
+                               "leave it unset", "dllm_block_length")
+
+        def pick(value, default):
+            return default if value is None else value
+
+        return UnmaskingSettings(
+            strategy=pick(p.dllm_unmasking_strategy, cfg.dllm_unmasking_strategy),
+            denoising_steps=pick(p.dllm_denoising_steps, cfg.dllm_denoising_steps or self.block_length),
+            confidence_threshold=pick(p.dllm_confidence_threshold, cfg.dllm_confidence_threshold),
+            entropy_threshold=pick(p.dllm_entropy_threshold, cfg.dllm_entropy_threshold),
+        )
 
     def abort(self, request_id: str) -> OutputChunk | None:
         """Stop a request now and free its pages; returns its final chunk (finish_reason abort)."""
@@ -128,7 +199,7 @@ class LLMEngine:
         if seq is None:
             return None
         seq.finish_reason = reason
-        chunk = self.outputs[request_id].build(self.outputs[request_id].sent_tokens, finished=True)
+        chunk = self.outputs[request_id].build(finished=True)
         chunk.error = message
         self._release(seq)
         return chunk
@@ -146,196 +217,136 @@ class LLMEngine:
     def num_free_pages(self) -> int:
         return self.kv.num_free_pages
 
-    # ---- DLLM blocks -------------------------------------------------------------------------
-    def _open_block(self, seq: Sequence) -> None:
-        """Append the next block's positions as masks (the first one completes the prompt's block)."""
-        b = self.block_length
-        start = len(seq.tokens)
-        end = (start // b + 1) * b
-        seq.tokens += [self.mask_id] * (end - start)
-        seq.out_steps += [None] * (end - start)
-        seq.out_logprobs += [None] * (end - start)
-        seq.block = DLLMBlock(start=start - start % b, end=end, masked=list(range(start, end)),
-                              num_masked_at_start=end - start)
-
     # ---- the step ----------------------------------------------------------------------------
     def step(self) -> list[OutputChunk]:
         t0 = time.perf_counter()
         items = self.scheduler.schedule()
         if not items:
             return []
-        batch, row_owner = self._build_batch(items)
-        t1 = time.perf_counter()
-        result = self.executor.execute(batch)
-        self.stats.forward_seconds += time.perf_counter() - t1
-        self.stats.forwards += 1
-        self._apply_scores(items, batch, result)
-        finished = self._apply_samples(items, row_owner, result)
-        chunks = self._emit(items, finished)
+        try:
+            fwd = self._forward(items)
+        except Exception as e:  # noqa: BLE001 - isolated below; a fatal executor error goes up
+            if getattr(e, "fatal", False):
+                raise
+            chunks = self._isolate(items, e)
+        else:
+            chunks = self._apply(fwd)
         self.stats.steps += 1
         self.stats.step_seconds += time.perf_counter() - t0
         self.stats.last_step_time = time.time()
         return chunks
 
-    def _build_batch(self, items: list[ScheduledSeq]) -> tuple[ForwardBatch, list[tuple[Sequence, list[int]]]]:
-        batch = ForwardBatch([], [], [], [], [], [])
-        row_owner: list[tuple[Sequence, list[int]]] = []  # per sampling item: (seq, positions)
-        page = self.config.kv_block_size
-        k_top = 0
+    def _isolate(self, items: list[ScheduledSeq], error: Exception) -> list[OutputChunk]:
+        """Re-run each request of a failed step alone; end only those that fail alone."""
+        log.warning("engine step over %d requests failed (%s: %s); re-running them one by one",
+                    len(items), type(error).__name__, error)
+        chunks: list[OutputChunk] = []
         for it in items:
-            seq, base = it.seq, len(batch.input_ids)
-            pages = seq.table.pages
-            batch.input_ids += seq.tokens[it.start : it.end]
-            batch.positions += range(it.start, it.end)
-            batch.q_lens.append(it.end - it.start)
-            batch.kv_lens.append(it.end)
-            batch.slot_mapping += [pages[p // page] * page + p % page for p in range(it.start, it.end)]
-            batch.page_tables.append(list(pages))
-            if it.sample:
-                positions = list(seq.block.masked) if seq.block else [it.end - 1]
-                batch.sample_rows += [base + p - it.start for p in positions]
-                row_owner.append((seq, positions))
-            lo, hi = max(it.start, seq.next_score_pos), min(it.end, seq.score_end)
-            if lo < hi:
-                batch.score_rows += [base + p - it.start for p in range(lo, hi)]
-                batch.score_targets += seq.tokens[lo + 1 : hi + 1]
-                k_top = max(k_top, seq.params.logprobs or 0)
-        batch.score_top_k = k_top
-        return batch, row_owner
-
-    def _apply_scores(self, items: list[ScheduledSeq], batch: ForwardBatch, result: ForwardOutput) -> None:
-        i = 0
-        for it in items:
-            seq = it.seq
-            lo, hi = max(it.start, seq.next_score_pos), min(it.end, seq.score_end)
-            if lo < hi:
-                n = hi - lo
-                k = seq.params.logprobs or 0
-                top = [row[:k] for row in result.score_top[i : i + n]] if k and result.score_top else None
-                self.outputs[seq.request_id].add_input_rows(
-                    result.score_values[i : i + n], batch.score_targets[i : i + n], top)
-                seq.next_score_pos = hi
-                i += n
-            # K/V up to here are final, except a DLLM block still being denoised
-            seq.num_computed = seq.block.start if (it.sample and seq.block) else it.end
-            self.kv.register(seq.table, seq.tokens, seq.num_computed)
-
-    def _apply_samples(self, items, row_owner, result: ForwardOutput) -> set[str]:
-        groups, first = [], 0
-        for seq, positions in row_owner:
-            # index of the generated token each row decides: DLLM logits at p decide token p, AR ones token p + 1
-            shift = 0 if seq.block is not None else 1
-            gen_index = [p + shift - seq.prompt_len for p in positions]
-            history = [t for t in seq.tokens if t != self.mask_id] if seq.params.repetition_penalty != 1.0 else []
-            groups.append((first, len(positions), RowGroup(
-                seq.params, seq.generator, history,
-                [g < seq.params.min_new_tokens for g in gen_index], seq.stop_ids)))
-            first += len(positions)
-        ks = []
-        for seq, positions in row_owner:
-            ks += [seq.params.logprobs] * len(positions)
-        done_with_logits = all(k is None for k in ks)  # no logprob rows to read from them afterwards
-        tokens, confidence = (pick_tokens(result.logits, groups, self.is_dllm, overwrite=done_with_logits)
-                              if groups else ([], []))
-        entries = logprob_entries(result.logits, tokens, ks, self.config.logprobs_mode)
-        finished: set[str] = set()
-        for (first, count, _), (seq, positions) in zip(groups, row_owner):
-            sl = slice(first, first + count)
-            if seq.block is None:
-                done = self._advance_ar(seq, tokens[sl][0], entries[sl][0])
+            if it.seq.request_id not in self.seqs:
+                continue
+            try:
+                fwd = self._forward([it])
+            except Exception as e:  # noqa: BLE001 - this request's own failure
+                if getattr(e, "fatal", False):
+                    raise
+                chunks += self._fail_alone(it.seq, e)
             else:
-                done = self._advance_dllm(seq, positions, tokens[sl], confidence[sl], entries[sl])
-            if done:
-                finished.add(seq.request_id)
-        for it in items:  # scoring-only requests end with their prefill
-            seq = it.seq
-            if seq.params.max_new_tokens == 0 and seq.num_computed >= seq.prompt_len:
-                seq.finish_reason = "length"
-                seq.num_output = 0
-                finished.add(seq.request_id)
-        return finished
+                chunks += self._apply(fwd)
+        return chunks
 
-    def _advance_ar(self, seq: Sequence, token: int, entry: dict | None) -> bool:
-        seq.tokens.append(token)
-        seq.out_steps.append(None)
-        seq.out_logprobs.append(entry)
-        self.stats.generated_tokens += 1
-        n = seq.num_generated_positions
-        if self._is_stop(seq, n - 1):
-            seq.finish_reason, seq.num_output = "stop", n
-        elif n >= seq.params.max_new_tokens:
-            seq.finish_reason, seq.num_output = "length", n
-        return seq.finish_reason is not None
-
-    def _advance_dllm(self, seq: Sequence, positions: list[int], tokens: list[int],
-                      confidence: list[float], entries: list) -> bool:
-        block = seq.block
-        n = tokens_this_step(block.num_masked_at_start, self.denoising_steps, block.step_index)
-        chosen = choose_positions(self.config.dllm_unmasking_strategy, positions, confidence, n,
-                                  self.config.dllm_confidence_threshold)
-        seq.step_counter += 1
-        self.stats.unmasking_steps += 1
-        block.step_index += 1
-        index = {p: i for i, p in enumerate(positions)}
-        for p in chosen:
-            g = p - seq.prompt_len
-            seq.tokens[p] = tokens[index[p]]
-            seq.out_steps[g] = seq.step_counter
-            seq.out_logprobs[g] = entries[index[p]]
-        block.masked = [p for p in block.masked if p not in set(chosen)]
-        self.stats.generated_tokens += len(chosen)
-        limit = self._dllm_output_limit(seq)
-        shown = [p for p in chosen if p - seq.prompt_len < limit]
-        if shown:
-            self.outputs[seq.request_id].add_trace({
-                "step": seq.step_counter,
-                "positions": [p - seq.prompt_len for p in shown],
-                "token_ids": [seq.tokens[p] for p in shown],
-            })
-        if seq.finish_reason is not None:
-            return True
-        if not block.masked:
-            if seq.prompt_len + seq.params.max_new_tokens <= block.end:
-                seq.finish_reason, seq.num_output = "length", seq.params.max_new_tokens
-                return True
-            self._open_block(seq)
-        return False
-
-    def _dllm_output_limit(self, seq: Sequence) -> int:
-        """Scan the revealed prefix; sets finish_reason once the output is fully determined.
-        Returns how many generated positions can still be part of the output."""
-        p = seq.params
-        limit = p.max_new_tokens
-        for g in range(seq.num_generated_positions):
-            if g >= p.max_new_tokens:
-                break
-            if seq.out_steps[g] is None:  # still masked: positions after a later stop may matter
-                for h in range(g + 1, min(seq.num_generated_positions, p.max_new_tokens)):
-                    if seq.out_steps[h] is not None and self._is_stop(seq, h):
-                        return h + 1
-                return limit
-            if self._is_stop(seq, g):
-                seq.finish_reason, seq.num_output = "stop", g + 1
-                return g + 1
-            if g + 1 == p.max_new_tokens:
-                seq.finish_reason, seq.num_output = "length", g + 1
-        return limit
+    def _fail_alone(self, seq: Sequence, error: Exception) -> list[OutputChunk]:
+        log.error("request %s failed in its own step: %s: %s", seq.request_id, type(error).__name__, error)
+        self.stats.isolated_failures += 1
+        chunk = self.fail(seq.request_id, self._failure_message(seq, error))
+        return [chunk] if chunk is not None else []
 
     @staticmethod
-    def _is_stop(seq: Sequence, g: int) -> bool:
-        return seq.tokens[seq.prompt_len + g] in seq.stop_ids and g >= seq.params.min_new_tokens
+    def _failure_message(seq: Sequence, error: Exception) -> str:
+        p = seq.params
+        named = ", ".join(f"{f}={getattr(p, f)!r}" for f in _SAMPLING_FIELDS if f in p.model_fields_set)
+        return (f"this request's step failed ({type(error).__name__}: {error}); its sampling parameters: "
+                f"{named or 'defaults'}: change them and retry")
 
-    def num_visible(self, seq: Sequence) -> int:
-        """Leading generated tokens that are final (revealed and inside the output)."""
-        if seq.num_output is not None:
-            return seq.num_output
-        if seq.block is None:
-            return seq.num_generated_positions
-        n = 0
-        limit = min(seq.num_generated_positions, seq.params.max_new_tokens)
-        while n < limit and seq.out_steps[n] is not None:
-            n += 1
-        return n
+    def _forward(self, items: list[ScheduledSeq]) -> _Forward:
+        """Run the model and the sampler; nothing is applied to the sequences yet."""
+        batch, slices = build_batch(items, self.decoding, self.config.kv_block_size)
+        t = time.perf_counter()
+        result = self.executor.execute(batch)
+        self.stats.forward_seconds += time.perf_counter() - t
+        self.stats.forwards += 1
+        return _Forward(items, batch, result, slices, self._pick(result, slices))
+
+    def _pick(self, result: ForwardOutput, slices: list[SampleSlice]) -> list[PickedRows]:
+        if not slices:
+            return []
+        groups, ks = [], []
+        for sl in slices:
+            seq = sl.seq
+            suppress = [self.decoding.token_index(seq, p) < seq.params.min_new_tokens for p in sl.positions]
+            penalty = sorted(seq.penalty_ids) if seq.params.repetition_penalty != 1.0 else []
+            groups.append((sl.first, len(sl.positions), RowGroup(
+                seq.params, seq.seed, seq.num_draws, penalty, suppress, seq.stop_ids,
+                self.decoding.wants_entropy(seq))))
+            ks += [seq.params.logprobs] * len(sl.positions)
+        mode = self.config.logprobs_mode
+        processed = mode in ("processed_logprobs", "processed_logits") and any(k is not None for k in ks)
+        picked = pick_tokens(result.logits, groups, self.decoding.needs_confidence,
+                             overwrite=all(k is None for k in ks), keep_processed=processed)
+        entries = logprob_entries(picked.processed if processed else result.logits, picked.tokens, ks, mode)
+        out = []
+        for sl in slices:
+            rows = slice(sl.first, sl.first + len(sl.positions))
+            out.append(PickedRows(
+                sl.positions, picked.tokens[rows], picked.confidence[rows] if picked.confidence else [],
+                picked.entropy[rows] if picked.entropy is not None else None, entries[rows]))
+        return out
+
+    def _apply(self, fwd: _Forward) -> list[OutputChunk]:
+        take_score_rows(fwd.items, fwd.batch, fwd.result, self.outputs)
+        for it in fwd.items:  # K/V final up to here
+            seq = it.seq
+            seq.num_computed = self.decoding.computed_after(seq, it.end, it.sample)
+            self.kv.register(seq.table, seq.tokens, seq.num_computed)
+        finished: set[str] = set()
+        chunks: list[OutputChunk] = []
+        for sl, rows in zip(fwd.slices, fwd.picked):
+            try:
+                if self._advance(sl.seq, rows):
+                    finished.add(sl.seq.request_id)
+            except Exception as e:  # noqa: BLE001 - ends this request only
+                chunks += self._fail_alone(sl.seq, e)
+        for it in fwd.items:  # scoring-only requests end with their prefill
+            seq = it.seq
+            if seq.params.max_new_tokens == 0 and seq.num_computed >= seq.prompt_len:
+                seq.finish("length", 0)
+                finished.add(seq.request_id)
+        return chunks + self._emit(fwd.items, finished)
+
+    def _advance(self, seq: Sequence, rows: PickedRows) -> bool:
+        """Apply one sequence's picked tokens, feed the newly final ones to the stop rule and trace
+        the step; True once the request is finished."""
+        seq.num_draws += len(rows.positions)
+        revealed = self.decoding.advance(seq, rows)
+        self.stats.generated_tokens += len(revealed)
+        self.stats.unmasking_steps += self.is_dllm
+        stop = seq.stop
+        final = min(self.decoding.num_final(seq), seq.params.max_new_tokens)
+        base = seq.prompt_len
+        while stop.decision is None and stop.num_consumed < final:
+            stop.consume(seq.tokens[base + stop.num_consumed])
+        if stop.decision is not None:
+            seq.finish(stop.decision.reason, stop.decision.num_tokens, stop.decision.matched)
+        if self.is_dllm:  # the trace shows what this step revealed inside the (possible) output
+            limit = seq.num_output if seq.num_output is not None else seq.stop_bound
+            shown = [g for g in revealed if g < limit]
+            if shown:
+                self.outputs[seq.request_id].add_trace({
+                    "step": seq.step_counter, "positions": shown, "token_ids": [seq.tokens[base + g] for g in shown],
+                })
+        if seq.finish_reason is not None:
+            return True
+        self.decoding.after_step(seq)
+        return False
 
     def _emit(self, items: list[ScheduledSeq], finished: set[str]) -> list[OutputChunk]:
         chunks = []
@@ -343,14 +354,8 @@ class LLMEngine:
             seq = it.seq
             if seq.request_id not in self.seqs:
                 continue
-            builder = self.outputs[seq.request_id]
-            visible = self.num_visible(seq)
             done = seq.request_id in finished
-            if not done:
-                cut = builder.find_stop_word(visible)
-                if cut is not None:
-                    seq.finish_reason, seq.num_output, visible, done = "stop", cut, cut, True
-            chunk = builder.build(visible, done)
+            chunk = self.outputs[seq.request_id].build(done)
             if chunk is not None:
                 chunks.append(chunk)
             if done:

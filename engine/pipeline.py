@@ -1,4 +1,9 @@
-"""The offline API (CONTRACT.md §2): `pipeline(path, engine_config=...)` runs in-process, no Ray."""
+"""The offline API: `pipeline(path, engine_config=...)` runs the engine in this process, no Ray.
+
+`pipe(prompts, gen_config)`: a str or a flat list of token ids is one prompt and gets one Response;
+a list of those is a batch and gets a list. `gen_config` is one GenerationConfig for every prompt, or
+a list with one per prompt (as lmdeploy's pipeline takes them).
+"""
 
 from __future__ import annotations
 
@@ -27,16 +32,23 @@ class Pipeline:
     def tokenizer(self):
         return self.engine.tokenizer
 
-    def __call__(self, prompts: Prompt | list[Prompt], gen_config: GenerationConfig | None = None
-                 ) -> Response | list[Response]:
+    def __call__(self, prompts: Prompt | list[Prompt],
+                 gen_config: GenerationConfig | list[GenerationConfig] | None = None) -> Response | list[Response]:
         single = _is_single(prompts)
         batch = [prompts] if single else list(prompts)
         if not batch:
             raise ValueError("prompts is empty: pass a string, a list of token ids, or a list of those")
+        if isinstance(gen_config, list):
+            if len(gen_config) != len(batch):
+                raise ValueError(f"gen_config: a list needs one GenerationConfig per prompt ({len(batch)}), "
+                                 f"got {len(gen_config)}")
+            configs = gen_config
+        else:
+            configs = [gen_config] * len(batch)
         ids = []
         try:
-            for p in batch:
-                ids.append(self.engine.add_request(p, gen_config))
+            for p, config in zip(batch, configs):
+                ids.append(self.engine.add_request(p, config))
         except ValueError:
             for rid in ids:
                 self.engine.abort(rid)

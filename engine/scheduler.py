@@ -1,8 +1,9 @@
 """Continuous batching: which sequences run in the next forward, and how many of their tokens.
 
 Every step takes running sequences first (AR decode rows, DLLM denoising blocks), then admits
-waiting ones (prefill, chunked under `max_prefill_token_num`). A DLLM chunk always ends on a DLLM
-block boundary, because a query sees every key of its own block. When KV pages run out, the
+waiting ones (prefill, chunked under `max_prefill_token_num`). What a sequence feeds next comes
+from its decoding strategy; a chunk ends on a multiple of the strategy's `chunk_alignment` (a
+block-diffusion query sees every key of its own block). When KV pages run out, the
 newest running sequence is preempted: its pages are freed and it is recomputed later from its
 tokens, which reproduces exactly the state it had.
 """
@@ -13,6 +14,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from configs import EngineConfig
+from engine.decoding import DecodingStrategy
 from engine.kv_cache import KVBlockManager
 from engine.sequence import SeqStatus, Sequence
 
@@ -28,10 +30,10 @@ class ScheduledSeq:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv: KVBlockManager, dllm_block_length: int | None):
+    def __init__(self, config: EngineConfig, kv: KVBlockManager, decoding: DecodingStrategy):
         self.config = config
         self.kv = kv
-        self.block_length = dllm_block_length
+        self.decoding = decoding
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -47,41 +49,13 @@ class Scheduler:
             self.waiting.remove(seq)
         self.kv.free(seq.table)
 
-    def _is_decoding(self, seq: Sequence) -> bool:
-        """Past its prefill: an AR decode row, or a DLLM block (with at most the commit of the last).
-        Such work is not charged to the chunked-prefill budget."""
-        if seq.block is None:
-            return len(seq.tokens) - seq.num_computed <= 1
-        return seq.block.end - seq.num_computed <= 2 * self.block_length
-
-    # ---- what a sequence needs next --------------------------------------------------------
-    def _target(self, seq: Sequence) -> tuple[int, bool]:
-        """(end of the tokens to feed, whether the forward reaching it samples)."""
-        if seq.block is None:  # AR: everything not yet computed; logits at the newest token
-            return len(seq.tokens), seq.params.max_new_tokens > 0
-        block = seq.block
-        if (not self.config.dllm_commit_fusion and seq.num_computed < block.start
-                and seq.step_counter > 0):
-            return block.start, False  # unfused commit forward of the finished block
-        return block.end, True
-
-    def _prefix_limit(self, seq: Sequence) -> int:
-        """How many leading tokens may come from the prefix cache."""
-        if seq.block is not None:
-            return seq.block.start  # committed tokens only
-        limit = len(seq.tokens) - 1  # the newest token must be computed to get logits
-        if seq.wants_input_logprobs:
-            limit = min(limit, seq.params.logprob_start_len)  # every scored row is computed
-        return limit
-
     def _chunk_end(self, seq: Sequence, budget: int) -> int | None:
-        target, _ = self._target(seq)
+        target, _ = self.decoding.feed_target(seq)
         start = seq.num_computed
         if target - start <= budget:
             return target
         end = start + budget
-        if self.block_length:
-            end -= end % self.block_length
+        end -= end % self.decoding.chunk_alignment
         return end if end > start else None
 
     # ---- the step ----------------------------------------------------------------------------
@@ -91,7 +65,7 @@ class Scheduler:
         i = 0
         while i < len(self.running):
             seq = self.running[i]
-            decoding = self._is_decoding(seq)
+            decoding = self.decoding.is_decoding(seq)
             item = self._try_schedule(seq, _UNLIMITED if decoding else budget, out, first=not out)
             if item is None:
                 if seq in self.running:  # could not place it this step; it keeps its pages
@@ -103,7 +77,7 @@ class Scheduler:
             i += 1
         while self.waiting and len(self.running) < self.config.max_batch_size and budget > 0:
             seq = self.waiting[0]
-            seq.num_computed = self.kv.match_prefix(seq.table, seq.tokens, self._prefix_limit(seq))
+            seq.num_computed = self.kv.match_prefix(seq.table, seq.tokens, self.decoding.cacheable_prefix(seq))
             item = self._try_schedule(seq, budget, out, first=not out, admitting=True)
             if item is None:  # wait without sitting on cached pages others may need
                 self.kv.undo_match(seq.table, seq.num_computed)
@@ -118,7 +92,7 @@ class Scheduler:
 
     def _try_schedule(self, seq: Sequence, budget: int, scheduled: list[ScheduledSeq],
                       first: bool, admitting: bool = False) -> ScheduledSeq | None:
-        end = self._chunk_end(seq, budget if not first else max(budget, self.block_length or 1))
+        end = self._chunk_end(seq, budget if not first else max(budget, self.decoding.chunk_alignment))
         if end is None:
             return None
         while not self.kv.allocate(seq.table, end):
@@ -129,7 +103,7 @@ class Scheduler:
             self._preempt(victims[-1] if victims else seq)
             if not victims:
                 return None
-        target, sample = self._target(seq)
+        target, sample = self.decoding.feed_target(seq)
         return ScheduledSeq(seq, seq.num_computed, end, sample and end == target)
 
     def _preempt(self, seq: Sequence) -> None:

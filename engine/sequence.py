@@ -1,14 +1,17 @@
-"""A request's state inside the engine: its tokens, its KV pages, and (DLLM) its current block."""
+"""A request's state inside the engine: its tokens, its KV pages, and (block diffusion) its current block."""
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from configs import GenerationConfig
 from engine.kv_cache import PageTable
+
+if TYPE_CHECKING:
+    from engine.decoding.unmasking import UnmaskingSettings
+    from engine.stopping import StopChecker
 
 
 class SeqStatus(enum.Enum):
@@ -25,7 +28,7 @@ class DLLMBlock:
     end: int
     masked: list[int]  # absolute positions still masked, ascending
     num_masked_at_start: int
-    step_index: int = 0  # s in CONTRACT.md §3
+    step_index: int = 0  # the block's own step counter s (0-based)
 
 
 @dataclass
@@ -34,24 +37,32 @@ class Sequence:
     prompt_ids: list[int]
     params: GenerationConfig
     stop_ids: frozenset[int]
-    generator: torch.Generator
+    stop: StopChecker
+    seed: int
     arrival: int
-    tokens: list[int] = field(default_factory=list)  # prompt + generated positions (DLLM: masks too)
+    tokens: list[int] = field(default_factory=list)  # prompt + generated positions (block diffusion: masks too)
     num_computed: int = 0  # leading tokens whose K/V in the cache are final
     table: PageTable = field(default_factory=PageTable)
     status: SeqStatus = SeqStatus.WAITING
-    # Per generated position (index = position - prompt_len): the step that revealed it (DLLM)
-    # and its logprob entry; None while the position is masked.
+    # Per generated position (index = position - prompt_len): the step that revealed it (block
+    # diffusion) and its logprob entry; None while the position is masked.
     out_steps: list[int | None] = field(default_factory=list)
+    out_block_steps: list[int | None] = field(default_factory=list)  # step index within its block, 1-based
     out_logprobs: list[dict | None] = field(default_factory=list)
-    # DLLM
+    penalty_ids: set[int] = field(default_factory=set)  # every token id seen (repetition penalty)
+    num_draws: int = 0  # random draws consumed (the sampler's counter)
+    # block diffusion
+    unmasking: UnmaskingSettings | None = None
     block: DLLMBlock | None = None
     step_counter: int = 0
+    num_revealed: int = 0  # leading generated positions revealed (contiguous)
+    stop_bound: int = 0  # the output cannot reach past this many tokens (a revealed stop id, max_new_tokens)
     # scoring: next position whose logits row (scoring token position+1) is still owed
     next_score_pos: int = 0
     num_preemptions: int = 0
     finish_reason: str | None = None
     num_output: int | None = None  # generated tokens to output, fixed once the request finishes
+    matched: int | str | None = None  # the stop id or stop string that ended it
 
     @property
     def prompt_len(self) -> int:
@@ -69,3 +80,6 @@ class Sequence:
     def score_end(self) -> int:
         """One past the last position whose logits score an input token (rows for N .. L-2)."""
         return self.prompt_len - 1 if self.wants_input_logprobs else 0
+
+    def finish(self, reason: str, num_output: int, matched: int | str | None = None) -> None:
+        self.finish_reason, self.num_output, self.matched = reason, num_output, matched

@@ -62,7 +62,7 @@ ENGINE_ERRORS = [
     ({"dllm_block_length": 0}, "dllm_block_length"),
     ({"dllm_denoising_steps": 0}, "dllm_denoising_steps"),
     ({"dllm_confidence_threshold": 1.5}, "dllm_confidence_threshold"),
-    ({"logprobs_mode": "processed_logprobs"}, "logprobs_mode"),
+    ({"logprobs_mode": "processed"}, "logprobs_mode"),
     ({"attention_backend": "xformers"}, "attention_backend"),
     ({"tp": 0}, "tp"),
     ({"max_batch_size": 0}, "max_batch_size"),
@@ -84,13 +84,15 @@ def test_engine_config_errors_name_the_field(kwargs, field):
 
 
 def test_engine_config_valid_values():
-    for strategy in ("low_confidence_dynamic", "low_confidence_static", "sequential"):
+    for strategy in ("low_confidence_dynamic", "low_confidence_static", "sequential", "entropy_bounded"):
         EngineConfig(dllm_unmasking_strategy=strategy)
     for dtype in ("auto", "float32", "bfloat16", "float16"):
         EngineConfig(dtype=dtype)
     EngineConfig(num_kv_blocks=0.5, logprobs_mode="raw_logits")
     EngineConfig(num_kv_blocks=1.0, logprobs_mode="raw_logprobs")
     EngineConfig(logprobs_mode=None)
+    EngineConfig(logprobs_mode="processed_logprobs")
+    EngineConfig(logprobs_mode="processed_logits")
 
 
 # ---- requests ----------------------------------------------------------------------------------

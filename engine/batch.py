@@ -1,0 +1,42 @@
+"""What goes into one forward: the flat batch of scheduled token ranges, and which logits rows
+belong to which sequence."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.decoding import DecodingStrategy
+from engine.runner import ForwardBatch
+from engine.scheduler import ScheduledSeq
+from engine.scoring import add_score_rows
+from engine.sequence import Sequence
+
+
+@dataclass
+class SampleSlice:
+    """The logits rows [first, first + len(positions)) pick tokens for `positions` of `seq`."""
+
+    seq: Sequence
+    first: int
+    positions: list[int]
+
+
+def build_batch(items: list[ScheduledSeq], decoding: DecodingStrategy, page_size: int
+                ) -> tuple[ForwardBatch, list[SampleSlice]]:
+    batch = ForwardBatch([], [], [], [], [], [])
+    slices: list[SampleSlice] = []
+    for it in items:
+        seq, base = it.seq, len(batch.input_ids)
+        pages = seq.table.pages
+        batch.input_ids += seq.tokens[it.start : it.end]
+        batch.positions += range(it.start, it.end)
+        batch.q_lens.append(it.end - it.start)
+        batch.kv_lens.append(it.end)
+        batch.slot_mapping += [pages[p // page_size] * page_size + p % page_size for p in range(it.start, it.end)]
+        batch.page_tables.append(pages[: -(-it.end // page_size)])
+        if it.sample:
+            positions = decoding.sample_positions(seq, it.end)
+            slices.append(SampleSlice(seq, len(batch.sample_rows), positions))
+            batch.sample_rows += [base + p - it.start for p in positions]
+        add_score_rows(batch, it, base)
+    return batch, slices

@@ -1,0 +1,76 @@
+"""The interface every decoding paradigm implements; the scheduler and the engine call only this.
+
+A strategy is stateless: a request's decoding state lives on its `Sequence`. Per step the engine
+asks what to feed (`feed_target`) and which positions' logits pick tokens (`sample_positions`),
+hands the picked tokens back (`advance`), then asks how much of the output is final
+(`num_final`) and feeds those tokens to the stop rule; when the request goes on, `after_step`
+prepares the next step (block diffusion: opens the next block).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+from engine.sequence import Sequence
+
+
+@dataclass
+class PickedRows:
+    """What the sampler made of one sequence's rows (one entry per sampled position)."""
+
+    positions: list[int]
+    tokens: list[int]
+    confidence: list[float]
+    entropy: list[float] | None
+    logprobs: list[dict | None]
+
+
+class DecodingStrategy(ABC):
+    #: feeds must end on multiples of this (a block-causal query sees its whole block)
+    chunk_alignment: int = 1
+    #: whether the unmasking needs the confidence of every sampled row
+    needs_confidence: bool = True
+
+    @abstractmethod
+    def start(self, seq: Sequence) -> None:
+        """Prepare a newly added sequence."""
+
+    @abstractmethod
+    def feed_target(self, seq: Sequence) -> tuple[int, bool]:
+        """(end of the tokens to feed next, whether the forward that reaches it samples)."""
+
+    @abstractmethod
+    def cacheable_prefix(self, seq: Sequence) -> int:
+        """How many leading tokens may come from the prefix cache."""
+
+    @abstractmethod
+    def is_decoding(self, seq: Sequence) -> bool:
+        """Past its prefill (not charged to the chunked-prefill budget)."""
+
+    @abstractmethod
+    def sample_positions(self, seq: Sequence, end: int) -> list[int]:
+        """Positions whose logits pick tokens, in a forward that fed the sequence up to `end`."""
+
+    @abstractmethod
+    def token_index(self, seq: Sequence, position: int) -> int:
+        """Index of the generated token that the logits at `position` decide."""
+
+    @abstractmethod
+    def computed_after(self, seq: Sequence, end: int, sampled: bool) -> int:
+        """Leading tokens whose K/V are final after a forward that fed up to `end`."""
+
+    @abstractmethod
+    def advance(self, seq: Sequence, rows: PickedRows) -> list[int]:
+        """Apply the picked tokens; returns the generated indices revealed, ascending."""
+
+    @abstractmethod
+    def num_final(self, seq: Sequence) -> int:
+        """Leading generated tokens that will not change any more."""
+
+    @abstractmethod
+    def after_step(self, seq: Sequence) -> None:
+        """Called when the request goes on after a step."""
+
+    def wants_entropy(self, seq: Sequence) -> bool:
+        return False
