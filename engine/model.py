@@ -1,22 +1,29 @@
-"""The Qwen3 layer stack shared by `qwen3` (causal) and `sdar` (block-causal), tensor-parallel ready.
+"""The Qwen3 layer stack shared by `qwen3` / `qwen3_moe` (causal) and `sdar` / `sdar_moe`
+(block-causal), tensor-parallel ready.
 
-Parameter names equal the checkpoint's tensor names, so loading is a name lookup plus, under
-tensor parallelism, a slice: column-parallel projections (q/k/v, gate/up) split their output rows
-by head / by channel, row-parallel ones (o, down) split their input columns and all-reduce, the
-embedding and LM head split the vocabulary.
+Parameter names equal the checkpoint's tensor names except for routed experts (stacked per layer,
+see engine/moe.py), so loading is a name lookup plus, under tensor parallelism, a slice:
+column-parallel projections (q/k/v, gate/up) split their output rows by head / by channel,
+row-parallel ones (o, down) split their input columns and all-reduce, the embedding and LM head
+split the vocabulary, norms and the MoE router are replicated. Each rank reads only its own slice
+of each tensor (`load_weights` takes lazy safetensors slices), and the model is built on the `meta`
+device and materialised once in the serving dtype (`materialize`), so no float32 random init ever runs.
 """
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from engine.checkpoint import CheckpointError, ModelSpec
+from engine.checkpoint import CheckpointError, ModelSpec, RopeScaling, WeightSlice, weight_shape
+from engine.moe import MoEStats, SparseMoeBlock
 from ops.attention import AttentionBackend, AttentionMetadata
-from ops.layers import apply_rope, rms_norm, rope_cos_sin, silu_and_mul
+from ops.layers import apply_rope, rms_norm, silu_and_mul
 
 
 @dataclass(frozen=True)
@@ -90,10 +97,13 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, tp: TPContext):
+    def __init__(self, spec: ModelSpec, tp: TPContext, index: int, moe_stats: MoEStats):
         super().__init__()
         self.self_attn = Attention(spec, tp)
-        self.mlp = MLP(spec, tp)
+        if spec.moe is not None and index in spec.moe.sparse_layers:
+            self.mlp = SparseMoeBlock(spec.hidden_size, spec.moe, tp.size, tp.all_reduce, moe_stats)
+        else:
+            self.mlp = MLP(spec, tp)
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
@@ -119,15 +129,62 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class Qwen3Backbone(nn.Module):
-    def __init__(self, spec: ModelSpec, tp: TPContext):
+    def __init__(self, spec: ModelSpec, tp: TPContext, moe_stats: MoEStats):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, tp)
-        self.layers = nn.ModuleList(DecoderLayer(spec, tp) for _ in range(spec.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(spec, tp, i, moe_stats) for i in range(spec.num_hidden_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
 
+def rope_inv_freq(spec: ModelSpec) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies [head_dim/2], factor applied to cos and sin), as transformers computes
+    them for the default rotary embedding and for YaRN."""
+    dim, base = spec.head_dim, spec.rope_theta
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim)
+    scaling: RopeScaling | None = spec.rope_scaling
+    if scaling is None:
+        return 1.0 / pos_freqs, 1.0
+
+    def correction_dim(rotations: float) -> float:
+        turns = scaling.original_max_position_embeddings / (rotations * 2 * math.pi)
+        return dim * math.log(turns) / (2 * math.log(base))
+
+    low, high = correction_dim(scaling.beta_fast), correction_dim(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp
+    inv_freq = (1.0 / (scaling.factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, scaling.attention_factor
+
+
+class RotaryEmbedding:
+    """cos/sin tables [T, head_dim] (rotate-half layout) for absolute positions, scaled like HF."""
+
+    def __init__(self, spec: ModelSpec):
+        self.inv_freq, self.scaling = rope_inv_freq(spec)
+
+    def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos(), emb.sin()
+        if self.scaling != 1.0:
+            cos, sin = cos * self.scaling, sin * self.scaling
+        return cos.to(dtype), sin.to(dtype)
+
+
+_EXPERT_TENSOR = re.compile(r"^(model\.layers\.\d+\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
 class Qwen3ForCausalLM(nn.Module):
-    """`forward` returns final hidden states; `logits` projects only the rows asked for."""
+    """`forward` returns final hidden states; `logits` projects only the rows asked for.
+
+    Build it under `torch.device("meta")`, then `materialize(device, dtype)` and `load_weights`."""
 
     def __init__(self, spec: ModelSpec, tp: TPContext | None = None):
         super().__init__()
@@ -138,8 +195,18 @@ class Qwen3ForCausalLM(nn.Module):
             if n % tp.size:
                 raise ValueError(f"tp={tp.size} must divide the model's {name} ({n})")
         self.spec, self.tp = spec, tp
-        self.model = Qwen3Backbone(spec, tp)
+        self.moe_stats = MoEStats()
+        self.model = Qwen3Backbone(spec, tp, self.moe_stats)
         self.lm_head = nn.Linear(spec.hidden_size, self.model.embed_tokens.shard, bias=False)
+        self.rotary = RotaryEmbedding(spec)
+
+    def materialize(self, device: torch.device, dtype: torch.dtype) -> Qwen3ForCausalLM:
+        """Allocate every parameter (uninitialised) in `dtype` on `device`; tie the LM head if asked.
+        Untouched allocations cost no resident memory until `load_weights` writes them."""
+        self.to(dtype=dtype).to_empty(device=device)
+        if self.spec.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        return self
 
     def forward(
         self,
@@ -150,7 +217,7 @@ class Qwen3ForCausalLM(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
-        cos, sin = rope_cos_sin(positions, self.spec.head_dim, self.spec.rope_theta, x.dtype)
+        cos, sin = self.rotary(positions, x.dtype)
         backend.prepare(meta)
         for layer, kv in zip(self.model.layers, kv_caches):
             x = layer(x, cos, sin, kv, meta, backend)
@@ -165,48 +232,88 @@ class Qwen3ForCausalLM(nn.Module):
     _COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
     _ROW = ("o_proj", "down_proj")
 
-    def _shard(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """This rank's slice of a full checkpoint tensor."""
-        tp = self.tp
-        if tp.size == 1:
-            return tensor
-        if name.endswith(("embed_tokens.weight", "lm_head.weight")):
-            shard = self.model.embed_tokens.shard
-            padded = torch.zeros(shard * tp.size, *tensor.shape[1:], dtype=tensor.dtype)
-            padded[: tensor.shape[0]] = tensor
-            return padded[tp.rank * shard : (tp.rank + 1) * shard]
+    def checkpoint_names(self) -> list[str]:
+        """Every tensor name the checkpoint must hold for this model (per-expert names for routed layers)."""
+        names = []
+        for name, param in self.named_parameters(remove_duplicate=False):
+            prefix, _, leaf = name.rpartition(".")
+            if leaf in ("w13", "w2"):
+                projs = ("gate_proj", "up_proj") if leaf == "w13" else ("down_proj",)
+                names += [f"{prefix}.experts.{e}.{p}.weight" for e in range(param.shape[0]) for p in projs]
+            elif not (name == "lm_head.weight" and self.spec.tie_word_embeddings):
+                names.append(name)
+        return names
+
+    def _kind(self, name: str) -> str:
         parts = name.split(".")
+        if name.endswith(("embed_tokens.weight", "lm_head.weight")):
+            return "vocab"
         if len(parts) >= 2 and parts[-2] in self._COLUMN:
-            return tensor.chunk(tp.size, dim=0)[tp.rank]
+            return "column"
         if len(parts) >= 2 and parts[-2] in self._ROW and parts[-1] == "weight":
-            return tensor.chunk(tp.size, dim=1)[tp.rank]
-        return tensor
+            return "row"
+        return "replicated"
+
+    def _full_shape(self, kind: str, local: tuple[int, ...]) -> tuple[int, ...]:
+        n = self.tp.size
+        if kind == "vocab":
+            return (self.spec.vocab_size, *local[1:])
+        if kind == "column":
+            return (local[0] * n, *local[1:])
+        if kind == "row":
+            return (local[0], local[1] * n)
+        return local
+
+    def _read_shard(self, kind: str, weight: WeightSlice, local: tuple[int, ...]) -> torch.Tensor:
+        """Read only this rank's part of a full checkpoint tensor (`weight` may be a lazy slice)."""
+        r = self.tp.rank
+        if self.tp.size == 1 or kind == "replicated":
+            return weight[...]
+        if kind == "vocab":  # the last rank's rows past the vocabulary are zero padding
+            lo = min(r * local[0], self.spec.vocab_size)
+            rows = weight[lo : min(lo + local[0], self.spec.vocab_size)]
+            return torch.cat([rows, rows.new_zeros(local[0] - rows.shape[0], *local[1:])])
+        if kind == "column":
+            return weight[r * local[0] : (r + 1) * local[0]]
+        return weight[:, r * local[1] : (r + 1) * local[1]]
+
+    def _destination(self, name: str, params: dict[str, nn.Parameter]) -> tuple[torch.Tensor, str] | None:
+        """(the tensor this checkpoint tensor fills, how it is split), or None if it is no part of us."""
+        expert = _EXPERT_TENSOR.match(name)
+        if expert is None:
+            return (params[name], self._kind(name)) if name in params else None
+        prefix, e, proj = expert.group(1), int(expert.group(2)), expert.group(3)
+        stacked = params.get(f"{prefix}.{'w2' if proj == 'down_proj' else 'w13'}")
+        if stacked is None or e >= stacked.shape[0]:
+            return None
+        if proj == "down_proj":
+            return stacked[e], "row"
+        inter = stacked.shape[1] // 2
+        return (stacked[e, :inter] if proj == "gate_proj" else stacked[e, inter:]), "column"
 
     def load_weights(self, weights) -> None:
-        """Copy (name, tensor) pairs in; tie the LM head when the checkpoint says so."""
-        params = dict(self.named_parameters())
+        """Copy (name, tensor or lazy safetensors slice) pairs in, reading only this rank's slice of
+        each. Every tensor `checkpoint_names` lists must come; unknown names are refused."""
+        params = dict(self.named_parameters(remove_duplicate=False))
         seen: set[str] = set()
-        for name, tensor in weights:
-            if name not in params:
-                if name.startswith("lm_head") and self.spec.tie_word_embeddings:
-                    continue
-                if "rotary_emb" in name:
-                    continue
-                raise CheckpointError(f"checkpoint tensor {name!r} is not part of a Qwen3 model")
-            shard = self._shard(name, tensor)
-            param = params[name]
-            if shard.shape != param.shape:
+        for name, weight in weights:
+            target = self._destination(name, params)
+            if (name.startswith("lm_head") and self.spec.tie_word_embeddings) or "rotary_emb" in name:
+                continue  # tied: the embedding is the LM head; rotary tables are computed, not loaded
+            if target is None:
+                raise CheckpointError(f"checkpoint tensor {name!r} is not part of a {self.spec.model_type} model")
+            dest, kind = target
+            want = self._full_shape(kind, tuple(dest.shape))
+            shape = weight_shape(weight)
+            if shape != want:
                 raise CheckpointError(
-                    f"tensor {name!r} has shape {tuple(tensor.shape)}, but config.json implies "
-                    f"{tuple(param.shape)} (tp={self.tp.size}); is config.json from this checkpoint?"
+                    f"tensor {name!r} has shape {shape}, but config.json implies "
+                    f"{want}; is config.json from this checkpoint?"
                 )
             with torch.no_grad():
-                param.copy_(shard)
+                dest.copy_(self._read_shard(kind, weight, tuple(dest.shape)))
             seen.add(name)
-        if self.spec.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-            seen.add("lm_head.weight")
-        missing = sorted(set(params) - seen)
+        missing = [n for n in self.checkpoint_names() if n not in seen]
         if missing:
             raise CheckpointError(f"checkpoint lacks tensors: {', '.join(missing[:5])}"
                                   + (" ..." if len(missing) > 5 else ""))

@@ -49,10 +49,24 @@ def resolve_device(config: EngineConfig) -> torch.device:
     return torch.device(config.device)
 
 
-def resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
+def resolve_dtype(config: EngineConfig, device: torch.device, spec: ModelSpec | None = None) -> torch.dtype:
+    """`auto`: float32 on CPU; on CUDA the checkpoint's `torch_dtype` (bfloat16 when it names none)."""
     if config.dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        if device.type != "cuda":
+            return torch.float32
+        return getattr(torch, spec.torch_dtype) if spec is not None and spec.torch_dtype else torch.bfloat16
     return getattr(torch, config.dtype)
+
+
+def build_model(spec: ModelSpec, device: torch.device, dtype: torch.dtype, tp: TPContext | None) -> Qwen3ForCausalLM:
+    """The model shard in `dtype` on `device`, loaded from the checkpoint: built on the meta device
+    (no random init), allocated once, then filled with this rank's slices read from the
+    memory-mapped safetensors files."""
+    with torch.device("meta"):
+        model = Qwen3ForCausalLM(spec, tp)
+    model.materialize(device, dtype)
+    model.load_weights(iter_weights(spec.path))
+    return model.eval()
 
 
 def page_bytes(spec: ModelSpec, page_size: int, dtype: torch.dtype, tp_size: int) -> int:
@@ -90,13 +104,11 @@ class ModelRunner:
     def __init__(self, spec: ModelSpec, config: EngineConfig, tp: TPContext | None = None):
         self.spec, self.config = spec, config
         self.device = resolve_device(config)
-        self.dtype = resolve_dtype(config, self.device)
+        self.dtype = resolve_dtype(config, self.device, spec)
         self.backend = make_attention_backend(config.attention_backend, self.device)
         self.dllm_block_length = None
         torch.manual_seed(config.seed)
-        model = Qwen3ForCausalLM(spec, tp)
-        model.load_weights(iter_weights(spec.path))
-        self.model = model.to(device=self.device, dtype=self.dtype).eval()
+        self.model = build_model(spec, self.device, self.dtype, tp)
         self.num_pages = num_kv_pages(spec, config, self.device, self.dtype)
         kvh = spec.num_key_value_heads // (tp.size if tp else 1)
         shape = (2, self.num_pages, config.kv_block_size, kvh, spec.head_dim)

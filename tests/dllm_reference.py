@@ -1,9 +1,10 @@
-"""Oracle for block-diffusion decoding: CONTRACT.md §3 (greedy) implemented literally.
+"""Oracle for greedy block-diffusion decoding, the documented rules implemented literally.
 
-No KV cache, no batching, no cleverness: every step re-runs the Hugging Face `Qwen3ForCausalLM`
-over the whole sequence so far (prompt + every opened block, still-masked positions fed as the
-mask token) under a block-causal 4D mask, and reads the logits at the masked positions of the
-current block (SDAR: logits at position i predict token i, no shift).
+No KV cache, no batching, no cleverness: every step re-runs a Hugging Face causal LM
+(`Qwen3ForCausalLM` for SDAR, `Qwen3MoeForCausalLM` for SDAR-MoE) over the whole sequence so far
+(prompt + every opened block, still-masked positions fed as the mask token) under a block-causal
+4D mask, and reads the logits at the masked positions of the current block (SDAR: logits at
+position i predict token i, no shift).
 
 The 4D mask is float and additive, shape `[1, 1, T, T]`: 0 where query i may see key j
 (`j // B <= i // B`), `finfo.min` elsewhere. transformers 5.x passes a 4D mask through untouched
@@ -15,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers import Qwen3ForCausalLM
+from transformers import PreTrainedModel
 
 STRATEGIES = ("sequential", "low_confidence_static", "low_confidence_dynamic")
 
@@ -41,7 +42,7 @@ def block_causal_mask(seq_len: int, block_length: int, dtype: torch.dtype = torc
 
 
 @torch.inference_mode()
-def block_causal_logits(model: Qwen3ForCausalLM, token_ids: list[int], block_length: int) -> torch.Tensor:
+def block_causal_logits(model: PreTrainedModel, token_ids: list[int], block_length: int) -> torch.Tensor:
     """Float32 logits `[T, vocab]` of one full forward over `token_ids` (positions 0..T-1)."""
     seq_len = len(token_ids)
     input_ids = torch.tensor([token_ids], dtype=torch.long)
@@ -73,7 +74,7 @@ def _cut(generated: list[int], max_new_tokens: int, stop_ids: set[int]) -> tuple
 
 
 def reference_dllm_generate(
-    model: Qwen3ForCausalLM,
+    model: PreTrainedModel,
     prompt_ids: list[int],
     *,
     block_length: int,
@@ -84,7 +85,9 @@ def reference_dllm_generate(
     denoising_steps: int,
     threshold: float,
 ) -> ReferenceResult:
-    """Greedy block-diffusion decoding of one prompt, exactly as CONTRACT.md §3 specifies."""
+    """Greedy block-diffusion decoding of one prompt: blocks of `block_length` positions, each opened
+    fully masked and unmasked over `denoising_steps` steps by `strategy` (ties to the lower position),
+    the output cut at the first stop id or at `max_new_tokens`."""
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; expected one of {STRATEGIES}")
     if block_length < 1 or denoising_steps < 1:

@@ -1,0 +1,91 @@
+"""The Qwen3-MoE sparse block: a replicated softmax router and routed SwiGLU experts.
+
+Routing is exactly Hugging Face's `Qwen3MoeSparseMoeBlock`: router logits `x @ gate^T`, softmax in
+float32, the top `num_experts_per_tok` probabilities (renormalised to sum 1 when `norm_topk_prob`),
+cast back to the activation dtype; a token's output is the weighted sum of its experts' outputs.
+
+Only routed work is computed: the (token, expert) pairs are sorted by expert id, each active expert
+runs one GEMM pair over exactly its rows, and the weighted rows are scattered back with one
+`index_add_` in expert order (the order Hugging Face adds them in). An expert no token picked costs
+nothing.
+
+Tensor parallelism splits every expert's intermediate dimension: rank r holds rows
+`[r*I/tp, (r+1)*I/tp)` of each expert's gate/up projection and the same columns of its down
+projection, so each rank computes a partial sum of every routed token's output and one all-reduce
+(the same one a dense MLP needs) completes it. The router is replicated: every rank sees the same
+hidden states after the attention all-reduce and so picks the same experts.
+
+Weights live stacked for compute: `w13` [E, 2*I_local, H] (gate rows, then up rows: one GEMM per
+expert for both) and `w2` [E, H, I_local]; the checkpoint's per-expert tensors are loaded straight
+into their slots.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from engine.checkpoint import MoESpec
+
+
+@dataclass
+class MoEStats:
+    """Routed work done so far: (token, expert) rows through the expert GEMMs, tokens routed, and,
+    when `timed` is set (benchmarks), seconds spent in the expert GEMM loop."""
+
+    routed_rows: int = 0
+    tokens: int = 0
+    expert_seconds: float = 0.0
+    timed: bool = False
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, hidden_size: int, moe: MoESpec, tp_size: int, all_reduce, stats: MoEStats):
+        super().__init__()
+        if moe.moe_intermediate_size % tp_size:
+            raise ValueError(f"tp={tp_size} must divide the model's moe_intermediate_size "
+                             f"({moe.moe_intermediate_size})")
+        self.top_k, self.norm_topk_prob = moe.num_experts_per_tok, moe.norm_topk_prob
+        self.num_experts = moe.num_experts
+        self.inter = moe.moe_intermediate_size // tp_size
+        self.gate = nn.Linear(hidden_size, moe.num_experts, bias=False)
+        self.w13 = nn.Parameter(torch.empty(moe.num_experts, 2 * self.inter, hidden_size))
+        self.w2 = nn.Parameter(torch.empty(moe.num_experts, hidden_size, self.inter))
+        self.all_reduce = all_reduce
+        self.stats = stats
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k] in x's dtype, expert ids [T, k]) per token."""
+        probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(x.dtype), experts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, experts = self.route(x)
+        flat = experts.flatten()
+        order = torch.argsort(flat, stable=True)
+        token_of = order // self.top_k
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        rows = x[token_of]
+        out_rows = torch.empty_like(rows)
+        start_time = time.perf_counter() if self.stats.timed else 0.0
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            gate, up = F.linear(rows[start : start + n], self.w13[e]).split(self.inter, dim=-1)
+            out_rows[start : start + n] = F.linear(F.silu(gate) * up, self.w2[e])
+            start += n
+        if self.stats.timed:
+            self.stats.expert_seconds += time.perf_counter() - start_time
+        self.stats.routed_rows += len(flat)
+        self.stats.tokens += x.shape[0]
+        out_rows *= weights.flatten()[order, None]
+        out = torch.zeros_like(x).index_add_(0, token_of, out_rows)
+        return self.all_reduce(out)
