@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--png", help="write a step_map heat strip here")
     args = ap.parse_args(argv)
     config = EngineConfig(dllm_unmasking_strategy=args.strategy, dllm_confidence_threshold=args.threshold,
-                          dllm_denoising_steps=args.steps, max_model_len=2048)
+                          dllm_denoising_steps=args.steps)
     with pipeline(args.model, config) as pipe:
         if not pipe.engine.is_dllm:
             print(f"{args.model} is an AR model: there is no decoding order to show", file=sys.stderr)
