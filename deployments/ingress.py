@@ -1,4 +1,4 @@
-"""The HTTP ingress (CONTRACT.md §5) and the handle API (§6).
+"""The HTTP ingress and the handle API (docs/api.md).
 
 HTTP: POST /generate, /v1/completions, /v1/chat/completions (unary or SSE), GET /v1/models, /health,
 /metrics. Unary requests go through `@serve.batch` into one `EngineServer.generate_batch` call;
@@ -19,11 +19,12 @@ import logging
 import time
 import weakref
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 from fastapi import FastAPI, Request
 from ray import serve
+from ray.exceptions import TaskCancelledError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -31,18 +32,19 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from deployments.schemas import (
     ApiError,
     ChatCompletionRequest,
+    ChoiceFormatter,
     CompletionRequest,
     EngineRequest,
-    GenerateRequest,
     OpenAIFormatter,
     chat_to_engine,
     completion_to_engine,
     generate_body,
-    generate_to_engine,
+    generate_plan,
     is_error_item,
+    new_request_id,
     parse,
 )
-from engine.checkpoint import load_tokenizer
+from engine.checkpoint import load_model_spec, load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -56,12 +58,13 @@ app = FastAPI(title="blockserve", docs_url=None, redoc_url=None, openapi_url=Non
 RETRY_AFTER_S = 1  # the Retry-After of 429 (ingress full) and 503 (engine replica failed / restarting)
 
 
-def _error_response(e: ApiError, retry_after_s: int = RETRY_AFTER_S) -> JSONResponse:
-    headers = None
+def _error_response(e: ApiError, retry_after_s: int = RETRY_AFTER_S,
+                    headers: Mapping[str, str] | None = None) -> JSONResponse:
+    headers = dict(headers or {})
     if e.status == 401:
-        headers = {"WWW-Authenticate": "Bearer"}
+        headers["WWW-Authenticate"] = "Bearer"
     elif e.status in (429, 503):
-        headers = {"Retry-After": str(retry_after_s)}
+        headers["Retry-After"] = str(retry_after_s)
     return JSONResponse(e.to_dict(), status_code=e.status, headers=headers)
 
 
@@ -108,8 +111,9 @@ class _TrackedStreamingResponse(StreamingResponse):
 @app.exception_handler(StarletteHTTPException)
 async def _http_exception(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     kind = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "invalid_request_error")
+    # exc.headers carries the Allow header of a 405
     return _error_response(ApiError(f"{request.method} {request.url.path}: {exc.detail}", None,
-                                    exc.status_code, kind))
+                                    exc.status_code, kind), headers=exc.headers)
 
 
 def _sse(obj: Any) -> str:
@@ -136,6 +140,52 @@ def _json_roundtrip(body: Any) -> Any:
         return json.loads(json.dumps(body, default=default))
     except (TypeError, ValueError) as e:
         raise ApiError(f"the request is not JSON-serializable: {e}") from None
+
+
+async def _merge(streams: list[AsyncIterator[dict[str, Any]]]) -> AsyncIterator[tuple[int, dict[str, Any]]]:
+    """Interleave several requests' deltas as (index, delta), each as soon as it arrives. Closing the
+    merged iterator closes (and so cancels) every stream."""
+    if len(streams) == 1:
+        try:
+            async for out in streams[0]:
+                yield 0, out
+        finally:
+            await streams[0].aclose()
+        return
+    queue: asyncio.Queue[tuple[int, dict[str, Any] | None]] = asyncio.Queue()
+
+    async def pump(i: int, it: AsyncIterator[dict[str, Any]]) -> None:
+        try:
+            async for out in it:
+                await queue.put((i, out))
+        finally:
+            await queue.put((i, None))
+
+    tasks = [asyncio.ensure_future(pump(i, it)) for i, it in enumerate(streams)]
+    try:
+        open_streams = len(tasks)
+        while open_streams:
+            i, out = await queue.get()
+            if out is None:
+                open_streams -= 1
+            else:
+                yield i, out
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for it in streams:
+            await it.aclose()
+
+
+def _indexed(body: dict[str, Any], index: int, as_list: bool) -> dict[str, Any]:
+    """A /generate body as an entry of a list answer (a batch or n > 1) carries its `index`."""
+    return body | {"index": index} if as_list else body
+
+
+def _streamed(body: Any, stream: bool) -> Any:
+    """A handle's body with `stream` set by the method called (a non-object is refused later)."""
+    return body | {"stream": stream} if isinstance(body, dict) else body
 
 
 def _escape(value: str) -> str:
@@ -215,6 +265,7 @@ class Ingress:
         self.slots = _Slots(max_concurrent_requests)
         self.retry_after_s = retry_after_s
         self.tokenizer = load_tokenizer(model)
+        self.is_dllm = load_model_spec(model).is_dllm
         self._token_text = functools.lru_cache(maxsize=65536)(self._decode_token)
         self.created = int(time.time())
         self._batched_generate.set_max_batch_size(max_batch_size)
@@ -289,6 +340,43 @@ class Ingress:
 
         return deltas()
 
+    async def _streams(self, reqs: list[EngineRequest]) -> AsyncIterator[tuple[int, dict[str, Any]]]:
+        """Several requests streamed together as (index, delta); a refusal of any raises ApiError
+        before anything is sent (and closes the others)."""
+        started = await asyncio.gather(*(self._stream(r) for r in reqs), return_exceptions=True)
+        failed = [e for e in started if isinstance(e, BaseException)]
+        if failed:
+            for it in started:
+                if not isinstance(it, BaseException):
+                    await it.aclose()
+            raise failed[0]
+        return _merge(started)
+
+    async def _unaries(self, reqs: list[EngineRequest]) -> list[dict[str, Any]]:
+        return list(await asyncio.gather(*(self._unary(r) for r in reqs)))
+
+    async def _generate(self, body: Any) -> tuple[bool, Any]:
+        """Any /generate body (flat or SGLang-native): (streamed?, the answer JSON or an iterator of
+        delta bodies). A batch or n > 1 answers a list in order, each entry with its `index`; streamed,
+        the deltas of all of them interleave, each with its `index`."""
+        groups, as_list, stream = generate_plan(body)
+        reqs = [r for group in groups for r in group]
+        params = [r.generation_config() for r in reqs]
+        if not stream:
+            outs = await self._unaries(reqs)
+            bodies = [_indexed(generate_body(o, p), i, as_list) for i, (o, p) in enumerate(zip(outs, params))]
+            return False, bodies if as_list else bodies[0]
+        merged = await self._streams(reqs)
+
+        async def deltas() -> AsyncIterator[dict[str, Any]]:
+            try:
+                async for i, out in merged:
+                    yield _indexed(generate_body(out, params[i]), i, as_list)
+            finally:
+                await merged.aclose()
+
+        return True, deltas()
+
     # ---- HTTP plumbing ---------------------------------------------------------------------
     def _authorize(self, request: Request) -> None:
         if self.api_key is None:
@@ -337,7 +425,7 @@ class Ingress:
         except ApiError as e:
             status = e.status
             return _error_response(e, self.retry_after_s)
-        except ClientDisconnect:  # gone while sending its body: nobody to answer
+        except (ClientDisconnect, TaskCancelledError):  # gone while sending its body: nobody to answer
             status = 499
             return Response(status_code=499)
         except asyncio.CancelledError:  # the client left (Serve cancels its request): nginx's 499
@@ -351,18 +439,18 @@ class Ingress:
                 release()
             self.requests[(route, status)] += 1
 
-    def _sse_response(self, deltas: AsyncIterator[dict[str, Any]], render: Callable[[dict], list[dict]]
-                      ) -> StreamingResponse:
-        async def events() -> AsyncIterator[str]:
+    def _sse_response(self, events: AsyncIterator[Any]) -> StreamingResponse:
+        """Server-Sent Events: one `data: {json}` per object, then `data: [DONE]`."""
+
+        async def body() -> AsyncIterator[str]:
             try:
-                async for out in deltas:
-                    for obj in render(out):
-                        yield _sse(obj)
+                async for obj in events:
+                    yield _sse(obj)
                 yield "data: [DONE]\n\n"
             finally:
-                await deltas.aclose()
+                await events.aclose()
 
-        return _TrackedStreamingResponse(events(), media_type="text/event-stream",
+        return _TrackedStreamingResponse(body(), media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     def _decode_token(self, token_id: int) -> str:
@@ -374,12 +462,8 @@ class Ingress:
         return await self._serve(request, "/generate", self._generate_route, limited=True)
 
     async def _generate_route(self, body: Any) -> Response:
-        req = parse(GenerateRequest, body)
-        ereq = generate_to_engine(req)
-        params = ereq.generation_config()
-        if req.stream:
-            return self._sse_response(await self._stream(ereq), lambda out: [generate_body(out, params)])
-        return JSONResponse(generate_body(await self._unary(ereq), params))
+        stream, answer = await self._generate(body)
+        return self._sse_response(answer) if stream else JSONResponse(answer)
 
     @app.post("/v1/completions")
     async def http_completions(self, request: Request):
@@ -387,8 +471,12 @@ class Ingress:
 
     async def _completions_route(self, body: Any) -> Response:
         req = parse(CompletionRequest, body)
-        ereq = completion_to_engine(req, self.served_model_name)
-        return await self._openai(ereq, "completion", req.stream, req.stream_options)
+        plan = completion_to_engine(req, self.served_model_name, self.tokenizer, self.is_dllm)
+        reqs = [r for _, group in plan for r in group]
+        echoes = [echo for echo, group in plan for _ in group]
+        choices = [ChoiceFormatter("completion", i, req.logprobs, self._token_text, echo)
+                   for i, echo in enumerate(echoes)]
+        return await self._openai("completion", reqs, choices, req.n, req.stream, req.stream_options)
 
     @app.post("/v1/chat/completions")
     async def http_chat(self, request: Request):
@@ -396,15 +484,29 @@ class Ingress:
 
     async def _chat_route(self, body: Any) -> Response:
         req = parse(ChatCompletionRequest, body)
-        ereq = chat_to_engine(req, self.served_model_name, self.tokenizer, self.max_model_len)
-        return await self._openai(ereq, "chat", req.stream, req.stream_options)
+        reqs = chat_to_engine(req, self.served_model_name, self.tokenizer, self.max_model_len)
+        k = (req.top_logprobs or 0) if req.logprobs else None
+        choices = [ChoiceFormatter("chat", i, k, self._token_text) for i in range(len(reqs))]
+        return await self._openai("chat", reqs, choices, req.n, req.stream, req.stream_options)
 
-    async def _openai(self, ereq: EngineRequest, kind: str, stream: bool, stream_options) -> Response:
-        fmt = OpenAIFormatter(kind, self.served_model_name, ereq.request_id, ereq.generation_config(),
-                              self._token_text, include_usage=bool(stream_options and stream_options.include_usage))
-        if stream:
-            return self._sse_response(await self._stream(ereq), fmt.chunks)
-        return JSONResponse(fmt.full(await self._unary(ereq)))
+    async def _openai(self, kind: str, reqs: list[EngineRequest], choices: list[ChoiceFormatter], n: int,
+                      stream: bool, stream_options) -> Response:
+        fmt = OpenAIFormatter(kind, self.served_model_name, new_request_id("cmpl" if kind == "completion" else
+                                                                           "chatcmpl"),
+                              choices, n, include_usage=bool(stream_options and stream_options.include_usage))
+        if not stream:
+            return JSONResponse(fmt.full(await self._unaries(reqs)))
+        merged = await self._streams(reqs)
+
+        async def chunks() -> AsyncIterator[dict[str, Any]]:
+            try:
+                async for i, out in merged:
+                    for chunk in fmt.chunks(i, out):
+                        yield chunk
+            finally:
+                await merged.aclose()
+
+        return self._sse_response(chunks())
 
     @app.get("/v1/models")
     async def http_models(self, request: Request):
@@ -446,15 +548,15 @@ class Ingress:
         return [await getattr(self.engine, method).remote()]
 
     # ---- handle API (other Ray jobs) -------------------------------------------------------
-    async def generate(self, body: dict[str, Any]) -> dict[str, Any]:
-        """Same JSON as the HTTP unary /generate (the error JSON for refusals, including the
-        `rate_limit_exceeded` one when this ingress replica is at max_concurrent_requests)."""
+    async def generate(self, body: dict[str, Any]) -> dict[str, Any] | list[dict[str, Any]]:
+        """Same JSON as the HTTP unary /generate (a list for a batch or n > 1; the error JSON for
+        refusals, including `rate_limit_exceeded` when this ingress replica is at
+        max_concurrent_requests). `stream` in the body is ignored: use generate_stream."""
         release = None
         try:
             release = self.slots.acquire()
-            ereq = generate_to_engine(parse(GenerateRequest, _json_roundtrip(body)))
-            out = await self._unary(ereq)
-            return generate_body(out, ereq.generation_config())
+            _, answer = await self._generate(_streamed(_json_roundtrip(body), False))
+            return answer
         except ApiError as e:
             return e.to_dict()
         finally:
@@ -472,15 +574,13 @@ class Ingress:
             return
         try:
             try:
-                ereq = generate_to_engine(parse(GenerateRequest, _json_roundtrip(body)))
-                deltas = await self._stream(ereq)
+                _, deltas = await self._generate(_streamed(_json_roundtrip(body), True))
             except ApiError as e:
                 yield e.to_dict()
                 return
-            params = ereq.generation_config()
             try:
                 async for out in deltas:
-                    yield generate_body(out, params)
+                    yield out
             finally:
                 await deltas.aclose()
         finally:

@@ -1,5 +1,5 @@
 """The HTTP / handle API's request models, their conversion to engine requests, and the response
-builders (CONTRACT.md §5). Used by both the HTTP routes and the handle methods, so the two return
+builders (docs/api.md). Used by both the HTTP routes and the handle methods, so the two return
 exactly the same JSON.
 
 Engine results arrive as *result dicts*: `OutputChunk.to_dict()` (a streamed delta) or
@@ -14,6 +14,7 @@ import re
 import time
 import uuid
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -24,6 +25,8 @@ MAX_STOP_STRINGS = 64  # stop strings per request (a longer list is a 400 naming
 MAX_STOP_STRING_CHARS = 1024  # characters per stop string
 MAX_STOP_TOKEN_IDS = 1024
 MAX_TOP_LOGPROBS = 100
+MAX_N = 64  # samples per prompt (n)
+MAX_BATCH = 1024  # prompts per request (a batch list)
 MAX_SEED = 2**63 - 1
 MAX_TOP_K = 2**31 - 1
 # Temperatures in (0, SAMPLING_EPS) sample as greedy: dividing logits by them overflows float32
@@ -155,16 +158,55 @@ class _SamplingFields(_Strict):
 
 
 class GenerateRequest(_SamplingFields):
-    """POST /generate and the handle methods `generate` / `generate_stream`."""
+    """POST /generate (flat body) and the handle methods `generate` / `generate_stream`."""
 
     prompt: str | None = None
     input_ids: list[int] | None = None
     max_tokens: int = Field(128, ge=0)
+    n: int = Field(1, ge=1, le=MAX_N, description="samples per prompt (seeds seed, seed+1, ...)")
     stream: bool = False
     return_logprob: bool = False
     logprob_start_len: int = Field(-1, ge=-1)
     top_logprobs_num: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS)
     return_step_trace: bool = False
+
+
+class SamplingParams(_SamplingFields):
+    """SGLang's `sampling_params` object."""
+
+    max_new_tokens: int = Field(128, ge=0)
+    min_new_tokens: int = Field(0, ge=0)
+    n: int = Field(1, ge=1, le=MAX_N, description="samples per prompt (seeds seed, seed+1, ...)")
+    no_stop_trim: bool = Field(False, description="keep the matched stop string in the text")
+    frequency_penalty: float = Field(0.0, description="not supported: must be 0 (use repetition_penalty)")
+    presence_penalty: float = Field(0.0, description="not supported: must be 0 (use repetition_penalty)")
+
+
+_PerPrompt = Annotated[list[Any], Field(min_length=1)]
+
+
+class NativeGenerateRequest(_Strict):
+    """POST /generate in SGLang's native shape: `text` or `input_ids` (one prompt, or a batch list),
+    `sampling_params`. Per-prompt fields may be lists, one entry per prompt."""
+
+    text: str | Annotated[list[str], Field(min_length=1, max_length=MAX_BATCH)] | None = None
+    input_ids: list[int] | Annotated[list[list[int]], Field(min_length=1, max_length=MAX_BATCH)] | None = None
+    sampling_params: SamplingParams | Annotated[list[SamplingParams], Field(min_length=1)] = Field(
+        default_factory=SamplingParams)
+    return_logprob: bool | Annotated[list[bool], Field(min_length=1)] = False
+    logprob_start_len: Annotated[int, Field(ge=-1)] | Annotated[list[Annotated[int, Field(ge=-1)]],
+                                                                  Field(min_length=1)] = -1
+    top_logprobs_num: (Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]
+                       | Annotated[list[Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]], Field(min_length=1)]) = 0
+    stream: bool = False
+    return_step_trace: bool = False
+
+
+def is_native(body: Mapping[str, Any]) -> bool:
+    """Whether a /generate body is SGLang's native shape rather than the flat one."""
+    ids = body.get("input_ids")
+    return "text" in body or "sampling_params" in body or (isinstance(ids, list) and any(
+        isinstance(i, list) for i in ids))
 
 
 class StreamOptions(_Strict):
@@ -173,7 +215,7 @@ class StreamOptions(_Strict):
 
 class _OpenAIFields(_SamplingFields):
     model: str | None = None
-    n: int = 1
+    n: int = Field(1, ge=1, le=MAX_N, description="choices per prompt (seeds seed, seed+1, ...)")
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float = 0.0
@@ -184,7 +226,7 @@ class _OpenAIFields(_SamplingFields):
 
 
 class CompletionRequest(_OpenAIFields):
-    """POST /v1/completions (one prompt; n=1)."""
+    """POST /v1/completions: one prompt or a list of prompts, n choices each."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int = Field(16, ge=0)
@@ -206,7 +248,7 @@ class ChatMessage(_Strict):
 
 
 class ChatCompletionRequest(_OpenAIFields):
-    """POST /v1/chat/completions (n=1)."""
+    """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
@@ -298,30 +340,106 @@ def new_request_id(prefix: str = "req") -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def generate_to_engine(req: GenerateRequest, request_id: str | None = None) -> EngineRequest:
-    if (req.prompt is None) == (req.input_ids is None):
-        both = req.prompt is not None
+def _engine_request(prompt: Prompt, sampling: _SamplingFields, rename: Mapping[str, str], prefix: str = "req",
+                    **fields: Any) -> EngineRequest:
+    """One engine request: the shared sampling fields plus the endpoint's own GenerationConfig fields."""
+    cfg = _config(_sampling(sampling) | fields, rename)
+    return EngineRequest(prompt=prompt, params=cfg.model_dump(), request_id=new_request_id(prefix), rename=dict(rename))
+
+
+def samples(ereq: EngineRequest, n: int) -> list[EngineRequest]:
+    """`n` samples of one request: n engine requests whose seeds are seed, seed+1, ... (or all None)."""
+    if n == 1:
+        return [ereq]
+    seed = ereq.params.get("random_seed")
+    return [ereq.model_copy(update={
+        "request_id": f"{ereq.request_id}-{i}",
+        "params": ereq.params | {"random_seed": None if seed is None else (seed + i) % (MAX_SEED + 1)}})
+        for i in range(n)]
+
+
+def _one_prompt(prompt: str | None, input_ids: list[int] | None) -> Prompt:
+    if (prompt is None) == (input_ids is None):
+        both = prompt is not None
         raise ApiError("give exactly one of prompt (text) or input_ids (token ids)" + (", not both" if both else ""),
                        "input_ids" if both else "prompt")
-    if req.top_logprobs_num > 0 and not req.return_logprob:
-        raise ApiError("top_logprobs_num > 0 needs return_logprob=true", "top_logprobs_num")
+    return prompt if prompt is not None else input_ids
+
+
+def _logprob_fields(return_logprob: bool, top_logprobs_num: int, logprob_start_len: int, name: str) -> dict:
+    if top_logprobs_num > 0 and not return_logprob:
+        raise ApiError(f"{name} > 0 needs return_logprob=true", name)
+    return dict(logprobs=top_logprobs_num if return_logprob else None, logprob_start_len=logprob_start_len)
+
+
+def generate_to_engine(req: GenerateRequest) -> EngineRequest:
+    """A flat /generate body as one engine request (n is expanded by `generate_plan`)."""
+    prompt = _one_prompt(req.prompt, req.input_ids)
     rename = dict(HTTP_RENAME, logprobs="top_logprobs_num" if req.return_logprob else "return_logprob")
-    fields = _sampling(req)
-    fields.update(max_new_tokens=req.max_tokens, logprob_start_len=req.logprob_start_len,
-                  logprobs=req.top_logprobs_num if req.return_logprob else None,
-                  return_step_trace=req.return_step_trace)
-    cfg = _config(fields, rename)
-    prompt: Prompt = req.prompt if req.prompt is not None else req.input_ids
-    return EngineRequest(prompt=prompt, params=cfg.model_dump(), request_id=request_id or new_request_id(),
-                         rename=rename)
+    return _engine_request(prompt, req, rename, max_new_tokens=req.max_tokens, return_step_trace=req.return_step_trace,
+                           **_logprob_fields(req.return_logprob, req.top_logprobs_num, req.logprob_start_len,
+                                             "top_logprobs_num"))
+
+
+NATIVE_RENAME = {**{f: f"sampling_params.{f}" for f in _SamplingFields.model_fields},
+                 **{k: f"sampling_params.{v}" for k, v in HTTP_RENAME.items()},
+                 "max_new_tokens": "sampling_params.max_new_tokens", "min_new_tokens": "sampling_params.min_new_tokens",
+                 "prompt": "text"}
+
+
+def _per_prompt(value: Any, count: int, name: str) -> list[Any]:
+    """A per-prompt field: one value for every prompt, or a list with one entry per prompt."""
+    if not isinstance(value, list):
+        return [value] * count
+    if len(value) != count:
+        raise ApiError(f"{name} has {len(value)} entries but the request has {count} prompts", name)
+    return value
+
+
+def native_to_engine(req: NativeGenerateRequest) -> tuple[list[list[EngineRequest]], bool]:
+    """SGLang's native body as engine requests: per prompt, its n samples. The bool says whether the
+    answer is a list (a batch, or n > 1), as SGLang answers."""
+    if (req.text is None) == (req.input_ids is None):
+        raise ApiError("give exactly one of text or input_ids" + (", not both" if req.text is not None else ""),
+                       "input_ids" if req.text is not None else "text")
+    batch = isinstance(req.text, list) or (isinstance(req.input_ids, list) and isinstance(req.input_ids[0], list))
+    prompts: list[Prompt] = (req.text if isinstance(req.text, list) else [req.text]) if req.text is not None else (
+        req.input_ids if batch else [req.input_ids])
+    count = len(prompts)
+    columns = zip(prompts, _per_prompt(req.sampling_params, count, "sampling_params"),
+                  _per_prompt(req.return_logprob, count, "return_logprob"),
+                  _per_prompt(req.logprob_start_len, count, "logprob_start_len"),
+                  _per_prompt(req.top_logprobs_num, count, "top_logprobs_num"))
+    out = []
+    for prompt, sp, return_logprob, start, top in columns:
+        if sp.frequency_penalty != 0.0 or sp.presence_penalty != 0.0:
+            name = "frequency_penalty" if sp.frequency_penalty != 0.0 else "presence_penalty"
+            raise ApiError(f"sampling_params.{name} is not supported (use repetition_penalty); it must be 0",
+                           f"sampling_params.{name}")
+        rename = dict(NATIVE_RENAME, logprobs="top_logprobs_num" if return_logprob else "return_logprob")
+        ereq = _engine_request(
+            prompt, sp, rename, max_new_tokens=sp.max_new_tokens, min_new_tokens=sp.min_new_tokens,
+            include_stop_str_in_output=sp.include_stop_str_in_output or sp.no_stop_trim,
+            return_step_trace=req.return_step_trace, **_logprob_fields(return_logprob, top, start, "top_logprobs_num"))
+        out.append(samples(ereq, sp.n))
+    return out, batch or any(len(s) > 1 for s in out)
+
+
+def generate_plan(body: Any) -> tuple[list[list[EngineRequest]], bool, bool]:
+    """Any /generate body (flat or SGLang-native) as (engine requests per prompt, each prompt's samples;
+    whether the answer is a list; whether it streams)."""
+    if isinstance(body, dict) and is_native(body):
+        req = parse(NativeGenerateRequest, body)
+        groups, as_list = native_to_engine(req)
+        return groups, as_list, req.stream
+    flat = parse(GenerateRequest, body)
+    return [samples(generate_to_engine(flat), flat.n)], flat.n > 1, flat.stream
 
 
 def _check_openai(req: _OpenAIFields, served_model: str) -> None:
     if req.model is not None and req.model != served_model:
         raise ApiError(f"model {req.model!r} is not served here; this server serves {served_model!r}",
                        "model", status=404, type="model_not_found")
-    if req.n != 1:
-        raise ApiError("only n=1 is supported", "n")
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(req, name) != 0.0:
             raise ApiError(f"{name} is not supported (use repetition_penalty); it must be 0", name)
@@ -329,31 +447,57 @@ def _check_openai(req: _OpenAIFields, served_model: str) -> None:
         raise ApiError("logit_bias is not supported", "logit_bias")
 
 
-def completion_to_engine(req: CompletionRequest, served_model: str, request_id: str | None = None) -> EngineRequest:
+@dataclass(frozen=True)
+class Echo:
+    """The prompt of one completion choice, shown before its text when `echo` is set."""
+
+    text: str
+    ids: list[int]
+
+
+def completion_prompts(prompt: str | list[int] | list[str] | list[list[int]]) -> list[Prompt]:
+    """OpenAI's `prompt`: text, token ids, or a list of either (one choice per prompt)."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+        return list(prompt)
+    return [prompt]
+
+
+def completion_to_engine(req: CompletionRequest, served_model: str, tokenizer, is_dllm: bool
+                         ) -> list[tuple[Echo | None, list[EngineRequest]]]:
+    """Per prompt: what to echo (None without `echo`) and its n samples as engine requests.
+    `echo` with `logprobs` (or max_tokens=0) scores the prompt (logprob_start_len=0), which only AR
+    models can do; an echoed text prompt is tokenized here so its tokens can be listed."""
     _check_openai(req, served_model)
-    if req.echo:
-        raise ApiError("echo is not supported", "echo")
-    if req.best_of not in (None, 1):
-        raise ApiError("best_of is not supported (only 1)", "best_of")
+    if req.best_of not in (None, 1, req.n):
+        raise ApiError("best_of is not supported (only best_of = n)", "best_of")
     if req.suffix is not None:
         raise ApiError("suffix is not supported", "suffix")
-    prompt: Any = req.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-        if len(prompt) != 1:
-            raise ApiError("only one prompt per request is supported (n=1, no batches)", "prompt")
-        prompt = prompt[0]
-    rename = dict(HTTP_RENAME, logprobs="logprobs", input_ids="prompt", prompt="prompt")
-    fields = _sampling(req)
-    fields.update(max_new_tokens=req.max_tokens, min_new_tokens=req.min_tokens, logprobs=req.logprobs)
-    cfg = _config(fields, rename)
-    return EngineRequest(prompt=prompt, params=cfg.model_dump(), request_id=request_id or new_request_id("cmpl"),
-                         rename=rename)
+    prompts = completion_prompts(req.prompt)
+    if len(prompts) * req.n > MAX_BATCH:
+        raise ApiError(f"at most {MAX_BATCH} choices per request (prompts x n)", "prompt")
+    score_prompt = req.echo and (req.logprobs is not None or req.max_tokens == 0)
+    if score_prompt and is_dllm:
+        raise ApiError("echo with logprobs or max_tokens=0 needs the prompt's token logprobs, which only "
+                       "autoregressive models give; this model is a block-diffusion LM", "echo")
+    rename = dict(HTTP_RENAME, logprobs="logprobs", input_ids="prompt", prompt="prompt", logprob_start_len="echo")
+    fields = dict(max_new_tokens=req.max_tokens, min_new_tokens=req.min_tokens, logprobs=req.logprobs)
+    if score_prompt:  # max_tokens=0 without logprobs: rows computed, not shown
+        fields.update(logprob_start_len=0, logprobs=req.logprobs if req.logprobs is not None else 0)
+    out = []
+    for prompt in prompts:
+        echo = None
+        if req.echo:
+            ids = list(tokenizer.encode(prompt, add_special_tokens=False)) if isinstance(prompt, str) else prompt
+            text = prompt if isinstance(prompt, str) else tokenizer.decode(ids, clean_up_tokenization_spaces=False)
+            echo, prompt = Echo(text, ids), ids if score_prompt else prompt
+        out.append((echo, samples(_engine_request(prompt, req, rename, "cmpl", **fields), req.n)))
+    return out
 
 
-def chat_to_engine(req: ChatCompletionRequest, served_model: str, tokenizer, max_model_len: int,
-                   request_id: str | None = None) -> EngineRequest:
-    """Render the messages with the tokenizer's chat template and tokenize them here, so the
-    default max_tokens (what is left of max_model_len) is known."""
+def chat_to_engine(req: ChatCompletionRequest, served_model: str, tokenizer, max_model_len: int
+                   ) -> list[EngineRequest]:
+    """The n samples of a chat request. The messages are rendered with the tokenizer's chat template
+    and tokenized here, so the default max_tokens (what is left of max_model_len) is known."""
     _check_openai(req, served_model)
     if req.top_logprobs is not None and not req.logprobs:
         raise ApiError("top_logprobs needs logprobs=true", "top_logprobs")
@@ -371,12 +515,9 @@ def chat_to_engine(req: ChatCompletionRequest, served_model: str, tokenizer, max
     if req.max_completion_tokens is not None:
         rename["max_new_tokens"] = "max_completion_tokens"
     max_tokens = req.max_completion_tokens or req.max_tokens or max(max_model_len - len(ids), 1)
-    fields = _sampling(req)
-    fields.update(max_new_tokens=max_tokens, min_new_tokens=req.min_tokens,
-                  logprobs=(req.top_logprobs or 0) if req.logprobs else None)
-    cfg = _config(fields, rename)
-    return EngineRequest(prompt=ids, params=cfg.model_dump(), request_id=request_id or new_request_id("chatcmpl"),
-                         rename=rename)
+    return samples(_engine_request(ids, req, rename, "chatcmpl", max_new_tokens=max_tokens,
+                                   min_new_tokens=req.min_tokens,
+                                   logprobs=(req.top_logprobs or 0) if req.logprobs else None), req.n)
 
 
 # ---- responses: /generate ----------------------------------------------------------------------
@@ -435,7 +576,7 @@ def _cat(a: list | None, b: list | None) -> list | None:
 
 def merge_generate_deltas(deltas: list[dict[str, Any]]) -> dict[str, Any]:
     """Concatenate streamed /generate deltas: text and lists concatenate (None stays None), scalars
-    take the last value. The result equals the unary body (CONTRACT.md §5)."""
+    take the last value. The result equals the unary body."""
     body: dict[str, Any] = {"text": "", "output_ids": [], "meta_info": {}}
     for d in deltas:
         body["text"] += d["text"]
@@ -448,91 +589,113 @@ def merge_generate_deltas(deltas: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 # ---- responses: OpenAI ---------------------------------------------------------------------------
-class OpenAIFormatter:
-    """Builds OpenAI completion / chat JSON from result dicts; one instance per request so that the
-    streamed chunks carry running state (text offsets, the first chat chunk's role)."""
+class ChoiceFormatter:
+    """One OpenAI choice (completion or chat) from its result dicts; one instance per choice, so that
+    streamed chunks carry running state (text offsets, the first chat chunk's role, the echo)."""
 
-    def __init__(self, kind: Literal["completion", "chat"], model: str, request_id: str,
-                 params: GenerationConfig, token_text: Callable[[int], str], include_usage: bool = False):
-        self.kind, self.model, self.id, self.params = kind, model, request_id, params
-        self.token_text = token_text
-        self.include_usage = include_usage
-        self.created = int(time.time())
+    def __init__(self, kind: Literal["completion", "chat"], index: int, logprobs: int | None,
+                 token_text: Callable[[int], str], echo: Echo | None = None):
+        self.kind, self.index, self.k, self.token_text = kind, index, logprobs, token_text
+        self.echo = echo  # shown once, before the first text
         self.offset = 0
         self.first = True
 
-    # logprobs in the two OpenAI shapes
-    def _completion_logprobs(self, logprobs: list[dict[int, float]]) -> dict[str, Any]:
-        k = self.params.logprobs or 0
-        tokens, values, tops, offsets = [], [], [], []
-        for e in logprobs:
-            tok, val = next(iter(e)), next(iter(e.values()))
-            s = self.token_text(tok)
-            tokens.append(s)
-            values.append(val)
-            tops.append({self.token_text(t): v for v, t in _top_rows(e, k)} if k > 0 else None)
+    def _tops(self, rows: list[list] | None) -> dict[str, float] | None:
+        return None if rows is None else {self.token_text(t): v for v, t in rows}
+
+    def _completion_logprobs(self, out: Mapping[str, Any]) -> dict[str, Any]:
+        """OpenAI's completion logprobs; with echo the prompt's tokens come first (the first has no
+        logprob: nothing precedes it)."""
+        k = self.k or 0
+        entries: list[tuple[int, float | None, dict[str, float] | None]] = []
+        if self.echo is not None and out.get("input_token_logprobs") is not None:
+            rows = out["input_token_logprobs"]
+            tops = out.get("input_top_logprobs") or [None] * len(rows)
+            entries.append((self.echo.ids[0], None, None))
+            entries += [(t, v, self._tops(_rows(top)) if k > 0 else None) for (v, t), top in zip(rows, tops)]
+        for e in out.get("logprobs") or []:
+            entries.append((next(iter(e)), next(iter(e.values())), self._tops(_top_rows(e, k)) if k > 0 else None))
+        tokens, offsets = [], []
+        for t, _, _ in entries:
+            tokens.append(self.token_text(t))
             offsets.append(self.offset)
-            self.offset += len(s)
-        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops if k > 0 else None,
-                "text_offset": offsets}
+            self.offset += len(tokens[-1])
+        return {"tokens": tokens, "token_logprobs": [v for _, v, _ in entries],
+                "top_logprobs": [top for _, _, top in entries] if k > 0 else None, "text_offset": offsets}
 
-    def _chat_logprobs(self, logprobs: list[dict[int, float]]) -> dict[str, Any]:
-        k = self.params.logprobs or 0
-
+    def _chat_logprobs(self, out: Mapping[str, Any]) -> dict[str, Any]:
         def item(t: int, v: float) -> dict[str, Any]:
             s = self.token_text(t)
             return {"token": s, "logprob": v, "bytes": list(s.encode("utf-8"))}
 
         content = []
-        for e in logprobs:
+        for e in out["logprobs"]:
             entry = item(next(iter(e)), next(iter(e.values())))
-            entry["top_logprobs"] = [item(t, v) for v, t in _top_rows(e, k)]
+            entry["top_logprobs"] = [item(t, v) for v, t in _top_rows(e, self.k or 0)]
             content.append(entry)
         return {"content": content}
 
-    def _logprobs(self, out: Mapping[str, Any]) -> dict[str, Any] | None:
-        lp = out.get("logprobs")
-        if lp is None:
-            return None
-        return self._completion_logprobs(lp) if self.kind == "completion" else self._chat_logprobs(lp)
-
-    def _usage(self, out: Mapping[str, Any]) -> dict[str, int]:
-        p, c = out.get("input_token_len", 0), out.get("generate_token_len", 0)
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
-
-    def _choice(self, out: Mapping[str, Any], delta: bool) -> dict[str, Any]:
+    def choice(self, out: Mapping[str, Any], delta: bool) -> dict[str, Any]:
         text = out.get("text", "")
-        choice: dict[str, Any] = {"index": 0}
+        if self.first and self.echo is not None:
+            text = self.echo.text + text
+        choice: dict[str, Any] = {"index": self.index}
         if self.kind == "completion":
             choice["text"] = text
         elif delta:
             choice["delta"] = {"role": "assistant", "content": text} if self.first else {"content": text}
         else:
             choice["message"] = {"role": "assistant", "content": text}
-        choice["logprobs"] = self._logprobs(out)
+        if self.k is None or out.get("logprobs") is None:
+            choice["logprobs"] = None
+        else:
+            choice["logprobs"] = (self._completion_logprobs(out) if self.kind == "completion"
+                                  else self._chat_logprobs(out))
         choice["finish_reason"] = out.get("finish_reason")
         choice["step_map"] = None if out.get("step_map") is None else list(out["step_map"])
         self.first = False
         return choice
 
-    def full(self, out: Mapping[str, Any]) -> dict[str, Any]:
-        return {"id": self.id, "object": "text_completion" if self.kind == "completion" else "chat.completion",
-                "created": self.created, "model": self.model, "choices": [self._choice(out, delta=False)],
-                "usage": self._usage(out)}
 
-    def chunks(self, out: Mapping[str, Any]) -> list[dict[str, Any]]:
-        """The stream chunks for one delta (none when it carries nothing OpenAI shows)."""
+class OpenAIFormatter:
+    """OpenAI completion / chat JSON for the choices of one request (prompt-major: choice
+    `i * n + j` is sample j of prompt i)."""
+
+    def __init__(self, kind: Literal["completion", "chat"], model: str, request_id: str,
+                 choices: list[ChoiceFormatter], n: int = 1, include_usage: bool = False):
+        self.kind, self.model, self.id, self.choices, self.n = kind, model, request_id, choices, n
+        self.include_usage = include_usage
+        self.created = int(time.time())
+        self.finals: dict[int, Mapping[str, Any]] = {}  # streamed: each choice's last delta
+
+    def _usage(self, outs: Mapping[int, Mapping[str, Any]]) -> dict[str, int]:
+        """Prompt tokens once per prompt, completion tokens over every choice."""
+        p = sum(o.get("input_token_len", 0) for i, o in outs.items() if i % self.n == 0)
+        c = sum(o.get("generate_token_len", 0) for o in outs.values())
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+    def full(self, outs: list[Mapping[str, Any]]) -> dict[str, Any]:
+        return {"id": self.id, "object": "text_completion" if self.kind == "completion" else "chat.completion",
+                "created": self.created, "model": self.model,
+                "choices": [f.choice(o, delta=False) for f, o in zip(self.choices, outs)],
+                "usage": self._usage(dict(enumerate(outs)))}
+
+    def chunks(self, index: int, out: Mapping[str, Any]) -> list[dict[str, Any]]:
+        """The stream chunks for one delta of choice `index` (none when it carries nothing OpenAI
+        shows); the usage chunk follows the last choice's last delta when asked for."""
         obj = "text_completion" if self.kind == "completion" else "chat.completion.chunk"
         base = {"id": self.id, "object": obj, "created": self.created, "model": self.model}
         finished = out.get("finish_reason") is not None
-        if not (out.get("text") or out.get("token_ids") or finished):
+        if finished:
+            self.finals[index] = out
+        if not (out.get("text") or out.get("token_ids") or out.get("input_token_logprobs") or finished):
             return []
-        result = [dict(base, choices=[self._choice(out, delta=True)])]
+        result = [dict(base, choices=[self.choices[index].choice(out, delta=True)])]
         if out.get("finish_reason") == "error":
             result.append({"error": {"message": out.get("error") or "the engine failed this request",
                                      "type": "internal_error", "param": None}})
         if self.include_usage:
             result[0]["usage"] = None
-            if finished:
-                result.append(dict(base, choices=[], usage=self._usage(out)))
+            if len(self.finals) == len(self.choices):
+                result.append(dict(base, choices=[], usage=self._usage(self.finals)))
         return result

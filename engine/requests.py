@@ -41,8 +41,12 @@ def _check_scoring(engine: LLMEngine, prompt: str | list[int], ids: list[int], p
     if not scoring and p.logprob_start_len < 0:
         return
     if engine.is_dllm:
-        raise RequestError("input-token logprobs (logprob_start_len >= 0 / max_new_tokens=0) are only "
-                           "available for AR models; this model is a block-diffusion LM", "logprob_start_len")
+        if p.logprob_start_len >= 0:
+            raise RequestError("input-token logprobs (logprob_start_len >= 0) are only available for AR models; "
+                               "this model is a block-diffusion LM", "logprob_start_len")
+        raise RequestError("max_new_tokens=0 asks for scoring (input-token logprobs), which only AR models "
+                           "support; this model is a block-diffusion LM: ask for at least one new token",
+                           "max_new_tokens")
     if scoring and isinstance(prompt, str):
         raise RequestError("scoring (max_new_tokens=0) needs token-id input (input_ids), not text", "input_ids")
     if scoring and p.logprob_start_len < 0:

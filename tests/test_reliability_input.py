@@ -51,7 +51,7 @@ CASES = [
     ("sdar", "/generate", {"prompt": "hi", "temperature": "hot"}, 400, "temperature", []),
     ("sdar", "/generate", {"prompt": 42}, 400, "prompt", []),
     ("sdar", "/generate", {"prompt": {"text": [[{"a": None}]]}}, 400, "prompt", []),  # nested garbage
-    ("sdar", "/generate", {"input_ids": [[1, 2], [3]]}, 400, "input_ids", []),
+    ("sdar", "/generate", {"input_ids": [[1, 2], 3]}, 400, "input_ids", []),
     ("sdar", "/generate", {"input_ids": [1, True, 3]}, 400, "input_ids", []),
     ("sdar", "/generate", {"input_ids": "1 2 3"}, 400, "input_ids", []),
     ("sdar", "/generate", {"prompt": "hi", "stop": 5}, 400, "stop", []),
@@ -60,8 +60,8 @@ CASES = [
     ("sdar", "/generate", {"max_tokens": 4}, 400, "prompt", []),
     ("sdar", "/generate", {"prompt": "hi", "input_ids": [1, 2]}, 400, "input_ids", ["prompt"]),
     ("sdar", "/generate", {"prompt": "hi", "temprature": 0.5}, 400, "temprature", ["unknown"]),
-    ("sdar", "/generate", {"prompt": "hi", "sampling_params": {"temperature": 0}}, 400, "sampling_params",
-     ["unknown"]),
+    # sampling_params makes it SGLang's native body, which names its prompt `text`
+    ("sdar", "/generate", {"prompt": "hi", "sampling_params": {"temperature": 0}}, 400, "prompt", ["unknown"]),
     ("sdar", "/generate", {"input_ids": []}, 400, "input_ids", ["empty"]),
     ("sdar", "/generate", {"prompt": "", "stream": True}, 400, "prompt", ["empty"]),
     # ---- out-of-vocabulary ids ---------------------------------------------------------------
@@ -93,6 +93,18 @@ CASES = [
     ("sdar", "/generate", {"prompt": "hi", "logprob_start_len": -2}, 400, "logprob_start_len", []),
     ("sdar", "/generate", {"input_ids": [1, 2, 3], "logprob_start_len": 0, "return_logprob": True}, 400,
      "logprob_start_len", ["AR"]),  # input-token logprobs of a DLLM
+    ("sdar", "/generate", {"input_ids": [1, 2, 3], "max_tokens": 0, "return_logprob": True}, 400,
+     "max_tokens", ["AR", "scoring"]),  # scoring a DLLM without logprob_start_len: max_tokens is the problem
+    # ---- SGLang's native body ---------------------------------------------------------------------
+    ("sdar", "/generate", {"text": "hi", "sampling_params": {"max_new_tokens": -1}}, 400, "sampling_params",
+     ["max_new_tokens"]),
+    ("sdar", "/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 10**6}}, 400,
+     "sampling_params.max_new_tokens", ["max_model_len"]),
+    ("sdar", "/generate", {"text": ["a", "b"], "sampling_params": [{}]}, 400, "sampling_params", ["2 prompts"]),
+    ("sdar", "/generate", {"text": "hi", "input_ids": [1, 2]}, 400, "input_ids", ["not both"]),
+    ("sdar", "/generate", {"text": "hi", "sampling_params": {"frequency_penalty": 0.5}}, 400,
+     "sampling_params.frequency_penalty", ["repetition_penalty"]),
+    ("sdar", "/generate", {"text": "hi", "sampling_params": {"n": 0}}, 400, "sampling_params", ["n"]),
     ("qwen3", "/generate", {"input_ids": [1, 2, 3], "max_tokens": 0, "return_logprob": True,
                             "logprob_start_len": 2}, 400, "logprob_start_len", []),  # nothing left to score
     ("qwen3", "/generate", {"input_ids": [1, 2, 3], "max_tokens": 0, "return_logprob": True,
@@ -113,13 +125,13 @@ CASES = [
     ("qwen3", "/v1/completions", {}, 400, "prompt", []),
     ("qwen3", "/v1/completions", {"prompt": 5}, 400, "prompt", []),
     ("qwen3", "/v1/completions", {"prompt": []}, 400, "prompt", ["empty"]),
-    ("qwen3", "/v1/completions", {"prompt": [[1, 2], [3]]}, 400, "prompt", ["one prompt"]),
+    ("qwen3", "/v1/completions", {"prompt": [[1, 2], []]}, 400, "prompt", ["empty"]),
     ("qwen3", "/v1/completions", {"prompt": [3, 10**7]}, 400, "prompt", ["vocabulary"]),
     ("qwen3", "/v1/completions", {"prompt": "hi", "max_tokens": -1}, 400, "max_tokens", []),
     ("qwen3", "/v1/completions", {"prompt": "hi", "max_tokens": 10**6, "stream": True}, 400, "max_tokens",
      ["max_model_len"]),
     ("qwen3", "/v1/completions", {"prompt": "hi", "logprobs": 1000}, 400, "logprobs", []),
-    ("qwen3", "/v1/completions", {"prompt": "hi", "echo": True}, 400, "echo", []),
+    ("sdar", "/v1/completions", {"prompt": "hi", "echo": True, "logprobs": 1}, 400, "echo", ["block-diffusion"]),
     ("qwen3", "/v1/completions", {"prompt": "hi", "best_of": 3}, 400, "best_of", []),
     ("qwen3", "/v1/completions", {"prompt": "hi", "n": 0}, 400, "n", []),
     ("qwen3", "/v1/completions", {"prompt": "hi", "presence_penalty": 0.5}, 400, "presence_penalty", []),

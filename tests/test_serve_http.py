@@ -1,4 +1,4 @@
-"""HTTP over loopback against a real local Ray Serve cluster (CONTRACT.md §5)."""
+"""HTTP over loopback against a real local Ray Serve cluster (docs/api.md)."""
 
 from __future__ import annotations
 
@@ -81,6 +81,71 @@ def test_generate_unary_and_sse_deltas_concatenate(served_apps, app, body):
     assert len(deltas) > 1
     assert all(d["meta_info"]["finish_reason"] is None for d in deltas[:-1])
     assert without_ids(merge_generate_deltas(deltas)) == without_ids(unary)
+
+
+def _flat(url: str, body: dict) -> dict:
+    r = post(url, body)
+    assert r.status_code == 200, r.text
+    return without_ids(r.json())
+
+
+def close(a, b, tol: float = 1e-5) -> bool:
+    """Equal JSON, floats within `tol` (logprob values move in the last float32 bits with what else
+    shares the forward)."""
+    if isinstance(a, float) or isinstance(b, float):
+        return isinstance(a, int | float) and isinstance(b, int | float) and abs(a - b) <= tol
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(close(a[k], b[k], tol) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(close(x, y, tol) for x, y in zip(a, b))
+    return a == b
+
+
+def _merged_by_index(events: list) -> dict[int, dict]:
+    by_index: dict[int, list] = {}
+    for d in split_done(events):
+        by_index.setdefault(d.pop("index"), []).append(d)
+    return {i: without_ids(merge_generate_deltas(ds)) for i, ds in by_index.items()}
+
+
+def test_sglang_native_bodies_equal_flat_ones(served_apps):
+    """SGLang's native /generate body: one prompt answers the flat body; a batch (text or input_ids
+    lists, per-prompt sampling_params) and n > 1 answer a list in order with `index`; streamed, the
+    deltas of each index concatenate to the same bodies."""
+    url = served_apps["sdar"].url + "/generate"
+    sp = {"max_new_tokens": 12, "temperature": 0.8, "seed": 7, "stop": ["zz"]}
+    flat = {"max_tokens": 12, "temperature": 0.8, "seed": 7, "stop": ["zz"], "return_logprob": True,
+            "top_logprobs_num": 2}
+    logprob = {"return_logprob": True, "top_logprobs_num": 2}
+    prompts = ["Hello world", "23+58="]
+    want = [_flat(url, {**flat, "prompt": p}) for p in prompts]
+
+    r = post(url, {"text": prompts[0], "sampling_params": sp, **logprob})
+    assert r.status_code == 200 and close(without_ids(r.json()), want[0])  # one prompt: the flat body, no list
+    batch = {"text": prompts, "sampling_params": [sp, sp], **logprob}
+    r = post(url, batch)
+    assert r.status_code == 200, r.text
+    bodies = r.json()
+    assert [b.pop("index") for b in bodies] == [0, 1]
+    assert close([without_ids(b) for b in bodies], want)
+    status, events = stream(url, {**batch, "stream": True})
+    assert status == 200 and close(_merged_by_index(events), dict(enumerate(want)))
+
+    ids = [[40, 41, 42, 43, 44], [50, 51, 52]]
+    r = post(url, {"input_ids": ids, "sampling_params": {"max_new_tokens": 9, "temperature": 0}})
+    assert [without_ids(b) for b in r.json()] == [
+        _flat(url, {"input_ids": i, "max_tokens": 9, "temperature": 0}) | {"index": k} for k, i in enumerate(ids)]
+
+    # n samples: seeds seed, seed + 1, ... in order; the flat body's n does the same
+    samples = [_flat(url, {**flat, "prompt": prompts[0], "seed": 7 + j}) | {"index": j} for j in range(3)]
+    assert len({tuple(b["output_ids"]) for b in samples}) > 1
+    r = post(url, {"text": prompts[0], "sampling_params": {**sp, "n": 3}, **logprob})
+    assert close([without_ids(b) for b in r.json()], samples)
+    assert close([without_ids(b) for b in post(url, {**flat, "prompt": prompts[0], "n": 3}).json()], samples)
+    status, events = stream(url, {"text": prompts[0], "sampling_params": {**sp, "n": 3}, "stream": True, **logprob})
+    assert status == 200
+    assert close(_merged_by_index(events), {j: {k: v for k, v in b.items() if k != "index"}
+                                            for j, b in enumerate(samples)})
 
 
 def test_scoring_over_http_matches_in_process_engine(served_apps):
@@ -208,7 +273,7 @@ BAD_INPUTS = [
                            "logprob_start_len": 0}, 400, "logprob_start_len"),
     ("qwen3", "/generate", {"input_ids": [1, 2, 3], "max_tokens": 0, "return_logprob": True,
                             "logprob_start_len": 2}, 400, "logprob_start_len"),
-    ("qwen3", "/v1/completions", {"prompt": "hi", "n": 2}, 400, "n"),
+    ("qwen3", "/v1/completions", {"prompt": "hi", "n": 65}, 400, "n"),
     ("qwen3", "/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 404, "model"),
     ("qwen3", "/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("qwen3", "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages"),
