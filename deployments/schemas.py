@@ -597,6 +597,7 @@ class ChoiceFormatter:
                  token_text: Callable[[int], str], echo: Echo | None = None):
         self.kind, self.index, self.k, self.token_text = kind, index, logprobs, token_text
         self.echo = echo  # shown once, before the first text
+        self.prompt_listed = False  # the echoed prompt's tokens are in the logprobs already
         self.offset = 0
         self.first = True
 
@@ -608,7 +609,8 @@ class ChoiceFormatter:
         logprob: nothing precedes it)."""
         k = self.k or 0
         entries: list[tuple[int, float | None, dict[str, float] | None]] = []
-        if self.echo is not None and out.get("input_token_logprobs") is not None:
+        if self.echo is not None and out.get("input_token_logprobs") and not self.prompt_listed:
+            self.prompt_listed = True
             rows = out["input_token_logprobs"]
             tops = out.get("input_top_logprobs") or [None] * len(rows)
             entries.append((self.echo.ids[0], None, None))
