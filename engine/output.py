@@ -45,12 +45,11 @@ class OutputBuilder:
         stop = seq.stop
         end = seq.num_output if seq.num_output is not None else stop.num_consumed
         if finished and stop.decision is None:  # ended from outside (abort, error)
-            text = stop.abort_text()
-        else:
-            text = stop.visible_text()
+            stop.end_from_outside()
+        text_end = stop.visible_end()
         start = self.sent_tokens
         new_ids = seq.tokens[seq.prompt_len + start : seq.prompt_len + end]
-        delta = text[self.sent_text :]
+        delta = stop.text[self.sent_text : text_end]
         has_news = new_ids or delta or self.pending_trace or finished
         prefill_done = seq.num_computed >= seq.score_end or finished
         if self.pending_input_rows and not prefill_done:
@@ -81,7 +80,7 @@ class OutputBuilder:
         self.first = False
         self.pending_trace = []
         self.sent_tokens = end
-        self.sent_text = len(text)
+        self.sent_text = max(self.sent_text, text_end)
         return chunk
 
     def _add_replay(self, chunk: OutputChunk, num_output: int) -> None:

@@ -89,17 +89,17 @@ class StopChecker:
             return self._decide(g + 1, "length", None, len(self.text))
         return None
 
-    def abort_text(self) -> str:
-        """The text of everything consumed, for a request ended from outside (abort / error)."""
+    def end_from_outside(self) -> None:
+        """The request ends without a stop (abort / error): its text is everything consumed."""
         self._flush()
-        return self.text
+        self.text_end = len(self.text)
 
-    def visible_text(self) -> str:
-        """Text that is safe to stream now: the output's text once decided; before that, all but the
-        characters that could still turn out to start a stop string."""
+    def visible_end(self) -> int:
+        """How much of `text` is safe to stream now: the output's text once decided; before that, all
+        but the characters that could still turn out to start a stop string."""
         if self.text_end is not None:
-            return self.text[: self.text_end]
-        return self.text[: max(0, len(self.text) - self.hold_back)]
+            return self.text_end
+        return max(0, len(self.text) - self.hold_back)
 
     # ---- internals ---------------------------------------------------------------------------
     def _decide(self, n: int, reason: str, matched: int | str | None, text_end: int) -> StopDecision:

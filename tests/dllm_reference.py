@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-STRATEGIES = ("sequential", "low_confidence_static", "low_confidence_dynamic")
+STRATEGIES = ("sequential", "low_confidence_static", "low_confidence_dynamic", "entropy_bounded")
 
 
 @dataclass
@@ -52,10 +52,17 @@ def block_causal_logits(model: PreTrainedModel, token_ids: list[int], block_leng
     return out.logits[0].float()
 
 
-def _choose(masked: list[int], confidence: dict[int, float], n_s: int, strategy: str, threshold: float) -> list[int]:
+def _choose(masked: list[int], confidence: dict[int, float], entropy: dict[int, float], n_s: int, strategy: str,
+            threshold: float, entropy_threshold: float) -> list[int]:
     """Positions to unmask this step (`masked` is ascending; ties go to the lower position)."""
     if strategy == "sequential":
         return masked[:n_s]
+    if strategy == "entropy_bounded":  # lowest entropies first while their running sum stays < bound
+        ranked = sorted(masked, key=lambda i: (entropy[i], i))
+        k = 0
+        while k < len(ranked) and sum(entropy[i] for i in ranked[: k + 1]) < entropy_threshold:
+            k += 1
+        return ranked[: max(k, 1)]
     if strategy == "low_confidence_dynamic":
         confident = [i for i in masked if confidence[i] >= threshold]
         if len(confident) >= n_s:
@@ -84,10 +91,12 @@ def reference_dllm_generate(
     strategy: str,
     denoising_steps: int,
     threshold: float,
+    entropy_threshold: float = 0.35,
 ) -> ReferenceResult:
     """Greedy block-diffusion decoding of one prompt: blocks of `block_length` positions, each opened
     fully masked and unmasked over `denoising_steps` steps by `strategy` (ties to the lower position),
-    the output cut at the first stop id or at `max_new_tokens`."""
+    the output cut at the first stop id or at `max_new_tokens`. `threshold` is the confidence threshold
+    of low_confidence_dynamic, `entropy_threshold` the entropy bound (nats) of entropy_bounded."""
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; expected one of {STRATEGIES}")
     if block_length < 1 or denoising_steps < 1:
@@ -113,7 +122,9 @@ def reference_dllm_generate(
             probs = torch.softmax(logits, dim=-1).gather(-1, candidate[:, None])[:, 0]
             logprobs = torch.log_softmax(logits, dim=-1).gather(-1, candidate[:, None])[:, 0]
             confidence = {i: float(p) for i, p in zip(masked, probs, strict=True)}
-            chosen = _choose(masked, confidence, n_s, strategy, threshold)
+            dist = torch.softmax(logits, dim=-1)
+            entropy = {i: float(-(row[row > 0] * row[row > 0].log()).sum()) for i, row in zip(masked, dist)}
+            chosen = _choose(masked, confidence, entropy, n_s, strategy, threshold, entropy_threshold)
             counter += 1  # n_s >= 1 while anything is masked, so every step unmasks a token
             for row, i in enumerate(masked):
                 if i in chosen:

@@ -1,4 +1,4 @@
-"""Block-diffusion decoding (CONTRACT.md §3) against the full-recompute reference in dllm_reference.py."""
+"""Block-diffusion decoding against the full-recompute reference in dllm_reference.py."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from engine import EngineConfig, GenerationConfig, Response, pipeline
 from engine.tiny_checkpoint import DLLM_TEST_LOGIT_SCALE, load_hf_reference, write_tiny_checkpoint
 
 STRATEGIES = ["low_confidence_dynamic", "low_confidence_static", "sequential"]
+ENTROPY_BOUNDS = [0.35, 2.0, 6.0]
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +65,54 @@ def test_matches_reference_b4(sdar, strategy, steps):
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_matches_reference_b8(sdar, strategy):
     _check_against_reference(sdar, strategy=strategy, steps=3, block_length=8, max_new_tokens=19)
+
+
+@pytest.mark.parametrize("block_length", [4, 8])
+@pytest.mark.parametrize("bound", ENTROPY_BOUNDS)
+def test_entropy_bounded_matches_reference(sdar, block_length, bound):
+    path, hf, mask_id, eos = sdar
+    prompts = _prompts(block_length)
+    cfg = _engine_config(dllm_block_length=block_length, dllm_unmasking_strategy="entropy_bounded",
+                         dllm_entropy_threshold=bound, logprobs_mode="raw_logprobs")
+    with pipeline(str(path), cfg) as pipe:
+        outs = pipe(prompts, GenerationConfig(max_new_tokens=17, logprobs=0))
+    multi = 0
+    for prompt, out in zip(prompts, outs):
+        ref = reference_dllm_generate(hf, prompt, block_length=block_length, mask_id=mask_id, max_new_tokens=17,
+                                      stop_ids=eos, strategy="entropy_bounded", denoising_steps=block_length,
+                                      threshold=0.85, entropy_threshold=bound)
+        assert (out.token_ids, out.step_map, out.finish_reason) == (ref.token_ids, ref.step_map, ref.finish_reason)
+        assert all(abs(e[t] - lp) < 1e-4 for e, t, lp in zip(out.logprobs, out.token_ids, ref.logprobs))
+        multi += len(out.step_map) - len(set(out.step_map))
+    if bound >= 2.0:
+        assert multi > 0, "a loose entropy bound should reveal several tokens in some step"
+
+
+def test_per_request_decoding_knobs_equal_engines_configured_alike(sdar):
+    """One batch mixing strategies, steps and thresholds per request equals, request by request,
+    an engine configured with those settings (and the reference)."""
+    path, hf, mask_id, eos = sdar
+    knobs = [
+        dict(dllm_unmasking_strategy="sequential", dllm_denoising_steps=2),
+        dict(dllm_unmasking_strategy="low_confidence_dynamic", dllm_confidence_threshold=0.3),
+        dict(dllm_unmasking_strategy="low_confidence_static", dllm_denoising_steps=3),
+        dict(dllm_unmasking_strategy="entropy_bounded", dllm_entropy_threshold=2.0),
+        dict(dllm_unmasking_strategy="low_confidence_dynamic", dllm_confidence_threshold=0.95, dllm_denoising_steps=1),
+    ]
+    prompts = _prompts(4)
+    with pipeline(str(path), _engine_config(dllm_block_length=4)) as pipe:
+        mixed = pipe(prompts, [GenerationConfig(max_new_tokens=15, **k) for k in knobs])
+        with pytest.raises(ValueError, match="dllm_block_length"):
+            pipe(prompts[0], GenerationConfig(max_new_tokens=4, dllm_block_length=8))
+    for prompt, k, out in zip(prompts, knobs, mixed):
+        with pipeline(str(path), _engine_config(dllm_block_length=4, **k)) as alone:
+            single = alone(prompt, GenerationConfig(max_new_tokens=15))
+        assert (out.token_ids, out.step_map) == (single.token_ids, single.step_map), k
+        ref = reference_dllm_generate(
+            hf, prompt, block_length=4, mask_id=mask_id, max_new_tokens=15, stop_ids=eos,
+            strategy=k["dllm_unmasking_strategy"], denoising_steps=k.get("dllm_denoising_steps", 4),
+            threshold=k.get("dllm_confidence_threshold", 0.85), entropy_threshold=k.get("dllm_entropy_threshold", 0.35))
+        assert (out.token_ids, out.step_map) == (ref.token_ids, ref.step_map), k
 
 
 def test_max_new_tokens_shorter_than_first_partial_block(sdar):
