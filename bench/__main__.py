@@ -24,13 +24,14 @@ import torch
 from bench import hf_baselines as hf
 from bench.measure import PeakRSS, mm_peak_gflops, rss_bytes, run_engine
 from bench.models import BenchShape, mask_id_of, stop_ids_of, write_bench_models
+from bench.moe import bench_moe
 from bench.report import append_report
 from bench.serving import bench_serving
 from bench.workloads import Traffic, make_prompts, scoring_inputs
 from engine import EngineConfig, GenerationConfig, pipeline
 
 BLOCK = 4
-PARTS = ["memory", "dllm", "ar", "scoring", "serve"]
+PARTS = ["memory", "dllm", "ar", "scoring", "serve", "moe"]
 STRATEGY = "low_confidence_dynamic"
 THRESHOLD = 0.85
 
@@ -402,6 +403,9 @@ def main() -> None:
             result["scoring"] = bench_scoring(paths["qwen3"], p, peak0, args.hf_memory_budget_gb)
         if "serve" in only:
             result["serve"] = bench_serve(paths["sdar"], p)
+        if "moe" in only:
+            log("moe: SDAR-MoE block diffusion, engine vs the SDAR HF loop")
+            result["moe"] = bench_moe(root / "moe", args.quick)
     peak1 = mm_peak_gflops()
     result["mm_peak_gflops"] = {"start": round(peak0, 1), "end": round(peak1, 1)}
     result["machine"]["load_avg_end"] = os.getloadavg()[0]

@@ -23,8 +23,9 @@ from transformers import DynamicCache
 from engine.tiny_checkpoint import load_hf_reference
 
 
-def load_hf(path: Path, attn: str = "sdpa") -> transformers.Qwen3ForCausalLM:
-    """Load a bench checkpoint (either model type; SDAR is Qwen3 layers) into HF Qwen3ForCausalLM."""
+def load_hf(path: Path, attn: str = "sdpa") -> transformers.PreTrainedModel:
+    """Load a bench checkpoint into HF `Qwen3ForCausalLM` (SDAR is Qwen3 layers) or, for the MoE
+    types, `Qwen3MoeForCausalLM`."""
     return load_hf_reference(path, attn_implementation=attn)
 
 
