@@ -6,7 +6,7 @@
   back; once the block is fully unmasked one commit forward appends its K/V. One request at a time.
   Greedy, same strategy / threshold / steps as the engine, so the outputs must be identical. As in
   the SDAR script, every forward returns the logits of all its positions (prefill and commit
-  forwards included); the confidence rule is CONTRACT.md's (>= threshold, ties to the lower position).
+  forwards included); the confidence rule is the engine's (>= threshold, ties to the lower position).
 * AR: `model.generate()` with its KV cache, the batch left-padded.
 * Scoring: one forward, `log_softmax` over the full vocabulary, gather the targets.
 """

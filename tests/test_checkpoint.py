@@ -1,4 +1,4 @@
-"""Checkpoint loading (CONTRACT.md §1): config.json, single / sharded safetensors, tied embeddings,
+"""Checkpoint loading: config.json, single / sharded safetensors, tied embeddings,
 dtype, tokenizer, DLLM constants, eos union, and the clear errors for broken directories."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""AR (qwen3) generation against Hugging Face transformers `Qwen3ForCausalLM` (CONTRACT.md §1, §2).
+"""AR (qwen3) generation against Hugging Face transformers `Qwen3ForCausalLM`, through the offline pipeline.
 
 Real tiny checkpoints on disk (tied / untied, single file / sharded), the real tokenizer, the real
 engine; the oracle is `Qwen3ForCausalLM.generate` (greedy, no eos stop) in float32.
