@@ -114,7 +114,7 @@ class TorchAttention(AttentionBackend):
         # one copy, no device sync to learn an output size
         padded_row = torch.tensor([i * max_q + r for i, n in enumerate(q_list) for r in range(n)],
                                   dtype=torch.long, device=device)
-        kv_lens = torch.tensor(kv_list, device=device)
+        kv_lens = torch.tensor(kv_list, dtype=torch.long, device=device)
         # padded key gather index: slot of key j of sequence s
         j = torch.arange(max_kv, device=device)
         tables = meta.page_tables if only else meta.page_tables[torch.tensor(seqs, device=device)]

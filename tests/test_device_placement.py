@@ -1,0 +1,284 @@
+"""Device placement of the attention ops and the model runner's forward, checked without a GPU.
+
+Under `FakeTensorMode` a tensor made with `device="cuda"` is a fake CUDA tensor (shape, dtype and
+device, no data) even on a CPU-only torch, and an op mixing it with a CPU tensor raises
+`FakeTensorDeviceMismatchError` (or the op's own same-device check does), as CUDA would. So a
+metadata tensor built on the host by mistake, or a cache left on the CPU, fails here instead of on
+the first GPU run.
+
+A CPU-only torch 2.13 has no CUDA device guard, and fake mode only supplies one for CUDA builds
+without a device (`ensureCUDADeviceGuardSet`), so indexing, slicing, `copy_` and `.to("cuda")` of a
+fake CUDA tensor raise "PyTorch is not linked with support for cuda devices". The `fake_cuda_guard`
+fixture compiles a few lines of C++ that register c10's own `FakeGuardImpl<CUDA>` (what fake mode installs
+on a CUDA build) for the test session, and removes it afterwards; factory functions and device
+checks are untouched.
+
+`ModelRunner.__init__` still cannot run under fake mode: a module whose parameters are fake tensors
+is converted by `swap_tensors`, which fake mode's weak references refuse. So the runner is built for
+real on the CPU from a tiny checkpoint, then given its model's module tree with fake CUDA bfloat16
+parameters, fake CUDA KV caches and the backend `make_attention_backend` picks for CUDA; `ModelRunner.execute` -- its
+tensor building, the model forward and the LM head on the sampled rows -- then runs under fake mode.
+Scoring rows are left out: they read values back to the host (`tolist`), which fake tensors lack.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from test_flash_kernels import KERNELS
+from torch import nn
+from torch._subclasses import fake_tensor
+from torch._subclasses.fake_tensor import FakeTensorDeviceMismatchError, FakeTensorMode
+from torch.utils.cpp_extension import include_paths
+
+from configs import EngineConfig
+from engine.checkpoint import load_model_spec
+from engine.model import Qwen3ForCausalLM
+from engine.runner import ForwardBatch, ModelRunner
+from ops import flash_kernel
+from ops.attention import AttentionMetadata, FlashAttention, TorchAttention, make_attention_backend, write_kv
+
+CUDA = torch.device("cuda", 0)
+BF16 = torch.bfloat16
+PAGE, HEADS, KV_HEADS, DIM = 16, 4, 2, 8
+
+# (tokens already cached, tokens fed now) per sequence
+BATCHES = {
+    "ar": ([(0, 21), (16, 8), (40, 1), (3, 1)], None),
+    "dllm": ([(0, 32), (28, 8), (40, 4), (16, 4)], 4),
+}
+BACKENDS = ["torch", "flash-bundled", "flash-wheel"]
+
+
+_FAKE_CUDA_GUARD = r"""
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <c10/core/impl/FakeGuardImpl.h>
+
+static c10::impl::FakeGuardImpl<c10::DeviceType::CUDA> fake_guard;
+
+static std::atomic<const c10::impl::DeviceGuardImplInterface*>& cuda_slot() {
+  return c10::impl::device_guard_impl_registry[static_cast<size_t>(c10::DeviceType::CUDA)];
+}
+
+extern "C" int register_fake_cuda_guard() {
+  if (cuda_slot().load() != nullptr) return 0;  // a CUDA build: leave its guard alone
+  cuda_slot().store(&fake_guard);
+  return 1;
+}
+
+extern "C" void unregister_fake_cuda_guard() {
+  if (cuda_slot().load() == &fake_guard) cuda_slot().store(nullptr);
+}
+"""
+
+
+@pytest.fixture(scope="session")
+def fake_cuda_guard(tmp_path_factory):
+    """c10's FakeGuardImpl registered for CUDA while the session's device tests run (see above)."""
+    compiler = shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        pytest.skip("needs a C++ compiler to register a CUDA device guard on a CPU-only torch")
+    root = tmp_path_factory.mktemp("fake_cuda_guard")
+    (root / "guard.cpp").write_text(_FAKE_CUDA_GUARD)
+    lib_dir = Path(torch.__file__).parent / "lib"
+    subprocess.run([compiler, "-shared", "-fPIC", "-std=c++17", *(f"-I{p}" for p in include_paths()),
+                    str(root / "guard.cpp"), "-o", str(root / "guard.so"), f"-L{lib_dir}", "-lc10",
+                    f"-Wl,-rpath,{lib_dir}"], check=True, capture_output=True)
+    lib = ctypes.CDLL(str(root / "guard.so"))
+    lib.register_fake_cuda_guard()
+    yield
+    lib.unregister_fake_cuda_guard()
+
+
+@pytest.fixture
+def fake_cuda(fake_cuda_guard, monkeypatch):
+    """Fake mode ready for fake CUDA tensors. Fake mode computes for real with one-element tensors it
+    keeps as constants (e.g. `torch.tensor([n], device="cuda")`), which on a CPU-only build would
+    allocate on CUDA: no constants here."""
+    monkeypatch.setattr(fake_tensor, "CONSTANT_NUMEL_LIMIT", 0)
+
+    # non-fake inputs allowed: module constants built on the CPU (e.g. rotary frequencies) may enter;
+    # a real CPU tensor meeting a fake CUDA one still raises the device mismatch
+    def mode() -> FakeTensorMode:
+        return FakeTensorMode(allow_non_fake_inputs=True)
+
+    return mode
+
+
+@pytest.fixture
+def fake_mode(fake_cuda):
+    with fake_cuda() as mode:
+        yield mode
+
+
+def backend_for(name: str, monkeypatch, head_dim: int = DIM):
+    """The backend `make_attention_backend` picks for CUDA bf16 (flash through a kernel substitute)."""
+    if name == "torch":
+        return make_attention_backend("torch", CUDA, BF16, PAGE, head_dim)
+    monkeypatch.setattr(flash_kernel, "INSTALLED", KERNELS[name.removeprefix("flash-")])
+    backend = make_attention_backend("flash", CUDA, BF16, PAGE, head_dim)
+    assert isinstance(backend, FlashAttention)
+    return backend
+
+
+def batch_lists(shapes: list[tuple[int, int]]) -> dict:
+    """Host-side lists of a forward over `shapes`, pages laid out one sequence after another."""
+    tables, slots, positions, first_page = [], [], [], 0
+    for cached, fed in shapes:
+        n = -(-(cached + fed) // PAGE)
+        table = list(range(first_page, first_page + n))
+        first_page += n
+        tables.append(table)
+        positions += range(cached, cached + fed)
+        slots += [table[p // PAGE] * PAGE + p % PAGE for p in range(cached, cached + fed)]
+    width = max(len(t) for t in tables)
+    return {"q_lens": [f for _, f in shapes], "kv_lens": [c + f for c, f in shapes], "positions": positions,
+            "slot_mapping": slots, "page_tables": [t + [0] * (width - len(t)) for t in tables],
+            "num_pages": first_page}
+
+
+def on_cuda(value) -> list[str]:
+    """Names of the tensors inside `value` (nested dicts/lists) that are not on CUDA."""
+    if isinstance(value, torch.Tensor):
+        return [] if value.device.type == "cuda" else [f"{value.device} {tuple(value.shape)}"]
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, list | tuple) else []
+    return [bad for item in items for bad in on_cuda(item)]
+
+
+def test_fake_mode_refuses_a_host_tensor_next_to_a_cuda_one(fake_mode):
+    x = torch.empty(4, 3, device="cuda", dtype=BF16)
+    assert x.device == CUDA and x.dtype == BF16
+    with pytest.raises(FakeTensorDeviceMismatchError):
+        x.index_select(0, torch.tensor([0, 1]))
+    with pytest.raises(FakeTensorDeviceMismatchError):
+        x + torch.zeros(4, 3, dtype=BF16)
+
+
+# ---- attention ops ------------------------------------------------------------------------------------------
+def attention_inputs(shapes, block_length, meta_device=CUDA):
+    lists = batch_lists(shapes)
+    total = len(lists["positions"])
+    meta = AttentionMetadata(q_lens=lists["q_lens"], kv_lens=lists["kv_lens"],
+                             positions=torch.tensor(lists["positions"], device=meta_device),
+                             slot_mapping=torch.tensor(lists["slot_mapping"], device=meta_device),
+                             page_tables=torch.tensor(lists["page_tables"], device=meta_device),
+                             page_size=PAGE, dllm_block_length=block_length)
+    qkv = (torch.empty(total, HEADS, DIM, device=CUDA, dtype=BF16),
+           torch.empty(total, KV_HEADS, DIM, device=CUDA, dtype=BF16),
+           torch.empty(total, KV_HEADS, DIM, device=CUDA, dtype=BF16))
+    caches = torch.zeros(2, lists["num_pages"], PAGE, KV_HEADS, DIM, device=CUDA, dtype=BF16).unbind(0)
+    return meta, qkv, caches
+
+
+@pytest.mark.parametrize("backend_name", BACKENDS)
+@pytest.mark.parametrize("batch", BATCHES)
+def test_attention_stays_on_the_device(fake_mode, monkeypatch, backend_name, batch):
+    shapes, block_length = BATCHES[batch]
+    backend = backend_for(backend_name, monkeypatch)
+    meta, (q, k, v), (k_cache, v_cache) = attention_inputs(shapes, block_length)
+    backend.prepare(meta)
+    assert on_cuda(meta.extra) == [], "everything prepare derives lives on the device"
+    out = backend.forward(q, k, v, k_cache, v_cache, meta, DIM**-0.5)
+    assert (out.device, out.dtype, tuple(out.shape)) == (CUDA, BF16, tuple(q.shape))
+
+
+def test_torch_backend_keeps_buckets_on_the_device(fake_mode):
+    """A decode batch with one long prefill splits into several padded buckets."""
+    shapes = [(0, 48), *[(p, 1) for p in (3, 9, 17, 30, 5)]]
+    meta, (q, k, v), caches = attention_inputs(shapes, None)
+    backend = TorchAttention()
+    backend.prepare(meta)
+    assert len(meta.extra["buckets"]) > 1
+    assert on_cuda(meta.extra) == []
+    assert backend.forward(q, k, v, *caches, meta, DIM**-0.5).device == CUDA
+
+
+@pytest.mark.parametrize("backend_name", BACKENDS)
+def test_attention_metadata_left_on_the_host_is_refused(fake_mode, monkeypatch, backend_name):
+    shapes, block_length = BATCHES["dllm"]
+    backend = backend_for(backend_name, monkeypatch)
+    meta, (q, k, v), caches = attention_inputs(shapes, block_length, meta_device=torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="device"):
+        backend.prepare(meta)
+        backend.forward(q, k, v, *caches, meta, DIM**-0.5)
+
+
+def test_write_kv_on_the_device(fake_mode):
+    k_cache, v_cache = torch.zeros(2, 3, PAGE, KV_HEADS, DIM, device=CUDA, dtype=BF16).unbind(0)
+    k = torch.empty(5, KV_HEADS, DIM, device=CUDA, dtype=BF16)
+    write_kv(k, k, k_cache, v_cache, torch.tensor([0, 7, 16, 17, 40], device=CUDA))
+    with pytest.raises(RuntimeError, match="same device"):
+        write_kv(k, k, k_cache, v_cache, torch.tensor([0, 7, 16, 17, 40]))
+
+
+# ---- the model runner's forward -----------------------------------------------------------------------------------
+def fake_cuda_model(spec) -> Qwen3ForCausalLM:
+    """The model's module tree with every parameter a fresh fake CUDA bfloat16 tensor (under fake mode;
+    assigned, as converting fake parameters with `Module.to` would swap them)."""
+    with torch.device("meta"):
+        model = Qwen3ForCausalLM(spec)
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            module._parameters[name] = nn.Parameter(torch.empty(param.shape, dtype=BF16, device=CUDA),
+                                                    requires_grad=False)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def cpu_runners(dllm_ckpt, ar_ckpt):
+    """Real runners built on the CPU, one per paradigm; each test re-homes one onto fake CUDA."""
+    config = EngineConfig(device="cpu", kv_block_size=PAGE, num_kv_blocks=8)
+    return {name: ModelRunner(load_model_spec(path), config) for name, path in (("dllm", dllm_ckpt),
+                                                                                  ("ar", ar_ckpt))}
+
+
+def rehome_on_fake_cuda(runner: ModelRunner, backend, num_pages: int, cache_device: torch.device = CUDA) -> None:
+    """Under fake mode: the runner's model, KV caches, device, dtype and backend as on a CUDA machine."""
+    spec = runner.spec
+    runner.device, runner.dtype, runner.backend = CUDA, BF16, backend
+    runner.model = fake_cuda_model(spec)
+    shape = (2, num_pages, PAGE, spec.num_key_value_heads, spec.head_dim)
+    runner.kv_caches = [torch.zeros(shape, dtype=BF16, device=cache_device).unbind(0)
+                        for _ in range(spec.num_hidden_layers)]
+
+
+def forward_batch(paradigm: str) -> tuple[ForwardBatch, int]:
+    """A prefill chunk next to decode rows (AR) or DLLM blocks next to a fused commit + next block."""
+    shapes, _ = BATCHES[paradigm]
+    lists = batch_lists(shapes)
+    total = len(lists["positions"])
+    last_rows = [sum(lists["q_lens"][: s + 1]) - 1 for s in range(len(shapes))]
+    batch = ForwardBatch(input_ids=[7] * total, positions=lists["positions"], q_lens=lists["q_lens"],
+                         kv_lens=lists["kv_lens"], slot_mapping=lists["slot_mapping"],
+                         page_tables=lists["page_tables"],
+                         sample_rows=list(range(total)) if paradigm == "dllm" else last_rows)
+    return batch, lists["num_pages"]
+
+
+@pytest.mark.parametrize("backend_name", BACKENDS)
+@pytest.mark.parametrize("paradigm", ["dllm", "ar"])
+def test_runner_forward_stays_on_the_device(cpu_runners, fake_cuda, monkeypatch, backend_name, paradigm):
+    runner = cpu_runners[paradigm]
+    batch, num_pages = forward_batch(paradigm)
+    with fake_cuda():
+        rehome_on_fake_cuda(runner, backend_for(backend_name, monkeypatch, runner.spec.head_dim), num_pages)
+        runner.set_dllm_block_length(4 if paradigm == "dllm" else None)
+        out = runner.execute(batch)
+    assert (out.logits.device, out.logits.dtype) == (CUDA, torch.float32)
+    assert tuple(out.logits.shape) == (len(batch.sample_rows), runner.spec.vocab_size)
+
+
+def test_runner_with_a_host_kv_cache_is_refused(cpu_runners, fake_cuda, monkeypatch):
+    runner = cpu_runners["ar"]
+    batch, num_pages = forward_batch("ar")
+    with fake_cuda():
+        rehome_on_fake_cuda(runner, backend_for("torch", monkeypatch), num_pages,
+                            cache_device=torch.device("cpu"))
+        runner.set_dllm_block_length(None)
+        with pytest.raises(RuntimeError, match="device"):  # the paged KV write meets the host cache
+            runner.execute(batch)
