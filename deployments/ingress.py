@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from ray import serve
 from ray.exceptions import TaskCancelledError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -35,6 +36,9 @@ from deployments.schemas import (
     ChoiceFormatter,
     CompletionRequest,
     EngineRequest,
+    ErrorResponse,
+    GenerateRequest,
+    NativeGenerateRequest,
     OpenAIFormatter,
     chat_to_engine,
     completion_to_engine,
@@ -43,6 +47,8 @@ from deployments.schemas import (
     is_error_item,
     new_request_id,
     parse,
+    request_body,
+    request_components,
 )
 from engine.checkpoint import load_model_spec, load_tokenizer
 
@@ -52,7 +58,26 @@ DEFAULT_MAX_BODY_BYTES = 8 << 20
 
 # NOTE: `@serve.ingress(app)` cloudpickles the app (with the route methods) when the class is
 # decorated, so everything the routes use must be defined above the class.
-app = FastAPI(title="blockserve", docs_url=None, redoc_url=None, openapi_url=None)
+app = FastAPI(title="blockserve", version="0.1.0", docs_url="/docs", redoc_url=None, openapi_url="/openapi.json",
+              description="Block-diffusion (SDAR) and Qwen3 inference: SGLang-style /generate, OpenAI completions "
+                          "and chat. Errors: `{\"error\": {\"message\", \"type\", \"param\"}}`.")
+ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorResponse, "description": text} for code, text in (
+        (400, "invalid request (the field is named in `param`)"), (401, "missing or wrong API key"),
+        (404, "unknown model"), (413, "body too large"), (429, "at max_concurrent_requests; see Retry-After"),
+        (503, "engine replica unavailable; see Retry-After"))}
+
+
+def _openapi() -> dict[str, Any]:
+    """FastAPI's schema plus the request models the routes name in their requestBody."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        schema.setdefault("components", {}).setdefault("schemas", {}).update(request_components())
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
+app.openapi = _openapi
 
 
 RETRY_AFTER_S = 1  # the Retry-After of 429 (ingress full) and 503 (engine replica failed / restarting)
@@ -457,7 +482,8 @@ class Ingress:
         return self.tokenizer.decode([token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
     # ---- routes ------------------------------------------------------------------------------
-    @app.post("/generate")
+    @app.post("/generate", responses=ERRORS, openapi_extra=request_body(GenerateRequest, NativeGenerateRequest),
+              summary="Generate (SGLang-style: the flat body or SGLang's native one; SSE when stream)")
     async def http_generate(self, request: Request):
         return await self._serve(request, "/generate", self._generate_route, limited=True)
 
@@ -465,7 +491,8 @@ class Ingress:
         stream, answer = await self._generate(body)
         return self._sse_response(answer) if stream else JSONResponse(answer)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=ERRORS, openapi_extra=request_body(CompletionRequest),
+              summary="OpenAI completions (echo, logprobs, list prompts, n)")
     async def http_completions(self, request: Request):
         return await self._serve(request, "/v1/completions", self._completions_route, limited=True)
 
@@ -478,7 +505,8 @@ class Ingress:
                    for i, echo in enumerate(echoes)]
         return await self._openai("completion", reqs, choices, req.n, req.stream, req.stream_options)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=ERRORS, openapi_extra=request_body(ChatCompletionRequest),
+              summary="OpenAI chat completions")
     async def http_chat(self, request: Request):
         return await self._serve(request, "/v1/chat/completions", self._chat_route, limited=True)
 
@@ -508,7 +536,7 @@ class Ingress:
 
         return self._sse_response(chunks())
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses={401: ERRORS[401]}, summary="The served model")
     async def http_models(self, request: Request):
         async def models() -> Response:
             return JSONResponse({"object": "list", "data": [{
@@ -517,7 +545,7 @@ class Ingress:
 
         return await self._serve(request, "/v1/models", models, body=False)
 
-    @app.get("/health")
+    @app.get("/health", summary="200 when every engine replica is healthy, else 503")
     async def http_health(self, request: Request):
         async def health() -> Response:
             try:
@@ -530,7 +558,8 @@ class Ingress:
 
         return await self._serve(request, "/health", health, auth=False, body=False)
 
-    @app.get("/metrics")
+    @app.get("/metrics", responses={401: ERRORS[401]}, response_class=PlainTextResponse,
+             summary="Prometheus metrics (text exposition)")
     async def http_metrics(self, request: Request):
         async def metrics() -> Response:
             stats = await self._broadcast("stats", return_exceptions=True)

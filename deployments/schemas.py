@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic.json_schema import models_json_schema
 
 from configs import GenerationConfig
 
@@ -422,6 +423,8 @@ def native_to_engine(req: NativeGenerateRequest) -> tuple[list[list[EngineReques
             include_stop_str_in_output=sp.include_stop_str_in_output or sp.no_stop_trim,
             return_step_trace=req.return_step_trace, **_logprob_fields(return_logprob, top, start, "top_logprobs_num"))
         out.append(samples(ereq, sp.n))
+    if sum(len(s) for s in out) > MAX_BATCH:
+        raise ApiError(f"at most {MAX_BATCH} generations per request (prompts x n)", "sampling_params")
     return out, batch or any(len(s) > 1 for s in out)
 
 
@@ -701,3 +704,36 @@ class OpenAIFormatter:
             if len(self.finals) == len(self.choices):
                 result.append(dict(base, choices=[], usage=self._usage(self.finals)))
         return result
+
+
+# ---- OpenAPI ----------------------------------------------------------------------------------------
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """Every refusal: HTTP 4xx (or 5xx when the server failed) with this body."""
+
+    error: ErrorDetail
+
+
+REQUEST_MODELS: tuple[type[BaseModel], ...] = (GenerateRequest, NativeGenerateRequest, CompletionRequest,
+                                               ChatCompletionRequest)
+
+
+def request_body(*models: type[BaseModel]) -> dict[str, Any]:
+    """An OpenAPI requestBody (for a route's `openapi_extra`) whose schema is one of `models`. The
+    routes validate the raw body with these same models themselves (after the API key and the body
+    size limit, with the project's 400 error shape), so the documented schema is the enforced one."""
+    refs = [{"$ref": f"#/components/schemas/{m.__name__}"} for m in models]
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": refs[0] if len(refs) == 1 else {"anyOf": refs}}}}}
+
+
+def request_components() -> dict[str, Any]:
+    """JSON schemas of the request models (and what they nest), for the OpenAPI `components`."""
+    _, top = models_json_schema([(m, "validation") for m in REQUEST_MODELS],
+                                ref_template="#/components/schemas/{model}")
+    return top.get("$defs", {})
