@@ -1,0 +1,208 @@
+"""The GPU check: `python -m bench.gpu_check` prints one JSON object (about 5-8 minutes on one H200).
+
+1. `flash`: the flash backend against the torch backend, bf16, on random page tables (AR and DLLM
+   batches: prefill chunks, denoising steps, fused commit + next block, decode rows).
+2. `greedy`: greedy DLLM and AR outputs (tokens, step_map) of tiny checkpoints in bf16 against the
+   same engine in fp32 on the same GPU; the share of identical outputs (bf16 may flip near-ties).
+3. `seeded_sampling`: sampled requests with seeds, served twice in different batch mixes: identical.
+4. `throughput`: an SDAR-1.7B-shaped random-weight model (hidden 2048, 28 layers, 16 / 8 heads x 128,
+   MLP 6144, vocabulary 151,936, block 4) served at 1, 32 and 128 concurrent requests, against the SDAR
+   reference loop on HF transformers (bench/hf_baselines.py) on the same GPU, tokens/s and output match.
+
+Where CUDA is absent it prints why and exits 0. Every part is a function of (device, dtype, ...) so
+tests/test_gpu_check.py runs them on the CPU in float32 with tiny shapes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from bench import hf_baselines as hf
+from bench.measure import run_engine
+from bench.models import DLLM_LOGIT_SCALE, BenchShape, mask_id_of, stop_ids_of
+from bench.workloads import Traffic, make_prompts
+from configs import EngineConfig, GenerationConfig
+from engine.engine import LLMEngine
+from engine.tiny_checkpoint import DLLM_TEST_LOGIT_SCALE, write_tiny_checkpoint
+from ops.attention import AttentionMetadata, FlashAttention, TorchAttention
+from ops.flash_kernel import INSTALLED, FlashKernel
+
+SDAR_1_7B = BenchShape(hidden_size=2048, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                       head_dim=128, intermediate_size=6144)
+BLOCK, STRATEGY, THRESHOLD = 4, "low_confidence_dynamic", 0.85
+PAGE = 16
+# (tokens already cached, tokens fed now) per sequence
+ATTENTION_BATCHES = {
+    "ar": ([(0, 300), (128, 64), (517, 1), (33, 1), (1000, 1)], None),
+    "dllm": ([(0, 256), (96, 32), (508, 8), (300, 4), (64, 4)], BLOCK),
+}
+
+
+# ---- 1. flash == torch ---------------------------------------------------------------------------------------
+def compare_attention(kernel: FlashKernel, device: torch.device, dtype: torch.dtype, heads: int = 16,
+                      kv_heads: int = 8, head_dim: int = 128, seed: int = 0) -> dict:
+    """Max |flash - torch| per batch: both backends on the same `dtype` inputs, the torch one in float32."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, (shapes, block_length) in ATTENTION_BATCHES.items():
+        pages_needed = [-(-(c + f) // PAGE) for c, f in shapes]
+        num_pages = sum(pages_needed) + 8
+        perm = torch.randperm(num_pages, generator=g).tolist()
+        tables, slots, positions = [], [], []
+        for (cached, fed), n in zip(shapes, pages_needed):
+            table = [perm.pop() for _ in range(n)]
+            tables.append(table + [0] * (max(pages_needed) - n))
+            positions += range(cached, cached + fed)
+            slots += [table[p // PAGE] * PAGE + p % PAGE for p in range(cached, cached + fed)]
+        total = len(positions)
+        q, k, v = (torch.randn(total, h, head_dim, generator=g).to(dtype) for h in (heads, kv_heads, kv_heads))
+        cache = torch.randn(2, num_pages, PAGE, kv_heads, head_dim, generator=g).to(dtype)
+
+        def run(backend, run_dtype, shapes=shapes, block_length=block_length, tables=tables, slots=slots,
+                positions=positions, q=q, k=k, v=v, cache=cache):
+            meta = AttentionMetadata(
+                q_lens=[f for _, f in shapes], kv_lens=[c + f for c, f in shapes],
+                positions=torch.tensor(positions, device=device), slot_mapping=torch.tensor(slots, device=device),
+                page_tables=torch.tensor(tables, device=device), page_size=PAGE, dllm_block_length=block_length)
+            k_cache, v_cache = (c.to(device=device, dtype=run_dtype) for c in cache)
+            backend.prepare(meta)
+            x = [t.to(device=device, dtype=run_dtype) for t in (q, k, v)]
+            return backend.forward(*x, k_cache, v_cache, meta, head_dim**-0.5).float()
+
+        err = (run(FlashAttention(kernel), dtype) - run(TorchAttention(), torch.float32)).abs().max().item()
+        out[name] = {"max_abs_error": err, "ok": err < 2e-2}
+    return out
+
+
+# ---- 2. greedy bf16 vs fp32 ------------------------------------------------------------------------------------
+def _serve(path: Path, config: EngineConfig, prompts: list[list[int]], params: list[GenerationConfig],
+           concurrency: int) -> list:
+    engine = LLMEngine(str(path), config)
+    return run_engine(engine, prompts, params, BenchShape(), concurrency).outputs
+
+
+def _tiny_prompts(n: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 300, (int(length),), generator=g).tolist()
+            for length in torch.randint(5, 40, (n,), generator=g)]
+
+
+def compare_greedy(paths: dict[str, Path], device: str, dtypes: tuple[str, str] = ("bfloat16", "float32"),
+                   requests: int = 16) -> dict:
+    """Share of identical greedy outputs (tokens and, for DLLM, step_map) between two dtypes."""
+    prompts = _tiny_prompts(requests, seed=3)
+    params = [GenerationConfig(max_new_tokens=24)] * requests
+    out = {}
+    for name, path in paths.items():
+        runs = [_serve(path, EngineConfig(device=device, dtype=dt, kv_block_size=PAGE, num_kv_blocks=256,
+                                          dllm_block_length=BLOCK), prompts, params, 8) for dt in dtypes]
+        tokens = sum(a.token_ids == b.token_ids for a, b in zip(*runs))
+        step_maps = sum(a.step_map == b.step_map for a, b in zip(*runs))
+        out[name] = {"dtypes": list(dtypes), "requests": requests, "same_tokens": tokens / requests,
+                     "same_step_map": step_maps / requests}
+    return out
+
+
+# ---- 3. seeded sampling ----------------------------------------------------------------------------------------
+def check_seeded_sampling(path: Path, device: str, dtype: str, requests: int = 12) -> dict:
+    """The same seeded requests, once all together and once one at a time: identical outputs."""
+    prompts = _tiny_prompts(requests, seed=4)
+    params = [GenerationConfig(max_new_tokens=20, do_sample=True, temperature=0.9, top_p=0.95, random_seed=100 + i)
+              for i in range(requests)]
+    config = EngineConfig(device=device, dtype=dtype, kv_block_size=PAGE, num_kv_blocks=256, dllm_block_length=BLOCK)
+    together = _serve(path, config, prompts, params, requests)
+    alone = _serve(path, config, prompts, params, 1)
+    same = sum(a.token_ids == b.token_ids and a.step_map == b.step_map for a, b in zip(together, alone))
+    return {"requests": requests, "same_together_and_alone": same / requests, "ok": same == requests}
+
+
+# ---- 4. throughput -----------------------------------------------------------------------------------------------
+def throughput(path: Path, shape: BenchShape, device: str, dtype: str, concurrency: list[int], traffic: Traffic,
+               hf_requests: int) -> dict:
+    """Engine tokens/s at each concurrency, and the SDAR HF loop's (one request at a time) on the same prompts."""
+    stops, mask_id = stop_ids_of(path), mask_id_of(path)
+    prompts, budgets = make_prompts(traffic, shape.vocab_size, stops | {mask_id})
+    params = [GenerationConfig(max_new_tokens=m) for m in budgets]
+    config = EngineConfig(device=device, dtype=dtype, kv_block_size=PAGE, num_kv_blocks=0.85 if device == "cuda"
+                          else 4096, max_batch_size=max(concurrency), dllm_block_length=BLOCK,
+                          dllm_unmasking_strategy=STRATEGY, dllm_confidence_threshold=THRESHOLD)
+    engine = LLMEngine(str(path), config)
+    run_engine(engine, prompts[:1], [GenerationConfig(max_new_tokens=8)], shape, 1)  # warm-up
+    result: dict = {"engine": {}}
+    first_outputs: list[list[int]] = []
+    for c in concurrency:
+        n = max(c, min(2 * c, traffic.num_requests)) if c > 1 else min(4, traffic.num_requests)
+        run = run_engine(engine, prompts[:n], params[:n], shape, c)
+        if not first_outputs:
+            first_outputs = [o.token_ids for o in run.outputs]
+        result["engine"][str(c)] = {"requests": n, "output_tokens": run.output_tokens, "seconds": run.seconds,
+                                    "tokens_per_s": run.output_tokens / run.seconds}
+    del engine
+
+    model = hf.load_hf(path).to(device=device, dtype=getattr(torch, dtype))
+    tokens, seconds, match = 0, 0.0, 0
+    with torch.device(device):  # the loop builds its tensors with default devices
+        for i in range(hf_requests):
+            t = time.perf_counter()
+            out, _, _ = hf.sdar_generate(model, prompts[i], block_length=BLOCK, mask_id=mask_id,
+                                         max_new_tokens=budgets[i], stop_ids=stops, strategy=STRATEGY,
+                                         denoising_steps=BLOCK, threshold=THRESHOLD)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            seconds += time.perf_counter() - t
+            tokens += len(out)
+            match += out == first_outputs[i]
+    result["hf_sdar_loop"] = {"requests": hf_requests, "output_tokens": tokens, "seconds": seconds,
+                              "tokens_per_s": tokens / seconds, "same_as_engine": match / hf_requests}
+    for c, e in result["engine"].items():
+        result["engine"][c]["vs_hf_sdar_loop"] = e["tokens_per_s"] / result["hf_sdar_loop"]["tokens_per_s"]
+    return result
+
+
+def write_tiny_pair(root: Path) -> dict[str, Path]:
+    return {"dllm": write_tiny_checkpoint(root / "sdar", model_type="sdar", seed=5, logit_scale=DLLM_TEST_LOGIT_SCALE),
+            "ar": write_tiny_checkpoint(root / "qwen3", model_type="qwen3", seed=4, logit_scale=2.0)}
+
+
+def write_sdar(root: Path, shape: BenchShape) -> Path:
+    return write_tiny_checkpoint(root / f"sdar-{shape.hidden_size}x{shape.num_hidden_layers}", model_type="sdar",
+                                 block_size=BLOCK, logit_scale=DLLM_LOGIT_SCALE, seed=1, **asdict(shape))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--skip-throughput", action="store_true")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print(json.dumps({"skipped": "no CUDA device: the GPU check runs only where torch.cuda.is_available()"}))
+        return 0
+    report: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                    "flash_kernel": None if INSTALLED is None else f"{INSTALLED.source} ({INSTALLED.key_lengths})"}
+    t0 = time.perf_counter()
+    cuda = torch.device("cuda")
+    report["flash"] = ({"skipped": "no flash kernel installed"} if INSTALLED is None
+                       else compare_attention(INSTALLED, cuda, torch.bfloat16))
+    with tempfile.TemporaryDirectory() as tmp:
+        tiny = write_tiny_pair(Path(tmp))
+        report["greedy"] = compare_greedy(tiny, "cuda")
+        report["seeded_sampling"] = {name: check_seeded_sampling(path, "cuda", "bfloat16")
+                                     for name, path in tiny.items()}
+        if not args.skip_throughput:
+            path = write_sdar(Path(tmp), SDAR_1_7B)
+            report["throughput"] = throughput(path, SDAR_1_7B, "cuda", "bfloat16", [1, 32, 128],
+                                              Traffic(256, (64, 256), (64, 128)), hf_requests=4)
+    report["seconds"] = time.perf_counter() - t0
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
