@@ -71,6 +71,15 @@ class GenerationConfig(BaseModel):
             raise ValueError("min_new_tokens must not exceed max_new_tokens")
         return self
 
+    def samples(self) -> list[GenerationConfig]:
+        """The `n` samples of a request as n single-sample configs: sample i is seeded
+        `random_seed + i` (so each sample is reproducible on its own); unseeded samples each get
+        fresh randomness."""
+        if self.n == 1:
+            return [self]
+        return [self.model_copy(update={"n": 1, "random_seed": None if self.random_seed is None
+                                        else self.random_seed + i}) for i in range(self.n)]
+
     @property
     def is_greedy(self) -> bool:
         """Greedy when sampling is off or the temperature is (numerically) 0, the HTTP convention:

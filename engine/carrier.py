@@ -49,6 +49,7 @@ class _CarrierFields:
     input_token_len: int = 0
     generate_token_len: int = 0  # cumulative: tokens generated so far
     num_steps: int | None = None  # cumulative (block diffusion): denoising steps taken so far
+    weight_version: str | None = None  # the weights that produced this delta
     # final block replay (block diffusion, on request; in the last chunk only)
     dllm_replay_token_ids: list[int] | None = None
     dllm_replay_step_maps: list[int] | None = None
@@ -71,6 +72,8 @@ class OutputChunk(_CarrierFields):
 class Response(_CarrierFields):
     """The whole result of one request: the sum of its deltas."""
 
+    index: int = 0  # which of the request's n samples this is
+
     def add(self, chunk: OutputChunk) -> Response:
         """Fold one delta in (in place) and return self."""
         self.request_id = chunk.request_id
@@ -82,7 +85,7 @@ class Response(_CarrierFields):
         self.input_top_logprobs = _extend(self.input_top_logprobs, chunk.input_top_logprobs)
         self.step_trace = _extend(self.step_trace, chunk.step_trace)
         self.block_step_map = _extend(self.block_step_map, chunk.block_step_map)
-        for name in ("finish_reason", "matched", "error", "num_steps", "dllm_replay_token_ids",
+        for name in ("finish_reason", "matched", "error", "num_steps", "weight_version", "dllm_replay_token_ids",
                      "dllm_replay_step_maps", "dllm_stop_length"):
             value = getattr(chunk, name)
             if value is not None:

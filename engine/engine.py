@@ -138,6 +138,7 @@ class LLMEngine:
         self.seqs: dict[str, Sequence] = {}
         self.outputs: dict[str, OutputBuilder] = {}
         self.stats = EngineStats()
+        self.weight_version = "default"  # names the weights in every output; an update sets it
         self._ids = itertools.count()
 
     # ---- requests ----------------------------------------------------------------------------
@@ -148,6 +149,9 @@ class LLMEngine:
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.seqs:
             raise RequestError(f"request_id {request_id!r} is already in flight", "request_id")
+        if params.n != 1:
+            raise RequestError(f"n={params.n}: the engine runs one sample per request; expand the request with "
+                               "GenerationConfig.samples() (the offline pipeline and the servers do)", "n")
         prompt_ids = validate_request(self, prompt, params)
         unmasking = self._unmasking_settings(params) if self.is_dllm else None
         stop_ids = set(params.stop_token_ids or [])
@@ -199,7 +203,7 @@ class LLMEngine:
         if seq is None:
             return None
         seq.finish_reason = reason
-        chunk = self.outputs[request_id].build(finished=True)
+        chunk = self.outputs[request_id].build(True, self.weight_version)
         chunk.error = message
         self._release(seq)
         return chunk
@@ -355,7 +359,7 @@ class LLMEngine:
             if seq.request_id not in self.seqs:
                 continue
             done = seq.request_id in finished
-            chunk = self.outputs[seq.request_id].build(done)
+            chunk = self.outputs[seq.request_id].build(done, self.weight_version)
             if chunk is not None:
                 chunks.append(chunk)
             if done:

@@ -38,9 +38,10 @@ class OutputBuilder:
             self.pending_input_top += [[(v, t) for v, t in row] for row in top]
 
     # ---- chunk ------------------------------------------------------------------------------
-    def build(self, finished: bool) -> OutputChunk | None:
+    def build(self, finished: bool, weight_version: str) -> OutputChunk | None:
         """The delta since the last chunk (None when there is nothing new). Tokens are final once
-        the stop rule has read them; `finished` ends the request with `seq.finish_reason`."""
+        the stop rule has read them; `finished` ends the request with `seq.finish_reason`;
+        `weight_version` names the weights the engine runs now."""
         seq = self.seq
         stop = seq.stop
         end = seq.num_output if seq.num_output is not None else stop.num_consumed
@@ -69,6 +70,7 @@ class OutputBuilder:
             input_token_len=seq.prompt_len,
             generate_token_len=end,
             num_steps=seq.step_counter if self.is_dllm else None,
+            weight_version=weight_version,
         )
         if finished and self.want_replay:
             self._add_replay(chunk, end)

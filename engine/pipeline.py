@@ -2,7 +2,9 @@
 
 `pipe(prompts, gen_config)`: a str or a flat list of token ids is one prompt and gets one Response;
 a list of those is a batch and gets a list. `gen_config` is one GenerationConfig for every prompt, or
-a list with one per prompt (as lmdeploy's pipeline takes them).
+a list with one per prompt (as lmdeploy's pipeline takes them). A config with `n > 1` gives n
+Responses for its prompt (`index` 0..n-1, sample i seeded `random_seed + i`), in prompt order: a
+single prompt then gets a list too.
 """
 
 from __future__ import annotations
@@ -45,22 +47,25 @@ class Pipeline:
             configs = gen_config
         else:
             configs = [gen_config] * len(batch)
-        ids = []
+        ids: list[tuple[str, int]] = []
         try:
             for p, config in zip(batch, configs):
-                ids.append(self.engine.add_request(p, config))
+                for index, sample in enumerate((config or GenerationConfig()).samples()):
+                    ids.append((self.engine.add_request(p, sample), index))
         except ValueError:
-            for rid in ids:
+            for rid, _ in ids:
                 self.engine.abort(rid)
             raise
-        responses = {rid: Response() for rid in ids}
-        for chunk in self._drain(set(ids)):
+        responses = {rid: Response(index=index) for rid, index in ids}
+        for chunk in self._drain(set(responses)):
             responses[chunk.request_id].add(chunk)
-        out = [responses[rid] for rid in ids]
-        return out[0] if single else out
+        out = [responses[rid] for rid, _ in ids]
+        return out[0] if single and len(out) == 1 else out
 
     def stream(self, prompt: Prompt, gen_config: GenerationConfig | None = None) -> Iterator[OutputChunk]:
-        """Yield one request's OutputChunk deltas as the engine makes them."""
+        """Yield one request's OutputChunk deltas as the engine makes them (one sample: n must be 1)."""
+        if gen_config is not None and gen_config.n != 1:
+            raise ValueError("stream() follows one sample: use n=1 (or pipe(...) for n samples)")
         rid = self.engine.add_request(prompt, gen_config)
         finished = False
         try:

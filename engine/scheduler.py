@@ -3,7 +3,9 @@
 Every step takes running sequences first (AR decode rows, DLLM denoising blocks), then admits
 waiting ones (prefill, chunked under `max_prefill_token_num`). What a sequence feeds next comes
 from its decoding strategy; a chunk ends on a multiple of the strategy's `chunk_alignment` (a
-block-diffusion query sees every key of its own block). When KV pages run out, the
+block-diffusion query sees every key of its own block). A waiting sequence whose prompt another
+running sequence is still prefilling waits for it (its prompt then comes from the prefix cache:
+the n samples of one prompt compute the prompt once). When KV pages run out, the
 newest running sequence is preempted: its pages are freed and it is recomputed later from its
 tokens, which reproduces exactly the state it had.
 """
@@ -37,6 +39,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        # prompt -> (the running sequence computing it, how far its prefix-cacheable part reaches)
+        self._prefilling: dict[tuple[int, ...], tuple[Sequence, int]] = {}
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -48,6 +52,22 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.kv.free(seq.table)
+        key = tuple(seq.prompt_ids)
+        if self._prefilling.get(key, (None,))[0] is seq:
+            del self._prefilling[key]
+
+    def _waits_for_shared_prompt(self, seq: Sequence) -> bool:
+        """Another running sequence is computing this prompt's cacheable prefix right now."""
+        if not self.kv.enable_prefix_caching:
+            return False
+        key = tuple(seq.prompt_ids)
+        leader, target = self._prefilling.get(key, (None, 0))
+        if leader is None:
+            return False
+        if leader.status is SeqStatus.RUNNING and leader.num_computed < target:
+            return True
+        del self._prefilling[key]
+        return False
 
     def _chunk_end(self, seq: Sequence, budget: int) -> int | None:
         target, _ = self.decoding.feed_target(seq)
@@ -75,9 +95,14 @@ class Scheduler:
             if not decoding:
                 budget -= item.end - item.start
             i += 1
+        held: list[Sequence] = []
         while self.waiting and len(self.running) < self.config.max_batch_size and budget > 0:
             seq = self.waiting[0]
-            seq.num_computed = self.kv.match_prefix(seq.table, seq.tokens, self.decoding.cacheable_prefix(seq))
+            if self._waits_for_shared_prompt(seq):
+                held.append(self.waiting.popleft())
+                continue
+            cacheable = self.decoding.cacheable_prefix(seq)
+            seq.num_computed = self.kv.match_prefix(seq.table, seq.tokens, cacheable)
             item = self._try_schedule(seq, budget, out, first=not out, admitting=True)
             if item is None:  # wait without sitting on cached pages others may need
                 self.kv.undo_match(seq.table, seq.num_computed)
@@ -88,6 +113,9 @@ class Scheduler:
             self.running.append(seq)
             out.append(item)
             budget -= item.end - item.start
+            if self.kv.enable_prefix_caching and seq.num_computed < cacheable:
+                self._prefilling.setdefault(tuple(seq.prompt_ids), (seq, cacheable))
+        self.waiting.extendleft(reversed(held))
         return out
 
     def _try_schedule(self, seq: Sequence, budget: int, scheduled: list[ScheduledSeq],
