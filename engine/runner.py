@@ -105,7 +105,8 @@ class ModelRunner:
         self.spec, self.config = spec, config
         self.device = resolve_device(config)
         self.dtype = resolve_dtype(config, self.device, spec)
-        self.backend = make_attention_backend(config.attention_backend, self.device)
+        self.backend = make_attention_backend(config.attention_backend, self.device, self.dtype,
+                                              config.kv_block_size, spec.head_dim)
         self.dllm_block_length = None
         torch.manual_seed(config.seed)
         self.model = build_model(spec, self.device, self.dtype, tp)

@@ -272,8 +272,8 @@ def write_kv(
     v_cache.view(-1, kvh, d).index_copy_(0, slots, v)
 
 
-def make_attention_backend(name: str, device: torch.device, dtype: torch.dtype = torch.bfloat16,
-                           page_size: int = 16, head_dim: int = 128) -> AttentionBackend:  # TEMP defaults
+def make_attention_backend(name: str, device: torch.device, dtype: torch.dtype, page_size: int,
+                           head_dim: int) -> AttentionBackend:
     """The backend for `EngineConfig.attention_backend`: `torch` always; `flash` when the installed
     kernel can run these settings, else a ValueError naming every unmet condition; `auto` flash when
     it can, else torch, logging which and why."""
