@@ -1,4 +1,5 @@
-"""The GPU check: `python -m bench.gpu_check` prints one JSON object (about 5-8 minutes on one H200).
+"""The GPU check: `python -m bench.gpu_check` prints one JSON object (sized for under 8 minutes on one H200;
+not yet run on one).
 
 1. `flash`: the flash backend against the torch backend, bf16, on random page tables (AR and DLLM
    batches: prefill chunks, denoising steps, fused commit + next block, decode rows).
