@@ -28,6 +28,7 @@ from pydantic import ValidationError
 from ray import serve
 
 from configs import EngineConfig, GenerationConfig
+from deployments.metrics import RequestMetrics
 from deployments.schemas import ApiError, EngineRequest, request_error, validation_error
 from engine.async_engine import AsyncEngine, EngineDeadError
 from engine.carrier import OutputChunk, Response
@@ -60,6 +61,7 @@ class EngineServer:
         self.replica = _replica_id()
         self.debug_hooks = debug_hooks
         self.eos_ids = frozenset(self.engine.spec.eos_token_ids)
+        self.metrics = RequestMetrics()
         log.info("EngineServer %s ready: %s (%s), tp=%d", self.replica, model, self.engine.spec.model_type,
                  config.tp)
 
@@ -88,11 +90,13 @@ class EngineServer:
             yield validation_error(e).to_item()
             return
         acc = Response()
+        timer = self.metrics.timer()
         stream = self.engine.generate(req.prompt, params, req.request_id)
         started = False
         try:
             async for chunk in stream:
                 started = True
+                timer.chunk(chunk.token_ids, chunk.step_map, chunk.finished)
                 acc.add(chunk)
                 yield chunk, acc, (self._matched(acc, params) if chunk.finished else None)
         except RequestError as e:  # raised before the first chunk
@@ -149,6 +153,10 @@ class EngineServer:
         info = executor.describe() if hasattr(executor, "describe") else {"executor": "local"}
         return self.engine.stats() | info | {"replica": self.replica, "model_type": self.engine.spec.model_type,
                                              "tp": cfg.tp, "max_model_len": cfg.max_model_len}
+
+    def metric_families(self) -> dict[str, Any]:
+        """This replica's request histograms (prometheus_client families) for the ingress's /metrics."""
+        return {"replica": self.replica, "families": self.metrics.families()}
 
     def check_health(self) -> None:
         """Serve's health check: raises when the engine loop is dead or stalled (Serve then replaces

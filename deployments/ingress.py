@@ -18,18 +18,19 @@ import json
 import logging
 import time
 import weakref
-from collections import Counter
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
+from prometheus_client import CONTENT_TYPE_LATEST
 from ray import serve
 from ray.exceptions import TaskCancelledError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
+from deployments.metrics import IngressMetrics
 from deployments.schemas import (
     ApiError,
     ChatCompletionRequest,
@@ -97,14 +98,14 @@ class _Slots:
     """Admission control: at most `limit` generation requests in flight in this ingress replica
     (a stream counts until its last byte is sent or its client leaves). None = no limit."""
 
-    def __init__(self, limit: int | None):
+    def __init__(self, limit: int | None, on_refused: Callable[[], None]):
         self.limit = limit
         self.in_flight = 0
-        self.refused = 0
+        self.on_refused = on_refused
 
     def acquire(self) -> Callable[[], None]:
         if self.limit is not None and self.in_flight >= self.limit:
-            self.refused += 1
+            self.on_refused()
             raise ApiError(f"the server is at its limit of {self.limit} concurrent requests; retry later", None,
                            429, "rate_limit_exceeded")
         self.in_flight += 1
@@ -213,67 +214,6 @@ def _streamed(body: Any, stream: bool) -> Any:
     return body | {"stream": stream} if isinstance(body, dict) else body
 
 
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
-
-def render_metrics(model: str, requests: Counter, tokens: Counter, batches: Counter,
-                   stats: list[dict[str, Any]], slots: _Slots | None = None) -> str:
-    """Prometheus text exposition: ingress counters plus one series per engine replica."""
-    lines: list[str] = []
-    m = f'model="{_escape(model)}"'
-
-    def family(name: str, kind: str, help_text: str, samples: list[tuple[str, float]]) -> None:
-        lines.append(f"# HELP {name} {help_text}")
-        lines.append(f"# TYPE {name} {kind}")
-        lines.extend(f"{name}{{{labels}}} {value}" for labels, value in samples)
-
-    family("blockserve_requests_total", "counter", "Requests received by the ingress, by route and HTTP status "
-           "(status 0: handle calls).",
-           [(f'{m},route="{_escape(r)}",status="{s}"', n) for (r, s), n in sorted(requests.items())])
-    family("blockserve_prompt_tokens_total", "counter", "Prompt tokens of finished requests (ingress).",
-           [(m, tokens["prompt"])])
-    family("blockserve_generation_tokens_total", "counter", "Generated tokens of finished requests (ingress).",
-           [(m, tokens["completion"])])
-    family("blockserve_ingress_batches_total", "counter", "Engine calls made by @serve.batch for unary requests.",
-           [(m, batches["batches"])])
-    family("blockserve_ingress_batched_requests_total", "counter", "Unary requests sent in those batches.",
-           [(m, batches["requests"])])
-    if slots is not None:
-        family("blockserve_ingress_requests_in_flight", "gauge", "Generation requests in flight in this ingress "
-               "replica (admission control counts these).", [(m, slots.in_flight)])
-        family("blockserve_ingress_rejected_total", "counter", "Requests refused with 429 (max_concurrent_requests).",
-               [(m, slots.refused)])
-
-    def per_replica(name: str, kind: str, help_text: str, value: Callable[[dict], float]) -> None:
-        family(name, kind, help_text,
-               [(f'{m},replica="{_escape(str(s.get("replica")))}"', value(s)) for s in stats])
-
-    per_replica("blockserve_num_requests_running", "gauge", "Requests being decoded.", lambda s: s["running"])
-    per_replica("blockserve_num_requests_waiting", "gauge", "Requests queued (queue depth).", lambda s: s["waiting"])
-    per_replica("blockserve_kv_pages_total", "gauge", "KV cache pages.", lambda s: s["kv_pages_total"])
-    per_replica("blockserve_kv_pages_free", "gauge", "Free KV cache pages.", lambda s: s["kv_pages_free"])
-    per_replica("blockserve_kv_cache_usage_ratio", "gauge", "Fraction of KV pages in use.",
-                lambda s: 1.0 - s["kv_pages_free"] / max(s["kv_pages_total"], 1))
-    per_replica("blockserve_engine_steps_total", "counter", "Engine steps.", lambda s: s["steps"])
-    per_replica("blockserve_engine_forwards_total", "counter", "Model forwards.", lambda s: s["forwards"])
-    per_replica("blockserve_engine_prompt_tokens_total", "counter", "Prompt tokens admitted by the engine.",
-                lambda s: s["prompt_tokens"])
-    per_replica("blockserve_engine_generated_tokens_total", "counter", "Tokens generated (unmasked) by the engine.",
-                lambda s: s["generated_tokens"])
-    per_replica("blockserve_engine_step_seconds_total", "counter", "Time spent in engine steps.",
-                lambda s: s["step_seconds"])
-    per_replica("blockserve_engine_forward_seconds_total", "counter", "Time spent in model forwards.",
-                lambda s: s["forward_seconds"])
-    per_replica("blockserve_engine_mean_step_seconds", "gauge", "Mean seconds per engine step.",
-                lambda s: s["step_seconds"] / max(s["steps"], 1))
-    per_replica("blockserve_engine_tokens_per_step", "gauge", "Generated tokens per engine step (mean).",
-                lambda s: s["generated_tokens"] / max(s["steps"], 1))
-    per_replica("blockserve_engine_preemptions_total", "counter", "Sequences preempted for KV space.",
-                lambda s: s.get("preemptions", 0))
-    return "\n".join(lines) + "\n"
-
-
 @serve.deployment(max_ongoing_requests=1024)
 @serve.ingress(app)
 class Ingress:
@@ -287,7 +227,8 @@ class Ingress:
         self.max_model_len = max_model_len
         self.api_key = api_key or None
         self.max_body_bytes = max_body_bytes
-        self.slots = _Slots(max_concurrent_requests)
+        self.metrics = IngressMetrics(self.served_model_name, lambda: self.slots.in_flight)
+        self.slots = _Slots(max_concurrent_requests, self.metrics.rejected.inc)
         self.retry_after_s = retry_after_s
         self.tokenizer = load_tokenizer(model)
         self.is_dllm = load_model_spec(model).is_dllm
@@ -295,15 +236,12 @@ class Ingress:
         self.created = int(time.time())
         self._batched_generate.set_max_batch_size(max_batch_size)
         self._batched_generate.set_batch_wait_timeout_s(batch_wait_timeout_s)
-        self.requests: Counter[tuple[str, int]] = Counter()
-        self.tokens: Counter[str] = Counter()
-        self.batches: Counter[str] = Counter()
 
     # ---- engine calls ----------------------------------------------------------------------
     @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.005, max_concurrent_batches=64)
     async def _batched_generate(self, requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        self.batches["batches"] += 1
-        self.batches["requests"] += len(requests)
+        self.metrics.batches.inc()
+        self.metrics.batched.inc(len(requests))
         try:
             return await self.engine.generate_batch.remote(requests)
         except Exception as e:  # the replica died or is unreachable: every request in the batch fails
@@ -314,8 +252,8 @@ class Ingress:
 
     def _count(self, out: dict[str, Any]) -> None:
         if out.get("finish_reason") is not None:
-            self.tokens["prompt"] += out.get("input_token_len", 0)
-            self.tokens["completion"] += out.get("generate_token_len", 0)
+            self.metrics.prompt_tokens.inc(out.get("input_token_len", 0))
+            self.metrics.generation_tokens.inc(out.get("generate_token_len", 0))
 
     async def _unary(self, req: EngineRequest) -> dict[str, Any]:
         """The folded result dict of one request; ApiError for refusals and engine failures (503: the
@@ -462,7 +400,7 @@ class Ingress:
         finally:
             if release is not None:
                 release()
-            self.requests[(route, status)] += 1
+            self.metrics.request(route, status)
 
     def _sse_response(self, events: AsyncIterator[Any]) -> StreamingResponse:
         """Server-Sent Events: one `data: {json}` per object, then `data: [DONE]`."""
@@ -562,10 +500,11 @@ class Ingress:
              summary="Prometheus metrics (text exposition)")
     async def http_metrics(self, request: Request):
         async def metrics() -> Response:
-            stats = await self._broadcast("stats", return_exceptions=True)
-            text = render_metrics(self.served_model_name, self.requests, self.tokens, self.batches,
-                                  [s for s in stats if isinstance(s, dict)], self.slots)
-            return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+            stats, families = await asyncio.gather(self._broadcast("stats", return_exceptions=True),
+                                                   self._broadcast("metric_families", return_exceptions=True))
+            by_replica = {f["replica"]: f["families"] for f in families if isinstance(f, dict)}
+            text = self.metrics.render([s for s in stats if isinstance(s, dict)], by_replica)
+            return Response(text, media_type=CONTENT_TYPE_LATEST)
 
         return await self._serve(request, "/metrics", metrics, body=False)
 
@@ -591,11 +530,11 @@ class Ingress:
         finally:
             if release is not None:
                 release()
-            self.requests[("handle:generate", 0)] += 1
+            self.metrics.request("handle:generate", 0)
 
     async def generate_stream(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         """Same deltas as the SSE /generate stream (one error JSON for refusals)."""
-        self.requests[("handle:generate_stream", 0)] += 1
+        self.metrics.request("handle:generate_stream", 0)
         try:
             release = self.slots.acquire()
         except ApiError as e:

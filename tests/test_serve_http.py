@@ -236,24 +236,13 @@ def test_openai_chat_stream(served_apps):
     assert merged["finish_reason"] == choice["finish_reason"]
 
 
-def test_models_health_metrics(served_apps):
+def test_models_and_health(served_apps):
     for name, app in served_apps.items():
         models = httpx.get(app.url + "/v1/models", timeout=TIMEOUT).json()
         assert models["object"] == "list" and models["data"][0]["id"] == name
         health = httpx.get(app.url + "/health", timeout=TIMEOUT)
         assert health.status_code == 200 and health.json()["status"] == "ok"
     assert httpx.get(served_apps["qwen3"].url + "/health", timeout=TIMEOUT).json()["engine_replicas"] == 2
-    post(served_apps["qwen3"].url + "/generate", {"prompt": "Hi", "max_tokens": 4})
-    r = httpx.get(served_apps["qwen3"].url + "/metrics", timeout=TIMEOUT)
-    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
-    text = r.text
-    for family in ("blockserve_requests_total", "blockserve_generation_tokens_total",
-                   "blockserve_num_requests_waiting", "blockserve_kv_cache_usage_ratio", "blockserve_kv_pages_free",
-                   "blockserve_engine_step_seconds_total", "blockserve_engine_tokens_per_step"):
-        assert f"# TYPE {family} " in text
-    assert 'route="/generate",status="200"' in text
-    assert len({line.split('replica="')[1].split('"')[0] for line in text.splitlines()
-                if line.startswith("blockserve_kv_pages_free{")}) == 2
 
 
 BAD_INPUTS = [
