@@ -30,12 +30,12 @@ def load_hf(path: Path, attn: str = "sdpa") -> transformers.PreTrainedModel:
 
 
 # ---- DLLM: the SDAR block-diffusion loop ----------------------------------------------------------
-def _block_causal(q_start: int, q_len: int, kv_len: int, block: int) -> torch.Tensor:
-    """Additive [1, 1, q_len, kv_len] mask: query i sees key j iff j // B <= i // B."""
+def _block_causal(q_start: int, q_len: int, kv_len: int, block: int, dtype: torch.dtype) -> torch.Tensor:
+    """Additive [1, 1, q_len, kv_len] mask in the model's dtype: query i sees key j iff j // B <= i // B."""
     qb = (torch.arange(q_start, q_start + q_len) // block)[:, None]
     kb = (torch.arange(kv_len) // block)[None, :]
-    mask = torch.zeros(q_len, kv_len)
-    mask.masked_fill_(kb > qb, torch.finfo(torch.float32).min)
+    mask = torch.zeros(q_len, kv_len, dtype=dtype)
+    mask.masked_fill_(kb > qb, torch.finfo(dtype).min)
     return mask[None, None]
 
 
@@ -71,14 +71,14 @@ def sdar_generate(model, prompt: list[int], *, block_length: int, mask_id: int, 
     forwards = rows = 0
     prefill = prompt_len // b * b
     if prefill:
-        model(x[:, :prefill], attention_mask=_block_causal(0, prefill, prefill, b),
+        model(x[:, :prefill], attention_mask=_block_causal(0, prefill, prefill, b, model.dtype),
               position_ids=positions[:, :prefill], cache=cache, use_cache=True)
         forwards, rows = forwards + 1, rows + prefill
     stops = torch.tensor(sorted(stop_ids))
     for k in range(prefill // b, num_blocks):
         lo, hi = k * b, (k + 1) * b
         cur = x[:, lo:hi].clone()
-        mask = torch.zeros(1, 1, b, hi)  # the block sees the whole prefix and itself
+        mask = torch.zeros(1, 1, b, hi, dtype=model.dtype)  # the block sees the whole prefix and itself
         total = int((cur == mask_id).sum())
         step = 0
         while True:
