@@ -63,6 +63,10 @@ class LocalExecutor:
     def execute(self, batch: ForwardBatch) -> ForwardOutput:
         return self.runner.execute(batch)
 
+    def run_on_ranks(self, method: str, *args, timeout_s: float | None = None) -> list:
+        """`ModelRunner.<method>(*args)` on every rank (here the only one); the results in rank order."""
+        return [getattr(self.runner, method)(*args)]
+
     def shutdown(self) -> None:
         pass
 
@@ -78,6 +82,7 @@ class EngineStats:
     step_seconds: float = 0.0
     last_step_time: float = 0.0
     isolated_failures: int = 0  # requests ended because their own step failed
+    weight_updates: int = 0  # weight updates applied since start
 
 
 @dataclass
@@ -216,6 +221,10 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return bool(self.seqs)
+
+    def flush_cache(self) -> None:
+        """Drop the prefix cache (requests in flight keep their own pages)."""
+        self.kv.flush()
 
     @property
     def num_free_pages(self) -> int:
