@@ -134,6 +134,15 @@ class Scheduler:
         target, sample = self.decoding.feed_target(seq)
         return ScheduledSeq(seq, seq.num_computed, end, sample and end == target)
 
+    def retract_all(self) -> int:
+        """Preempt every running sequence (newest first, so they wait in their running order ahead
+        of the others): pages freed, tokens kept, K/V recomputed when they are scheduled again.
+        Returns how many were retracted."""
+        retracted = list(self.running)
+        for seq in reversed(retracted):
+            self._preempt(seq)
+        return len(retracted)
+
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.kv.free(seq.table)
