@@ -1,8 +1,10 @@
-"""`build_app(args)`: the Serve application builder named in serve_config.yaml (CONTRACT.md §6).
+"""`build_app(args)`: the Serve application builder named in serve_config.yaml and used by the
+`blockserve serve` CLI (docs/deploy.md).
 
     args = {
-        "model": PATH,                       # checkpoint directory (relative: cwd, then the repo root)
-        "served_model_name": None,           # default: the directory name
+        "model": PATH,                       # checkpoint directory (relative: cwd, then the repo root) or a
+                                             # Hugging Face model id (the local HF cache, else a download)
+        "served_model_name": None,           # default: the last component of `model` as given
         "engine": {EngineConfig fields},     # tp > 1 -> one placement-group bundle per shard
         "num_replicas": 1,                   # data-parallel EngineServer replicas ...
         "autoscaling_config": None,          # ... or Serve autoscaling instead of a fixed count
@@ -19,7 +21,7 @@
 
 from __future__ import annotations
 
-from pathlib import Path
+from pathlib import PurePath
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -28,8 +30,7 @@ from ray.serve import Application
 from configs import EngineConfig
 from deployments.engine_server import EngineServer
 from deployments.ingress import DEFAULT_MAX_BODY_BYTES, RETRY_AFTER_S, Ingress
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from engine.model_source import resolve_model_path
 
 
 class IngressArgs(BaseModel):
@@ -64,17 +65,6 @@ class AppArgs(BaseModel):
     health_check_timeout_s: float = Field(30.0, gt=0.0)
     debug_hooks: bool = False
     ingress: IngressArgs = Field(default_factory=IngressArgs)
-
-
-def resolve_model_path(path: str) -> str:
-    """Absolute path of a checkpoint: as given, else relative to the cwd, else to the repo root."""
-    p = Path(path).expanduser()
-    if p.is_absolute():
-        return str(p)
-    for base in (Path.cwd(), REPO_ROOT):
-        if (base / p).exists():
-            return str((base / p).resolve())
-    return str((REPO_ROOT / p).resolve())
 
 
 def _wants_gpu(config: EngineConfig) -> bool:
@@ -134,7 +124,8 @@ def build_app(args: dict[str, Any]) -> Application:
     ongoing = max(ing.max_ongoing_requests, (ing.max_concurrent_requests or 0) + 64)
     return Ingress.options(num_replicas=ing.num_replicas, ray_actor_options=ing.ray_actor_options,
                            max_ongoing_requests=ongoing).bind(
-        server, model, served_model_name=parsed.served_model_name, max_model_len=config.max_model_len,
+        server, model, served_model_name=parsed.served_model_name or PurePath(parsed.model).name,
+        max_model_len=config.max_model_len,
         max_batch_size=ing.max_batch_size, batch_wait_timeout_s=ing.batch_wait_timeout_s, api_key=ing.api_key,
         max_body_bytes=ing.max_body_bytes, max_concurrent_requests=ing.max_concurrent_requests,
         retry_after_s=ing.retry_after_s)

@@ -217,21 +217,22 @@ def _streamed(body: Any, stream: bool) -> Any:
 @serve.deployment(max_ongoing_requests=1024)
 @serve.ingress(app)
 class Ingress:
-    def __init__(self, engine, model: str, served_model_name: str | None = None, max_model_len: int = 4096,
+    def __init__(self, engine, model: str, served_model_name: str | None = None, max_model_len: int | None = None,
                  max_batch_size: int = 16, batch_wait_timeout_s: float = 0.005, api_key: str | None = None,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_concurrent_requests: int | None = None,
                  retry_after_s: int = RETRY_AFTER_S):
         self.engine = engine
         self.model_path = model
         self.served_model_name = served_model_name or model.rstrip("/").split("/")[-1]
-        self.max_model_len = max_model_len
+        spec = load_model_spec(model)
+        self.max_model_len = max_model_len or spec.max_position_embeddings  # the engine's default too
         self.api_key = api_key or None
         self.max_body_bytes = max_body_bytes
         self.metrics = IngressMetrics(self.served_model_name, lambda: self.slots.in_flight)
         self.slots = _Slots(max_concurrent_requests, self.metrics.rejected.inc)
         self.retry_after_s = retry_after_s
         self.tokenizer = load_tokenizer(model)
-        self.is_dllm = load_model_spec(model).is_dllm
+        self.is_dllm = spec.is_dllm
         self._token_text = functools.lru_cache(maxsize=65536)(self._decode_token)
         self.created = int(time.time())
         self._batched_generate.set_max_batch_size(max_batch_size)

@@ -170,6 +170,8 @@ class GenerateRequest(_SamplingFields):
     logprob_start_len: int = Field(-1, ge=-1)
     top_logprobs_num: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS)
     return_step_trace: bool = False
+    return_block_step_map: bool = Field(False, description="block diffusion: meta_info.block_step_map")
+    return_dllm_replay: bool = Field(False, description="block diffusion: the final block's replay in meta_info")
 
 
 class SamplingParams(_SamplingFields):
@@ -201,6 +203,13 @@ class NativeGenerateRequest(_Strict):
                        | Annotated[list[Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]], Field(min_length=1)]) = 0
     stream: bool = False
     return_step_trace: bool = False
+    return_block_step_map: bool = Field(False, description="block diffusion: meta_info.block_step_map")
+    return_dllm_replay: bool = Field(False, description="block diffusion: the final block's replay in meta_info")
+
+
+def _output_fields(req: GenerateRequest | NativeGenerateRequest) -> dict[str, bool]:
+    return dict(return_step_trace=req.return_step_trace, return_block_step_map=req.return_block_step_map,
+                return_dllm_replay=req.return_dllm_replay)
 
 
 def is_native(body: Mapping[str, Any]) -> bool:
@@ -341,22 +350,15 @@ def new_request_id(prefix: str = "req") -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def _engine_request(prompt: Prompt, sampling: _SamplingFields, rename: Mapping[str, str], prefix: str = "req",
-                    **fields: Any) -> EngineRequest:
-    """One engine request: the shared sampling fields plus the endpoint's own GenerationConfig fields."""
+def _engine_requests(prompt: Prompt, sampling: _SamplingFields, rename: Mapping[str, str], prefix: str = "req",
+                     **fields: Any) -> list[EngineRequest]:
+    """The engine requests of one prompt: the shared sampling fields plus the endpoint's own
+    GenerationConfig fields, one request per sample (`GenerationConfig.samples`: seeds seed, seed+1, ...)."""
     cfg = _config(_sampling(sampling) | fields, rename)
-    return EngineRequest(prompt=prompt, params=cfg.model_dump(), request_id=new_request_id(prefix), rename=dict(rename))
-
-
-def samples(ereq: EngineRequest, n: int) -> list[EngineRequest]:
-    """`n` samples of one request: n engine requests whose seeds are seed, seed+1, ... (or all None)."""
-    if n == 1:
-        return [ereq]
-    seed = ereq.params.get("random_seed")
-    return [ereq.model_copy(update={
-        "request_id": f"{ereq.request_id}-{i}",
-        "params": ereq.params | {"random_seed": None if seed is None else (seed + i) % (MAX_SEED + 1)}})
-        for i in range(n)]
+    rid = new_request_id(prefix)
+    configs = cfg.samples()
+    return [EngineRequest(prompt=prompt, params=c.model_dump(), request_id=rid if len(configs) == 1 else f"{rid}-{i}",
+                          rename=dict(rename)) for i, c in enumerate(configs)]
 
 
 def _one_prompt(prompt: str | None, input_ids: list[int] | None) -> Prompt:
@@ -373,13 +375,13 @@ def _logprob_fields(return_logprob: bool, top_logprobs_num: int, logprob_start_l
     return dict(logprobs=top_logprobs_num if return_logprob else None, logprob_start_len=logprob_start_len)
 
 
-def generate_to_engine(req: GenerateRequest) -> EngineRequest:
-    """A flat /generate body as one engine request (n is expanded by `generate_plan`)."""
+def generate_to_engine(req: GenerateRequest) -> list[EngineRequest]:
+    """A flat /generate body as engine requests, one per sample."""
     prompt = _one_prompt(req.prompt, req.input_ids)
     rename = dict(HTTP_RENAME, logprobs="top_logprobs_num" if req.return_logprob else "return_logprob")
-    return _engine_request(prompt, req, rename, max_new_tokens=req.max_tokens, return_step_trace=req.return_step_trace,
-                           **_logprob_fields(req.return_logprob, req.top_logprobs_num, req.logprob_start_len,
-                                             "top_logprobs_num"))
+    return _engine_requests(prompt, req, rename, max_new_tokens=req.max_tokens, n=req.n,
+                            **_output_fields(req), **_logprob_fields(req.return_logprob, req.top_logprobs_num,
+                                                                     req.logprob_start_len, "top_logprobs_num"))
 
 
 NATIVE_RENAME = {**{f: f"sampling_params.{f}" for f in _SamplingFields.model_fields},
@@ -418,11 +420,10 @@ def native_to_engine(req: NativeGenerateRequest) -> tuple[list[list[EngineReques
             raise ApiError(f"sampling_params.{name} is not supported (use repetition_penalty); it must be 0",
                            f"sampling_params.{name}")
         rename = dict(NATIVE_RENAME, logprobs="top_logprobs_num" if return_logprob else "return_logprob")
-        ereq = _engine_request(
-            prompt, sp, rename, max_new_tokens=sp.max_new_tokens, min_new_tokens=sp.min_new_tokens,
-            include_stop_str_in_output=sp.include_stop_str_in_output or sp.no_stop_trim,
-            return_step_trace=req.return_step_trace, **_logprob_fields(return_logprob, top, start, "top_logprobs_num"))
-        out.append(samples(ereq, sp.n))
+        out.append(_engine_requests(
+            prompt, sp, rename, max_new_tokens=sp.max_new_tokens, min_new_tokens=sp.min_new_tokens, n=sp.n,
+            include_stop_str_in_output=sp.include_stop_str_in_output or sp.no_stop_trim, **_output_fields(req),
+            **_logprob_fields(return_logprob, top, start, "top_logprobs_num")))
     if sum(len(s) for s in out) > MAX_BATCH:
         raise ApiError(f"at most {MAX_BATCH} generations per request (prompts x n)", "sampling_params")
     return out, batch or any(len(s) > 1 for s in out)
@@ -436,7 +437,7 @@ def generate_plan(body: Any) -> tuple[list[list[EngineRequest]], bool, bool]:
         groups, as_list = native_to_engine(req)
         return groups, as_list, req.stream
     flat = parse(GenerateRequest, body)
-    return [samples(generate_to_engine(flat), flat.n)], flat.n > 1, flat.stream
+    return [generate_to_engine(flat)], flat.n > 1, flat.stream
 
 
 def _check_openai(req: _OpenAIFields, served_model: str) -> None:
@@ -493,7 +494,7 @@ def completion_to_engine(req: CompletionRequest, served_model: str, tokenizer, i
             ids = list(tokenizer.encode(prompt, add_special_tokens=False)) if isinstance(prompt, str) else prompt
             text = prompt if isinstance(prompt, str) else tokenizer.decode(ids, clean_up_tokenization_spaces=False)
             echo, prompt = Echo(text, ids), ids if score_prompt else prompt
-        out.append((echo, samples(_engine_request(prompt, req, rename, "cmpl", **fields), req.n)))
+        out.append((echo, _engine_requests(prompt, req, rename, "cmpl", n=req.n, **fields)))
     return out
 
 
@@ -518,9 +519,8 @@ def chat_to_engine(req: ChatCompletionRequest, served_model: str, tokenizer, max
     if req.max_completion_tokens is not None:
         rename["max_new_tokens"] = "max_completion_tokens"
     max_tokens = req.max_completion_tokens or req.max_tokens or max(max_model_len - len(ids), 1)
-    return samples(_engine_request(ids, req, rename, "chatcmpl", max_new_tokens=max_tokens,
-                                   min_new_tokens=req.min_tokens,
-                                   logprobs=(req.top_logprobs or 0) if req.logprobs else None), req.n)
+    return _engine_requests(ids, req, rename, "chatcmpl", max_new_tokens=max_tokens, min_new_tokens=req.min_tokens,
+                            n=req.n, logprobs=(req.top_logprobs or 0) if req.logprobs else None)
 
 
 # ---- responses: /generate ----------------------------------------------------------------------
@@ -542,6 +542,10 @@ def _top_rows(entry: Mapping[int, float], k: int) -> list[list]:
 
 def _rows(pairs) -> list[list] | None:
     return None if pairs is None else [[v, t] for v, t in pairs]
+
+
+# meta_info keys present only when asked for (return_block_step_map, return_dllm_replay)
+ON_REQUEST_META = ("block_step_map", "dllm_replay_token_ids", "dllm_replay_step_maps", "dllm_stop_length")
 
 
 def generate_body(out: Mapping[str, Any], req: GenerationConfig) -> dict[str, Any]:
@@ -567,6 +571,8 @@ def generate_body(out: Mapping[str, Any], req: GenerationConfig) -> dict[str, An
             "input_top_logprobs": None if input_top is None else [_rows(r) for r in input_top],
             "step_map": None if out.get("step_map") is None else list(out["step_map"]),
             "step_trace": None if out.get("step_trace") is None else [dict(e) for e in out["step_trace"]],
+            "weight_version": out.get("weight_version"),
+            **{k: out[k] for k in ON_REQUEST_META if out.get(k) is not None},
         },
     }
 

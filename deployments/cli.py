@@ -1,0 +1,118 @@
+"""`blockserve serve MODEL [options]`, in the conventions of `vllm serve` and SGLang's launcher.
+
+It builds the application serve_config.yaml describes (`deployments.app:build_app`, application
+`blockserve` at route `/`) and runs it until Ctrl-C, like `serve run`. MODEL is a checkpoint directory
+or a Hugging Face model id. `--config FILE` reads app args from YAML (the presets in configs/, or the
+`args` of an application in a Serve config); flags override it. Every EngineConfig field is a flag in
+kebab-case (`--max-model-len 1024`, `--logprobs-mode raw_logprobs`, `--no-enable-prefix-caching`).
+The Ray cluster is the one RAY_ADDRESS names, else a new local one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from configs import EngineConfig
+
+APP_NAME = "blockserve"
+NONE_WORDS = {"none", "null"}
+
+
+def _flag(field: str) -> str:
+    return "--" + field.replace("_", "-")
+
+
+def _choices(annotation: Any) -> list[str] | None:
+    """The values a Literal field (or an optional one: then also "none") allows."""
+    for a in (annotation, *typing.get_args(annotation)):
+        if typing.get_origin(a) is typing.Literal:
+            optional = type(None) in typing.get_args(annotation)
+            return [str(v) for v in typing.get_args(a)] + (["none"] if optional else [])
+    return None
+
+
+def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per EngineConfig field; values are validated by EngineConfig itself."""
+    group = parser.add_argument_group("engine (EngineConfig fields; docs/config-reference.md)")
+    for name, info in EngineConfig.model_fields.items():
+        kw: dict[str, Any] = {"dest": f"engine.{name}", "default": argparse.SUPPRESS,
+                              "help": info.description or f"default: {info.default!r}"}
+        if info.annotation is bool:
+            group.add_argument(_flag(name), action=argparse.BooleanOptionalAction, **kw)
+        else:
+            group.add_argument(_flag(name), metavar=name.upper(), choices=_choices(info.annotation), **kw)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="blockserve", description="blockserve: serve block-diffusion (SDAR) "
+                                     "and Qwen3 models on Ray Serve.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="serve a model over HTTP (blocks until Ctrl-C)")
+    serve.add_argument("model", nargs="?", help="checkpoint directory or Hugging Face model id (or in --config)")
+    serve.add_argument("--config", type=Path, help="YAML app args, e.g. configs/qwen3-tiny.yaml")
+    serve.add_argument("--host", default="127.0.0.1", help="HTTP host (default: loopback only)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--served-model-name", dest="served_model_name", default=argparse.SUPPRESS)
+    serve.add_argument("--num-replicas", dest="num_replicas", type=int, default=argparse.SUPPRESS,
+                       help="data-parallel engine replicas")
+    serve.add_argument("--api-key", dest="ingress.api_key", default=argparse.SUPPRESS,
+                       help="require 'Authorization: Bearer KEY' on every route but /health")
+    _add_engine_flags(serve)
+    return parser
+
+
+def _preset(path: Path) -> dict[str, Any]:
+    """App args from YAML: a preset (the args themselves) or a Serve config (its `blockserve` app)."""
+    data = yaml.safe_load(path.read_text()) or {}
+    if "applications" in data:
+        apps = {a.get("name"): a for a in data["applications"]}
+        data = (apps.get(APP_NAME) or next(iter(apps.values())))["args"]
+    return data
+
+
+def app_args(ns: argparse.Namespace) -> dict[str, Any]:
+    """The build_app args of a parsed command line: --config, then MODEL and the flags over it."""
+    args = _preset(ns.config) if ns.config else {}
+    if ns.model:
+        args["model"] = ns.model
+    if "model" not in args:
+        raise SystemExit("blockserve serve: give MODEL (a checkpoint directory or a Hugging Face id) or --config")
+    for key, value in vars(ns).items():
+        section, _, name = key.partition(".")
+        if section in ("engine", "ingress"):
+            if section == "engine" and isinstance(value, str) and value.lower() in NONE_WORDS:
+                value = None
+            args.setdefault(section, {})[name] = value
+        elif key in ("served_model_name", "num_replicas"):
+            args[key] = value
+    return args
+
+
+def serve(args: dict[str, Any], host: str, port: int) -> None:
+    """Run the app on the cluster RAY_ADDRESS names (else a new local one) until Ctrl-C."""
+    import ray
+    from ray import serve as ray_serve
+
+    from deployments.app import build_app
+
+    ray.init()
+    app = build_app(args)
+    ray_serve.start(http_options={"host": host, "port": port})
+    try:
+        ray_serve.run(app, name=APP_NAME, route_prefix="/", blocking=True)
+    except KeyboardInterrupt:
+        ray_serve.delete(APP_NAME)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ns = build_parser().parse_args(argv)
+    serve(app_args(ns), ns.host, ns.port)
+
+
+if __name__ == "__main__":
+    main()
