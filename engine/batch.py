@@ -33,7 +33,7 @@ def build_batch(items: list[ScheduledSeq], decoding: DecodingStrategy, page_size
         batch.q_lens.append(it.end - it.start)
         batch.kv_lens.append(it.end)
         batch.slot_mapping += [pages[p // page_size] * page_size + p % page_size for p in range(it.start, it.end)]
-        batch.page_tables.append(pages[: -(-it.end // page_size)])
+        batch.page_tables.append(pages)  # read up to kv_lens; not copied (the runner pads its own copy)
         if it.sample:
             positions = decoding.sample_positions(seq, it.end)
             slices.append(SampleSlice(seq, len(batch.sample_rows), positions))
