@@ -18,6 +18,7 @@ import yaml
 from conftest import _free_port
 
 from configs import EngineConfig
+from configs.reference import reference
 from deployments.app import AppArgs
 from deployments.cli import app_args, build_parser
 
@@ -49,6 +50,12 @@ def test_presets_and_serve_config_build_the_same_args():
     assert set(cli_args("x")) == {"model"}  # nothing set: the defaults are EngineConfig's and AppArgs'
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "x", "--logprobs-mode", "everything"])
+
+
+def test_config_reference_is_current():
+    """docs/config-reference.md is what `python -m configs.reference` prints for today's models."""
+    assert (ROOT / "docs" / "config-reference.md").read_text() == reference(), \
+        "regenerate: python -m configs.reference > docs/config-reference.md"
 
 
 HEAD = """
