@@ -305,13 +305,15 @@ class LLMEngine:
         processed = mode in ("processed_logprobs", "processed_logits") and any(k is not None for k in ks)
         picked = pick_tokens(result.logits, groups, self.decoding.needs_confidence,
                              overwrite=all(k is None for k in ks), keep_processed=processed)
-        entries = logprob_entries(picked.processed if processed else result.logits, picked.tokens, ks, mode)
+        tokens = picked.tokens.tolist()
+        confidence = picked.confidence.tolist() if picked.confidence is not None else []
+        entropy = picked.entropy.tolist() if picked.entropy is not None else None
+        entries = logprob_entries(picked.processed if processed else result.logits, tokens, ks, mode)
         out = []
         for sl in slices:
             rows = slice(sl.first, sl.first + len(sl.positions))
-            out.append(PickedRows(
-                sl.positions, picked.tokens[rows], picked.confidence[rows] if picked.confidence else [],
-                picked.entropy[rows] if picked.entropy is not None else None, entries[rows]))
+            out.append(PickedRows(sl.positions, tokens[rows], confidence[rows],
+                                  entropy[rows] if entropy is not None else None, entries[rows]))
         return out
 
     def _apply(self, fwd: _Forward) -> list[OutputChunk]:

@@ -55,23 +55,31 @@ class RowGroup:
 
 @dataclass
 class Picked:
-    tokens: list[int]
-    confidence: list[float]  # empty when not needed (plain greedy AR)
-    entropy: list[float] | None  # per row; NaN for groups that did not ask
-    processed: torch.Tensor | None  # [R, V] the logits the sampler drew from, when asked
+    """Per row, on the logits' device: the token, its confidence (None when not needed: plain greedy
+    AR), the entropy of the distribution (None unless a group asked; NaN for the others), and the
+    processed logits the sampler drew from (when asked)."""
+
+    tokens: torch.Tensor
+    confidence: torch.Tensor | None
+    entropy: torch.Tensor | None
+    processed: torch.Tensor | None
 
 
 def _penalize(logits: torch.Tensor, group: RowGroup) -> torch.Tensor:
+    """Repetition penalty and stop-id suppression, written over `logits` (index lists filtered on the
+    host: no data-dependent shapes on the device)."""
     p = group.params
+    vocab = logits.shape[-1]
     if p.repetition_penalty != 1.0 and group.penalty_ids:
-        ids = torch.tensor(group.penalty_ids, device=logits.device)
-        ids = ids[ids < logits.shape[-1]]
+        ids = torch.tensor([i for i in group.penalty_ids if i < vocab], device=logits.device)
         picked = logits[:, ids]
         logits[:, ids] = torch.where(picked > 0, picked / p.repetition_penalty, picked * p.repetition_penalty)
-    if any(group.suppress) and group.stop_ids:
+    stop_ids = [i for i in group.stop_ids if i < vocab]
+    if any(group.suppress) and stop_ids:
         rows = torch.tensor(group.suppress, device=logits.device)
-        ids = torch.tensor(sorted(i for i in group.stop_ids if i < logits.shape[-1]), device=logits.device)
-        logits[rows.nonzero()[:, 0][:, None], ids[None, :]] = float("-inf")
+        columns = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
+        columns[torch.tensor(stop_ids, device=logits.device)] = True
+        logits.masked_fill_(rows[:, None] & columns[None, :], float("-inf"))
     return logits
 
 
@@ -123,11 +131,11 @@ def _is_plain_greedy(g: RowGroup) -> bool:
 
 def pick_tokens(logits: torch.Tensor, groups: list[tuple[int, int, RowGroup]], need_confidence: bool = True,
                 overwrite: bool = False, keep_processed: bool = False) -> Picked:
-    """Candidates, confidences (and entropies / processed logits on request) for every row.
-    `groups` = (first row, row count, group).
+    """Candidates, confidences (and entropies / processed logits on request) for every row, as tensors
+    on the logits' device. `groups` = (first row, row count, group).
 
     With `need_confidence=False` (AR decoding) plain greedy rows skip the softmax: the candidate is
-    the argmax of the logits, as in HF `generate()`, and the confidence list comes back empty.
+    the argmax of the logits, as in HF `generate()`, and no confidence comes back.
     `overwrite=True` says the caller is done with `logits`: on CPU the softmax is then written over
     them instead of into a fresh rows x vocab tensor (same values, no page faults)."""
     logits = logits.float()
@@ -135,15 +143,12 @@ def pick_tokens(logits: torch.Tensor, groups: list[tuple[int, int, RowGroup]], n
     if all(_is_plain_greedy(g) for _, _, g in groups):  # the common case, batched
         processed = logits if keep_processed else None
         if not need_confidence and not want_entropy:
-            return Picked(row_max(logits)[1].tolist(), [], None, processed)
+            return Picked(row_max(logits)[1], None, None, processed)
         in_place = overwrite and not keep_processed and logits.device.type == "cpu"
         probs = softmax_(logits) if in_place else logits.softmax(-1)
         conf, tok = row_max(probs)
-        ent = entropy(probs).tolist() if want_entropy else None
-        return Picked(tok.tolist(), conf.tolist(), ent, processed)
-    tokens: list[int] = []
-    confidence: list[float] = []
-    entropies: list[float] = []
+        return Picked(tok, conf, entropy(probs) if want_entropy else None, processed)
+    tokens, confidence, entropies = [], [], []
     processed = torch.empty_like(logits) if keep_processed else None
     for first, count, g in groups:
         rows = _penalize(logits[first : first + count].clone(), g)
@@ -157,31 +162,41 @@ def pick_tokens(logits: torch.Tensor, groups: list[tuple[int, int, RowGroup]], n
         else:
             tok = draw(probs, uniforms(g.seed, g.first_draw, count))
             conf = probs.gather(-1, tok[:, None])[:, 0]
-        tokens += tok.tolist()
-        confidence += conf.tolist()
-        entropies += entropy(probs).tolist() if g.want_entropy else [float("nan")] * count
-    return Picked(tokens, confidence, entropies if want_entropy else None, processed)
+        tokens.append(tok)
+        confidence.append(conf)
+        entropies.append(entropy(probs) if g.want_entropy else torch.full_like(conf, float("nan")))
+    return Picked(torch.cat(tokens), torch.cat(confidence), torch.cat(entropies) if want_entropy else None,
+                  processed)
+
+
+def logprob_values(values: torch.Tensor, chosen: torch.Tensor, k: int, mode: str | None
+                   ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(value of each row's chosen token, top-k values, top-k ids), on the values' device.
+
+    `values` are the raw logits (modes raw_*) or the processed logits the sampler drew from (modes
+    processed_*); *_logits modes report them as they are, the others their log_softmax."""
+    rows = values.float()
+    if mode not in ("raw_logits", "processed_logits"):
+        rows = rows.log_softmax(-1)
+    chosen_v = rows.gather(1, chosen[:, None])[:, 0]
+    if k == 0:
+        return chosen_v, None, None
+    top_v, top_i = rows.topk(k, dim=-1)
+    return chosen_v, top_v, top_i
 
 
 def logprob_entries(values: torch.Tensor, chosen: list[int], ks: list[int | None], mode: str | None
                     ) -> list[dict[int, float] | None]:
-    """Per row: None when not requested, else {chosen: value, top-1: value, ...}.
-
-    `values` are the raw logits (modes raw_*) or the processed logits the sampler drew from (modes
-    processed_*); *_logits modes report them as they are, the others their log_softmax.
-    """
+    """Per row: None when not requested, else {chosen: value, top-1: value, ...}."""
     wanted = [i for i, k in enumerate(ks) if k is not None]
     out: list[dict[int, float] | None] = [None] * len(chosen)
     if not wanted:
         return out
     index = torch.tensor(wanted, device=values.device)
-    rows = values[index].float()
-    if mode not in ("raw_logits", "processed_logits"):
-        rows = rows.log_softmax(-1)
-    kmax = max(ks[i] for i in wanted)
-    top_v, top_i = (rows.topk(kmax, dim=-1) if kmax > 0 else (None, None))
     picked = torch.tensor([chosen[i] for i in wanted], device=values.device)
-    chosen_v = rows.gather(1, picked[:, None])[:, 0].tolist()
+    kmax = max(ks[i] for i in wanted)
+    chosen_v, top_v, top_i = logprob_values(values[index], picked, kmax, mode)
+    chosen_v = chosen_v.tolist()
     top_v = top_v.tolist() if top_v is not None else None
     top_i = top_i.tolist() if top_i is not None else None
     for j, i in enumerate(wanted):
