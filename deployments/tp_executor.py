@@ -9,6 +9,11 @@ submission order), runs rank 0 locally, then waits for the workers with a timeou
 dead worker becomes an error for the requests in flight rather than a hang. Such an error is *fatal*
 (the process group is broken): the engine loop ends those requests and stops, the health check
 fails, and Serve replaces the replica.
+
+Control operations between forwards (weight updates, update groups, memory release) go to every
+rank through `run_on_ranks`: the workers get the call first, rank 0 runs it, then every rank's
+outcome is collected, so all ranks have finished before the caller sees the first rank's refusal
+(a two-phase weight update discards on all of them only then).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import datetime
 import logging
 import socket
 import uuid
+from typing import Any
 
 import ray
 import torch
@@ -87,6 +93,13 @@ class TPWorker:
     def execute(self, batch: ForwardBatch) -> None:
         self.shard.runner.execute(batch)
 
+    def call(self, method: str, args: tuple) -> tuple[bool, Any]:
+        """`ModelRunner.<method>(*args)` on this rank: (True, result) or (False, the exception)."""
+        try:
+            return True, getattr(self.shard.runner, method)(*args)
+        except Exception as e:  # noqa: BLE001 - handed to rank 0, which raises it
+            return False, e
+
     def shutdown(self) -> None:
         if self.shard is not None:
             self.shard.shutdown()
@@ -151,6 +164,26 @@ class RayTPExecutor:
         except Exception as e:
             raise TPExecutorError(f"tensor-parallel forward failed ({type(e).__name__}): {e}") from e
         return out
+
+    def run_on_ranks(self, method: str, *args, timeout_s: float | None = None) -> list:
+        """`ModelRunner.<method>(*args)` on every rank at once; the results in rank order. A rank's
+        exception is raised (the lowest rank's) once every rank has finished; a worker that does not
+        answer within the timeout is fatal, like a failed forward."""
+        shipped = ray.put(args) if self.workers else None  # one copy in the object store for all workers
+        refs = [w.call.remote(method, shipped) for w in self.workers]
+        outcomes: list[tuple[bool, Any]] = []
+        try:
+            outcomes.append((True, getattr(self.shard.runner, method)(*args)))
+        except Exception as e:  # noqa: BLE001 - raised below, after the workers finished
+            outcomes.append((False, e))
+        try:
+            outcomes += ray.get(refs, timeout=timeout_s or self.timeout_s)
+        except Exception as e:
+            raise TPExecutorError(f"tensor-parallel {method} failed ({type(e).__name__}): {e}") from e
+        for ok, value in outcomes:
+            if not ok:
+                raise value
+        return [value for _, value in outcomes]
 
     def _kill_workers(self) -> None:
         for w in self.workers:

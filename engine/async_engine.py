@@ -8,6 +8,14 @@ The loop beats a heartbeat on every iteration (at least every 0.5 s when idle). 
 declares the engine dead when the loop died, or when the heartbeat is older than `stall_timeout_s`
 (a hung forward or command): the requests in flight then end with `finish_reason="error"` at once,
 from the caller's thread, instead of waiting on a loop that may never come back.
+
+RL control: between rollouts a trainer pauses generation, pushes new weights, frees and restores
+memory (`pause_generation`, `update_weights_from_*`, `release_memory_occupation`, ... one method per
+SGLang route, each run on the loop thread between two steps, every rank or none). The loop steps only
+while *serving*: not paused and nothing released. Requests that arrive otherwise are queued and wait;
+with `hold_timeout_s` set, one that has waited that long without being served ends with
+`EngineHeldError` (the server answers 503 with Retry-After). A control operation may run far longer
+than a forward (a broadcast waits for the trainer): the stall check gives it `WEIGHT_OP_TIMEOUT_S`.
 """
 
 from __future__ import annotations
@@ -24,24 +32,49 @@ from typing import Any
 from configs import EngineConfig, GenerationConfig
 from engine.carrier import OutputChunk
 from engine.engine import LLMEngine
+from engine.runner import MEMORY_TAGS
+from engine.weight_sync import (
+    WEIGHT_OP_TIMEOUT_S,
+    DiskWeights,
+    WeightUpdateError,
+    broadcast_source,
+    tensor_source,
+    update_weights,
+)
 
 log = logging.getLogger(__name__)
+
+PAUSE_MODES = ("abort", "retract", "in_place")
 
 
 class EngineDeadError(RuntimeError):
     """The step loop is not running; the replica needs a restart."""
 
 
+class EngineHeldError(RuntimeError):
+    """A request waited `hold_timeout_s` while generation was paused or memory released; retry later."""
+
+    def __init__(self, state: str, waited_s: float, retry_after_s: float):
+        super().__init__(f"the engine is {state}: the request waited {waited_s:.1f}s without being served; "
+                         f"retry in {retry_after_s:.0f}s")
+        self.state, self.waited_s, self.retry_after_s = state, waited_s, retry_after_s
+
+
 class AsyncEngine:
     def __init__(self, model_path: str, config: EngineConfig | None = None, executor_factory=None,
-                 stall_timeout_s: float = 60.0):
+                 stall_timeout_s: float = 60.0, hold_timeout_s: float | None = None):
         self.engine = LLMEngine(model_path, config, executor_factory)
         self.stall_timeout_s = stall_timeout_s
+        self.hold_timeout_s = hold_timeout_s
         self._commands: queue.Queue[tuple[Callable[[], Any], concurrent.futures.Future]] = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._running = True
         self._heartbeat = time.monotonic()
         self._fatal: BaseException | None = None
+        self._paused: str | None = None  # the pause mode while paused
+        self._released: set[str] = set()  # memory tags released
+        self._held: dict[str, float] = {}  # requests that arrived while not serving -> arrival time
+        self._control_since: float | None = None  # when the control operation in progress started
         self._thread = threading.Thread(target=self._loop, name="blockserve-engine", daemon=True)
         self._thread.start()
 
@@ -98,12 +131,25 @@ class AsyncEngine:
             except queue.Empty:
                 return
 
+    @property
+    def serving(self) -> bool:
+        return self._paused is None and not self._released
+
+    @property
+    def state(self) -> str:
+        return "released" if self._released else "paused" if self._paused else "serving"
+
+    def _busy(self) -> bool:
+        return self.serving and self.engine.has_unfinished()
+
     def _loop(self) -> None:
         try:
             while self._running:
                 self._heartbeat = time.monotonic()
-                self._run_commands(block=not self.engine.has_unfinished())
-                if not self._running or not self.engine.has_unfinished():
+                self._run_commands(block=not self._busy())
+                if not self.serving:
+                    self._refuse_held()
+                if not self._running or not self._busy():
                     continue
                 try:
                     chunks = self.engine.step()
@@ -130,12 +176,27 @@ class AsyncEngine:
             self._deliver(OutputChunk(request_id=rid, finish_reason="error",
                                       error=f"engine loop stopped: {self._fatal!r}"))
 
+    def _refuse_held(self) -> None:
+        """End the requests that have waited `hold_timeout_s` for generation to resume."""
+        if self.hold_timeout_s is None:
+            return
+        now = time.monotonic()
+        for rid, since in list(self._held.items()):
+            if now - since >= self.hold_timeout_s:
+                del self._held[rid]
+                self.engine.abort(rid)
+                target = self._streams.pop(rid, None)
+                if target is not None:
+                    error = EngineHeldError(self.state, now - since, retry_after_s=self.hold_timeout_s)
+                    target[0].call_soon_threadsafe(target[1].put_nowait, error)
+
     def _deliver(self, chunk: OutputChunk) -> None:
         target = self._streams.get(chunk.request_id)
         if target is None:
             return
         if chunk.finished:
             self._streams.pop(chunk.request_id, None)
+            self._held.pop(chunk.request_id, None)
         loop, q = target
         try:
             loop.call_soon_threadsafe(q.put_nowait, chunk)
@@ -147,13 +208,16 @@ class AsyncEngine:
     # ---- the caller's side ------------------------------------------------------------------
     async def generate(self, prompt: str | list[int], params: GenerationConfig | None = None,
                        request_id: str | None = None) -> AsyncIterator[OutputChunk]:
-        """Stream a request's chunks. Raises RequestError (ValueError) before the first chunk."""
+        """Stream a request's chunks. Raises RequestError (ValueError) before the first chunk, and
+        EngineHeldError when it waited `hold_timeout_s` while the engine was not serving."""
         q: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
 
         def add() -> str:
             rid = self.engine.add_request(prompt, params, request_id)
             self._streams[rid] = (loop, q)
+            if not self.serving:
+                self._held[rid] = time.monotonic()
             return rid
 
         added = self._call(add)
@@ -166,6 +230,9 @@ class AsyncEngine:
         try:
             while True:
                 chunk = await q.get()
+                if isinstance(chunk, EngineHeldError):
+                    finished = True  # the loop already took it out of the engine
+                    raise chunk
                 finished = chunk.finished
                 yield chunk
                 if finished:
@@ -187,6 +254,143 @@ class AsyncEngine:
         """Run fn(engine) on the loop thread (for stats that must be read consistently)."""
         return await asyncio.wrap_future(self._call(lambda: fn(self.engine)))
 
+    # ---- RL control: one method per SGLang route, each answering {"success": True, ...} --------
+    async def _control(self, fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        """Run a control operation on the loop thread, between two steps."""
+        def run() -> dict[str, Any]:
+            self._control_since = time.monotonic()
+            try:
+                return {"success": True, **fn()}
+            finally:
+                self._control_since = None
+
+        return await asyncio.wrap_future(self._call(run))
+
+    def _updated(self, source, weight_version: str | None) -> dict[str, Any]:
+        if "weights" in self._released:
+            raise WeightUpdateError("the weights are released: resume_memory_occupation(['weights']) first")
+        version = update_weights(self.engine, source, weight_version)
+        return {"message": f"weights updated to version {version!r}", "weight_version": version}
+
+    async def update_weights_from_disk(self, model_path: str, weight_version: str | None = None) -> dict[str, Any]:
+        """Load every tensor of a checkpoint directory of the same architecture. Raises
+        WeightUpdateError (nothing changed) naming the config field or tensor that does not fit."""
+        return await self._control(lambda: self._updated(DiskWeights(str(model_path)), weight_version))
+
+    async def update_weights_from_tensor(self, named_tensors: Any, weight_version: str | None = None,
+                                         load_format: str | None = None) -> dict[str, Any]:
+        """Full tensors by checkpoint name ((name, tensor) pairs), or SGLang's `flattened_bucket`
+        payload with `load_format="flattened_bucket"`; any subset of the model's tensors."""
+        source = tensor_source(named_tensors, load_format)
+        return await self._control(lambda: self._updated(source, weight_version))
+
+    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                        world_size: int, group_name: str, backend: str = "gloo") -> dict[str, Any]:
+        """Every rank joins the trainer's group (the trainer is rank 0) as `rank_offset` + its
+        tensor-parallel rank; returns once the whole group has met."""
+        def join() -> dict[str, Any]:
+            self.engine.executor.run_on_ranks("init_update_group", master_address, int(master_port),
+                                              int(rank_offset), int(world_size), group_name, backend,
+                                              timeout_s=WEIGHT_OP_TIMEOUT_S)
+            return {"message": f"joined weight update group {group_name!r}"}
+
+        return await self._control(join)
+
+    async def update_weights_from_distributed(self, names: list[str], dtypes: list, shapes: list,
+                                              group_name: str, weight_version: str | None = None) -> dict[str, Any]:
+        """Receive one full tensor per name, broadcast in `names` order by the trainer (rank 0 of
+        `group_name`); every tensor is received even when the update is refused."""
+        source = broadcast_source(names, dtypes, shapes, group_name)
+        return await self._control(lambda: self._updated(source, weight_version))
+
+    async def destroy_weights_update_group(self, group_name: str) -> dict[str, Any]:
+        def destroy() -> dict[str, Any]:
+            self.engine.executor.run_on_ranks("destroy_update_group", group_name)
+            return {"message": f"left weight update group {group_name!r}"}
+
+        return await self._control(destroy)
+
+    async def flush_cache(self) -> dict[str, Any]:
+        """Drop the prefix cache. Always allowed: requests in flight keep their own pages and never
+        publish them (unlike SGLang, which refuses while requests run)."""
+        def flush() -> dict[str, Any]:
+            self.engine.flush_cache()
+            return {"message": "prefix cache flushed"}
+
+        return await self._control(flush)
+
+    async def pause_generation(self, mode: str = "abort") -> dict[str, Any]:
+        """Stop stepping. `abort`: every request in the engine ends now (finish_reason "abort", with
+        its partial output). `retract`: running requests give back their KV pages and wait, keeping
+        their tokens (recomputed on continue). `in_place`: everything stays as it is."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"mode={mode!r}: pause_generation takes one of {', '.join(PAUSE_MODES)}")
+
+        def pause() -> dict[str, Any]:
+            affected = 0
+            if mode == "abort":
+                for rid in list(self.engine.seqs):
+                    chunk = self.engine.abort(rid)
+                    if chunk is not None:
+                        self._deliver(chunk)
+                        affected += 1
+            elif mode == "retract":
+                affected = self.engine.scheduler.retract_all()
+            self._paused = mode
+            return {"message": f"generation paused ({mode})", "requests": affected}
+
+        return await self._control(pause)
+
+    async def continue_generation(self) -> dict[str, Any]:
+        def resume() -> dict[str, Any]:
+            self._paused = None
+            self._serve_held()
+            return {"message": "generation continues" if self.serving else
+                    f"unpaused; memory still released: {sorted(self._released)}"}
+
+        return await self._control(resume)
+
+    def _serve_held(self) -> None:
+        if self.serving:
+            self._held.clear()
+
+    @staticmethod
+    def _tags(tags: list[str] | None) -> list[str]:
+        tags = list(MEMORY_TAGS) if tags is None else list(tags)
+        unknown = [t for t in tags if t not in MEMORY_TAGS]
+        if unknown:
+            raise ValueError(f"memory tags {unknown}: known tags are {', '.join(MEMORY_TAGS)}")
+        return tags
+
+    async def release_memory_occupation(self, tags: list[str] | None = None) -> dict[str, Any]:
+        """Free the weights and/or the KV cache on every rank; generation stops until both are back.
+        Releasing the KV cache retracts the running requests and flushes the prefix cache."""
+        tags = self._tags(tags)
+
+        def release() -> dict[str, Any]:
+            todo = [t for t in tags if t not in self._released]
+            if "kv_cache" in todo:
+                self.engine.scheduler.retract_all()
+                self.engine.flush_cache()
+            self.engine.executor.run_on_ranks("release_memory", todo)
+            self._released |= set(todo)
+            return {"message": f"released {todo}", "released": sorted(self._released)}
+
+        return await self._control(release)
+
+    async def resume_memory_occupation(self, tags: list[str] | None = None) -> dict[str, Any]:
+        """Restore what `release_memory_occupation` freed: the weights exactly as they were."""
+        tags = self._tags(tags)
+
+        def resume() -> dict[str, Any]:
+            todo = [t for t in tags if t in self._released]
+            self.engine.executor.run_on_ranks("resume_memory", todo, timeout_s=WEIGHT_OP_TIMEOUT_S)
+            self._released -= set(todo)
+            self._serve_held()
+            return {"message": f"resumed {todo}", "released": sorted(self._released)}
+
+        return await self._control(resume)
+
     def stats(self) -> dict[str, Any]:
         e = self.engine
         s = e.stats
@@ -204,6 +408,8 @@ class AsyncEngine:
             "step_seconds": s.step_seconds,
             "preemptions": e.scheduler.num_preemptions,
             "prefix_hit_tokens": e.kv.prefix_hit_tokens,
+            "state": self.state,
+            "weight_version": e.weight_version,
         }
 
     def check_health(self) -> None:
@@ -212,7 +418,8 @@ class AsyncEngine:
         if not self._thread.is_alive() or not self._running:
             raise EngineDeadError(f"the engine loop is not running: {self._fatal!r}")
         stuck = time.monotonic() - self._heartbeat
-        if stuck > self.stall_timeout_s:
+        allowed = self.stall_timeout_s + (WEIGHT_OP_TIMEOUT_S if self._control_since is not None else 0.0)
+        if stuck > allowed:
             self._fatal = EngineDeadError(f"the engine loop has been stuck for {stuck:.1f}s "
                                           f"(stall_timeout_s={self.stall_timeout_s})")
             self._running = False

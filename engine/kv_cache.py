@@ -6,6 +6,10 @@ block-causal attention a page's K/V also depend on the rest of the DLLM block it
 belongs to, so its key extends to that block's end (`key_end`). A page is registered only once
 those tokens are committed (their K/V final). Pages whose refcount drops to 0 keep their content
 and sit in an LRU list, evicted only when the free list runs dry.
+
+`flush` forgets every cached page (after a weight update their K/V belong to the old weights). A
+sequence that was already holding pages keeps them for itself, but its table belongs to the old
+cache epoch and never publishes a page again: its later pages sit on K/V computed before the flush.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ class PageTable:
     pages: list[int] = field(default_factory=list)
     registered: int = 0
     parent_hash: int | None = None  # hash of the last registered page's key
+    epoch: int = 0  # the cache epoch its first page was taken in; only the current epoch publishes
 
 
 class KVBlockManager:
@@ -42,6 +47,7 @@ class KVBlockManager:
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached pages with ref 0, LRU first
         self._by_hash: dict[int, int] = {}  # key hash -> page id
         self.prefix_hit_tokens = 0  # accounting for tests and metrics
+        self.epoch = 0  # bumped by every flush
 
     # ---- accounting -------------------------------------------------------------------------
     @property
@@ -69,6 +75,8 @@ class KVBlockManager:
         need = self.pages_needed(table, num_tokens)
         if need > self.num_free_pages:
             return False
+        if not table.pages:
+            table.epoch = self.epoch
         table.pages.extend(self._take_page() for _ in range(need))
         return True
 
@@ -99,6 +107,7 @@ class KVBlockManager:
         """Attach cached pages covering at most `max_tokens` leading tokens; returns tokens reused."""
         if not self.enable_prefix_caching or table.pages:
             return 0
+        table.epoch = self.epoch
         parent = None
         p = 0
         while self._key_end(p) <= max_tokens and (p + 1) * self.page_size <= max_tokens:
@@ -126,7 +135,7 @@ class KVBlockManager:
 
     def register(self, table: PageTable, tokens: list[int], num_committed: int) -> None:
         """Publish the sequence's full pages whose K/V are final (tokens < num_committed)."""
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or table.epoch != self.epoch:
             return
         while table.registered < len(table.pages) and self._key_end(table.registered) <= num_committed:
             p = table.registered
@@ -138,3 +147,13 @@ class KVBlockManager:
                 self._by_hash[h] = page.page_id
             table.parent_hash = h
             table.registered += 1
+
+    def flush(self) -> None:
+        """Forget every cached page: unreferenced ones go back to the free list, referenced ones stay
+        with their sequences, unpublished; tables from before the flush never publish again."""
+        for page in self._pages:
+            page.key = None
+        self._free.extend(reversed(self._evictable))
+        self._evictable.clear()
+        self._by_hash.clear()
+        self.epoch += 1

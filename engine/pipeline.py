@@ -5,6 +5,9 @@ a list of those is a batch and gets a list. `gen_config` is one GenerationConfig
 a list with one per prompt (as lmdeploy's pipeline takes them). A config with `n > 1` gives n
 Responses for its prompt (`index` 0..n-1, sample i seeded `random_seed + i`), in prompt order: a
 single prompt then gets a list too.
+
+`update_weights_from_disk` / `update_weights_from_tensor` swap the weights between calls, as the
+serving engine does for an RL trainer (engine.weight_sync).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from collections.abc import Iterator
 from configs import EngineConfig, GenerationConfig
 from engine.carrier import OutputChunk, Response
 from engine.engine import LLMEngine
+from engine.weight_sync import DiskWeights, tensor_source, update_weights
 
 Prompt = str | list[int]
 
@@ -83,6 +87,16 @@ class Pipeline:
                     yield chunk
                     if chunk.finished:
                         pending.discard(chunk.request_id)
+
+    def update_weights_from_disk(self, model_path: str, weight_version: str | None = None) -> str:
+        """Swap in every tensor of a checkpoint of the same architecture (all or nothing; raises
+        WeightUpdateError naming what does not fit). Returns the new weight_version."""
+        return update_weights(self.engine, DiskWeights(str(model_path)), weight_version)
+
+    def update_weights_from_tensor(self, named_tensors, weight_version: str | None = None,
+                                   load_format: str | None = None) -> str:
+        """Swap in full tensors by checkpoint name (or SGLang's `flattened_bucket` payload)."""
+        return update_weights(self.engine, tensor_source(named_tensors, load_format), weight_version)
 
     def close(self) -> None:
         for rid in list(self.engine.seqs):

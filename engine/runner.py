@@ -5,17 +5,42 @@ tensor-parallel worker. Only rows whose logits are used reach the LM head: `samp
 (positions to sample or unmask) return full logits rows; `score_rows` (input-token scoring) are
 projected in chunks of `logprobs_chunk_rows` and reduced to (value, top-k) right away, so scoring
 never holds (tokens x vocab) logits.
+
+Between rollouts an RL trainer changes what the runner holds: weight updates arrive in two phases
+(`stage_weights` checks and copies this rank's slices aside, `commit_weights` swaps them in,
+`discard_weights` drops them; see engine.weight_sync), and `release_memory` / `resume_memory` free
+and restore the weights and the KV cache. Released weights come back from where they came from:
+the checkpoint directory last loaded in full, or, once tensors or a broadcast changed them, a copy
+of this rank's weights taken at release (host memory on CUDA; a safetensors file in a temporary
+directory on CPU, where host memory is what is being freed).
 """
 
 from __future__ import annotations
 
+import ctypes
+import dataclasses
+import gc
+import shutil
+import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from configs import EngineConfig
 from engine.checkpoint import ModelSpec, iter_weights
 from engine.model import Qwen3ForCausalLM, TPContext
+from engine.weight_sync import (
+    DiskWeights,
+    WeightSource,
+    WeightUpdateError,
+    init_custom_process_group,
+    install_weights,
+    local_weights,
+    shape_template,
+    stage_weights,
+)
 from ops.attention import AttentionMetadata, make_attention_backend
 from ops.cpu_linear import convert_for_cpu
 
@@ -58,15 +83,35 @@ def resolve_dtype(config: EngineConfig, device: torch.device, spec: ModelSpec | 
     return getattr(torch, config.dtype)
 
 
-def build_model(spec: ModelSpec, device: torch.device, dtype: torch.dtype, tp: TPContext | None) -> Qwen3ForCausalLM:
-    """The model shard in `dtype` on `device`, loaded from the checkpoint: built on the meta device
-    (no random init), allocated once, then filled with this rank's slices read from the
-    memory-mapped safetensors files."""
+MEMORY_TAGS = ("weights", "kv_cache")
+
+
+def allocate_model(spec: ModelSpec, device: torch.device, dtype: torch.dtype, tp: TPContext | None) -> Qwen3ForCausalLM:
+    """The model shard built on the meta device (no random init) and allocated once, unfilled."""
     with torch.device("meta"):
         model = Qwen3ForCausalLM(spec, tp)
-    model.materialize(device, dtype)
+    return model.materialize(device, dtype).eval()
+
+
+def build_model(spec: ModelSpec, device: torch.device, dtype: torch.dtype, tp: TPContext | None) -> Qwen3ForCausalLM:
+    """The model shard in `dtype` on `device`, filled with this rank's slices read from the
+    memory-mapped safetensors files of the checkpoint."""
+    model = allocate_model(spec, device, dtype, tp)
     model.load_weights(iter_weights(spec.path))
-    return model.eval()
+    return model
+
+
+def return_freed_memory(device: torch.device) -> None:
+    """Hand freed memory back: CUDA's cached blocks, and on CPU glibc's free heap pages (large
+    tensors are mmap'ed and go back on free; smaller ones may sit in malloc arenas until trimmed)."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        return
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: the allocator keeps what it keeps
+        pass
 
 
 def page_bytes(spec: ModelSpec, page_size: int, dtype: torch.dtype, tp_size: int) -> int:
@@ -108,18 +153,108 @@ class ModelRunner:
         self.backend = make_attention_backend(config.attention_backend, self.device, self.dtype,
                                               config.kv_block_size, spec.head_dim)
         self.dllm_block_length = None
+        self.tp = tp or TPContext()
         torch.manual_seed(config.seed)
-        self.model = build_model(spec, self.device, self.dtype, tp)
+        self.model: Qwen3ForCausalLM | None = self._prepare(build_model(spec, self.device, self.dtype, tp))
         self.num_pages = num_kv_pages(spec, config, self.device, self.dtype)
-        kvh = spec.num_key_value_heads // (tp.size if tp else 1)
-        shape = (2, self.num_pages, config.kv_block_size, kvh, spec.head_dim)
-        self.kv_caches = [
-            torch.zeros(shape, dtype=self.dtype, device=self.device).unbind(0)
-            for _ in range(spec.num_hidden_layers)
-        ]
+        self.kv_caches = self._allocate_kv()
         self.num_forwards = 0
+        self.update_groups: dict[str, object] = {}  # weight update groups joined, by name
+        self._staged: tuple[dict[str, torch.Tensor], str | None] | None = None  # (slices, their checkpoint)
+        self._origin: str | None = spec.path  # the checkpoint the live weights equal; None once changed
+        self._backup: dict[str, torch.Tensor] | Path | None = None  # released weights no checkpoint holds
+
+    def _prepare(self, model: Qwen3ForCausalLM) -> Qwen3ForCausalLM:
+        """A loaded model ready to serve: on CPU every linear on oneDNN packed weights."""
         if self.device.type == "cpu":
-            convert_for_cpu(self.model, shared=(self.model.model.embed_tokens.weight,))
+            convert_for_cpu(model, shared=(model.model.embed_tokens.weight,))
+        return model
+
+    def _allocate_kv(self) -> list[tuple[torch.Tensor, ...]]:
+        kvh = self.spec.num_key_value_heads // self.tp.size
+        shape = (2, self.num_pages, self.config.kv_block_size, kvh, self.spec.head_dim)
+        return [torch.zeros(shape, dtype=self.dtype, device=self.device).unbind(0)
+                for _ in range(self.spec.num_hidden_layers)]
+
+    # ---- weight updates (two-phase; engine.weight_sync drives every rank) ----------------------
+    def stage_weights(self, source: WeightSource) -> None:
+        """Check and copy aside this rank's slice of every tensor of `source`; raises
+        WeightUpdateError (naming the tensor, and the rank under tensor parallelism) if refused."""
+        self._staged = None
+        try:
+            if self.model is None:
+                raise WeightUpdateError("the weights are released: resume_memory_occupation(['weights']) first")
+            weights = source.named_weights(self.update_groups, self.device)
+            staged = stage_weights(shape_template(self.spec, self.tp), weights, source.complete,
+                                   self.device, self.dtype)
+        except WeightUpdateError as e:
+            if self.tp.size == 1:
+                raise
+            raise WeightUpdateError(f"tensor-parallel rank {self.tp.rank}: {e}") from e
+        self._staged = staged, source.path if isinstance(source, DiskWeights) else None
+
+    def commit_weights(self) -> None:
+        if self._staged is None:
+            raise RuntimeError("commit_weights without staged weights")
+        (weights, origin), self._staged = self._staged, None
+        install_weights(self.model, weights)
+        self._origin = origin
+
+    def discard_weights(self) -> None:
+        self._staged = None
+        return_freed_memory(self.device)
+
+    def init_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                          group_name: str, backend: str) -> None:
+        """Join the trainer's weight update group as rank `rank_offset` + this tensor-parallel rank."""
+        if group_name in self.update_groups:
+            raise ValueError(f"weight update group {group_name!r} already exists; destroy it first")
+        self.update_groups[group_name] = init_custom_process_group(
+            backend, f"tcp://{master_address}:{master_port}", world_size, rank_offset + self.tp.rank, group_name)
+
+    def destroy_update_group(self, group_name: str) -> None:
+        group = self.update_groups.pop(group_name, None)
+        if group is None:
+            raise ValueError(f"no weight update group {group_name!r} (groups: {sorted(self.update_groups) or 'none'})")
+        torch.distributed.destroy_process_group(group)
+
+    # ---- memory release ----------------------------------------------------------------------
+    def release_memory(self, tags: list[str]) -> None:
+        """Free the weights and/or the KV cache (their contents are gone; see `resume_memory`)."""
+        if "weights" in tags and self.model is not None:
+            if self._origin is None:
+                self._backup = self._take_backup()
+            self.model = None
+        if "kv_cache" in tags:
+            self.kv_caches = []
+        return_freed_memory(self.device)
+
+    def resume_memory(self, tags: list[str]) -> None:
+        """Allocate again what `release_memory` freed: the weights reloaded exactly as they were, the
+        KV cache zeroed (the engine recomputes whatever it needs)."""
+        if "weights" in tags and self.model is None:
+            self.model = self._prepare(self._restore_weights())
+        if "kv_cache" in tags and not self.kv_caches:
+            self.kv_caches = self._allocate_kv()
+
+    def _take_backup(self) -> dict[str, torch.Tensor] | Path:
+        weights = local_weights(self.model)
+        if self.device.type != "cpu":
+            return weights
+        path = Path(tempfile.mkdtemp(prefix="blockserve-weights-")) / f"rank{self.tp.rank}.safetensors"
+        save_file(weights, str(path))
+        return path
+
+    def _restore_weights(self) -> Qwen3ForCausalLM:
+        if self._backup is None:
+            spec = dataclasses.replace(self.spec, path=self._origin)
+            return build_model(spec, self.device, self.dtype, self.tp)
+        model = allocate_model(self.spec, self.device, self.dtype, self.tp)
+        backup, self._backup = self._backup, None
+        install_weights(model, backup if isinstance(backup, dict) else load_file(str(backup)))
+        if isinstance(backup, Path):
+            shutil.rmtree(backup.parent, ignore_errors=True)
+        return model
 
     def set_dllm_block_length(self, block_length: int | None) -> None:
         self.dllm_block_length = block_length
