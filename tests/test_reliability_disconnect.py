@@ -1,4 +1,4 @@
-"""Disconnects (issue 7): 100 SSE streams dropped by their clients at random points -- before the
+"""Disconnects: 100 SSE streams dropped by their clients at random points -- before the
 response starts, after k deltas, mid-body -- ten at a time, over loopback against the real local
 Ray Serve cluster. Every KV page comes back (free pages equal the start), nothing is left running,
 and the engines keep serving."""
@@ -76,3 +76,36 @@ def test_hundred_cancelled_streams_return_every_page(served_apps):
             events = sse_events(s.iter_lines())
         assert events[-1] == "[DONE]" and sum(len(e["output_ids"]) for e in events[:-1]) == 8
         assert engine_totals(a)["kv_pages_free"] == start[a]["kv_pages_total"]
+
+
+def _generate_statuses(url: str) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(url + "/metrics", timeout=60).text
+    family = next(f for f in text_string_to_metric_families(text) if f.name == "blockserve_requests")
+    return {s.labels["status"]: s.value for s in family.samples if s.labels["route"] == "/generate"}
+
+
+def test_client_gone_while_sending_its_body_is_a_499_not_a_500(served_apps):
+    """The client announces a body, sends part of it and hangs up: nobody is answered, and the
+    request counts as 499 (client closed), never as a server error."""
+    import socket
+    import time
+    from urllib.parse import urlsplit
+
+    app = served_apps["sdar"]
+    before = _generate_statuses(app.url)
+    parts = urlsplit(app.url)
+    for _ in range(3):
+        with socket.create_connection((parts.hostname, parts.port)) as sock:
+            sock.sendall(f"POST {parts.path}/generate HTTP/1.1\r\nHost: {parts.netloc}\r\n"
+                         "Content-Type: application/json\r\nContent-Length: 100000\r\n\r\n".encode()
+                         + b'{"prompt": "Hello", "max_tokens": 4, "stop": ["' + b"x" * 4000)
+            time.sleep(0.5)  # let the ingress start reading the body before the hang-up
+    deadline = time.monotonic() + 60
+    while (after := _generate_statuses(app.url)).get("499", 0) - before.get("499", 0) < 3:
+        assert time.monotonic() < deadline, f"the dropped requests were never counted: {before} -> {after}"
+        time.sleep(0.5)
+    assert not any(code.startswith("5") and after[code] > before.get(code, 0) for code in after), (before, after)
+    r = httpx.post(app.url + "/generate", json={"prompt": "Hello", "max_tokens": 4, "ignore_eos": True}, timeout=60)
+    assert r.status_code == 200 and len(r.json()["output_ids"]) == 4

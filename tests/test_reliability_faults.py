@@ -1,4 +1,4 @@
-"""Faults (issue 7): a stalled engine loop. The `sdar_stall` app runs with debug_hooks on,
+"""Faults: a stalled engine loop. The `sdar_stall` app runs with debug_hooks on,
 stall_timeout_s=2 and a 1 s health check; `EngineServer.debug_stall` (a Ray-handle-only test hook)
 makes its engine loop sleep as a hung forward would. The health check catches it: the requests in
 flight end with an explicit error within 10 s, Serve replaces the replica, and later requests

@@ -1,4 +1,4 @@
-"""Bad input over HTTP (CONTRACT.md §5; issue 7): a matrix of malformed, mistyped, out-of-range and
+"""Bad input over HTTP: a matrix of malformed, mistyped, out-of-range and
 hostile requests against /generate and the OpenAI routes on a real local Ray Serve cluster, then
 property-based fuzzing (hypothesis) of /generate. Every refusal is a 4xx with the error JSON naming
 the field; nothing is ever a 5xx; the server keeps serving normal requests."""

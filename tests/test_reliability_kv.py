@@ -1,4 +1,4 @@
-"""KV exhaustion (issue 7) over Serve: the `sdar_kv` app has 16 KV pages (64 tokens) and gets ten
+"""KV exhaustion over Serve: the `sdar_kv` app has 16 KV pages (64 tokens) and gets ten
 concurrent requests needing about 9 pages each. The scheduler preempts and recomputes; every request
 completes, and the outputs equal those of the unconstrained `sdar` app (192 pages, no preemption).
 A request that could never fit in the cache is a clear 400 before anything runs."""

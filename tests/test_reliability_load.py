@@ -1,4 +1,4 @@
-"""Load (issue 7): 256 concurrent mixed requests over loopback against the real local Ray Serve
+"""Load: 256 concurrent mixed requests over loopback against the real local Ray Serve
 cluster -- DLLM generation on `sdar` (each body unary and streamed, seeded sampling or greedy),
 input-token scoring on `qwen3` (two replicas) -- all in flight at once. None is lost, none is
 duplicated, each response belongs to its request, streamed equals unary for the same seed, and the

@@ -1,4 +1,4 @@
-"""Security (issue 7) on the `secure` app: it serves a *hostile* checkpoint (code that would leave
+"""Security on the `secure` app: it serves a *hostile* checkpoint (code that would leave
 marker files if anything ran it), requires an API key, and admits at most 2 generation requests at a
 time. Checks: no code from the checkpoint ever runs; the key guards every route but /health;
 the local config binds to loopback; a full ingress answers 429 with Retry-After instead of queueing,
