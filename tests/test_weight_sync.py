@@ -291,3 +291,23 @@ def test_tp2_a_rank_refusing_its_slice_leaves_every_rank_on_the_old_weights(tp2,
     named[q][-1, 0] = 0.0  # the same update, fixed, goes through on both ranks
     run(tp2.update_weights_from_tensor(list(named.items()), weight_version="new"))
     assert served(tp2)[0].weight_version == "new"
+
+
+def test_flush_forgets_cached_pages_and_tables_from_before_never_publish():
+    from engine.kv_cache import KVBlockManager, PageTable
+
+    kv, tokens = KVBlockManager(num_pages=8, page_size=4, enable_prefix_caching=True), list(range(100, 112))
+    in_flight, finished = PageTable(), PageTable()
+    assert kv.allocate(in_flight, 8) and kv.allocate(finished, 4)
+    kv.register(in_flight, tokens, 8)
+    kv.register(finished, [7, 7, 7, 7], 4)
+    kv.free(finished)  # cached, unreferenced
+    kv.flush()
+    assert kv.num_free_pages == 6 and kv.match_prefix(PageTable(), [7, 7, 7, 7], 4) == 0
+    assert kv.allocate(in_flight, 12)
+    kv.register(in_flight, tokens, 12)  # its third page sits on K/V computed before the flush
+    assert kv.match_prefix(PageTable(), tokens, 12) == 0
+    fresh_table = PageTable()
+    assert kv.match_prefix(fresh_table, tokens, 12) == 0 and kv.allocate(fresh_table, 12)
+    kv.register(fresh_table, tokens, 12)
+    assert kv.match_prefix(PageTable(), tokens, 12) == 12  # computed after the flush: reused
