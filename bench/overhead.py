@@ -7,12 +7,19 @@ diffusion and AR, on a small random-weight model (so the forward does not drown 
 Block-diffusion requests finish at different steps, so the figure is per sequence-step: a step's
 overhead divided by the sequences it ran. Prints one JSON object: per paradigm and output length,
 the mean over the run and over its last 256 steps, and the ratios long / short.
+
+Two controls separate the engine's own work from the machine's memory hierarchy: the Python
+function calls per step (deterministic: constant work per step gives equal counts early and late
+in a long run), and a short run whose forward also sweeps as much memory as the long run's KV cache
+(a long-context forward evicts the CPU caches the engine's bookkeeping then runs on).
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import pstats
 import statistics
 import sys
 import tempfile
@@ -26,27 +33,64 @@ from engine.tiny_checkpoint import DLLM_TEST_LOGIT_SCALE, write_tiny_checkpoint
 
 PROMPT_LEN = 16
 TAIL_STEPS = 256
+CALLS_AT = 32  # profiled steps (early and late in a long run)
 
 
-def measure(path: Path, output_len: int, concurrency: int, stop_words: list[str]) -> dict:
-    config = EngineConfig(num_kv_blocks=concurrency * (-(-(PROMPT_LEN + output_len + 8) // 16) + 1),
-                          kv_block_size=16, max_batch_size=concurrency, dllm_block_length=4)
+def _pages(output_len: int, concurrency: int) -> int:
+    return concurrency * (-(-(PROMPT_LEN + output_len + 8) // 16) + 1)
+
+
+def _sweeping(execute, num_bytes: int):
+    """The executor's forward followed by a pass over `num_bytes` of memory (counted as forward time)."""
+    buffer = torch.zeros(num_bytes // 4)
+
+    def run(batch):
+        out = execute(batch)
+        buffer.add_(1.0)
+        return out
+
+    return run
+
+
+def _calls_per_seq_step(engine, steps: int) -> float:
+    """Python function calls per sequence per step over the next `steps` steps."""
+    running = len(engine.scheduler.running)
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(steps):
+        engine.step()
+    profile.disable()
+    return pstats.Stats(profile).total_calls / steps / running
+
+
+def measure(path: Path, output_len: int, concurrency: int, stop_words: list[str], sweep_bytes: int = 0) -> dict:
+    config = EngineConfig(num_kv_blocks=_pages(output_len, concurrency), kv_block_size=16,
+                          max_batch_size=concurrency, dllm_block_length=4)
     with pipeline(str(path), config) as pipe:
         engine = pipe.engine
+        if sweep_bytes:
+            engine.executor.execute = _sweeping(engine.executor.execute, sweep_bytes)
         gen = GenerationConfig(max_new_tokens=output_len, ignore_eos=True, stop_words=stop_words)
         for i in range(concurrency):
             engine.add_request([(7 * i + 3 * k) % 200 + 10 for k in range(PROMPT_LEN)], gen)
         overheads = []  # per step: overhead seconds / sequences in the step
+        calls = {}
         while engine.has_unfinished():
+            if len(overheads) in (CALLS_AT, output_len // 2) and output_len > 4 * CALLS_AT:
+                calls[len(overheads)] = round(_calls_per_seq_step(engine, CALLS_AT), 2)
+                overheads += [float("nan")] * CALLS_AT
+                continue
             forward0, t0 = engine.stats.forward_seconds, time.perf_counter()
             running = len(engine.scheduler.running) + len(engine.scheduler.waiting)
             engine.step()
             overheads.append(((time.perf_counter() - t0) - (engine.stats.forward_seconds - forward0)) / running)
+        timed = [o for o in overheads if o == o]
         return {
+            "python_calls_per_seq_step_at_step": calls or None,
             "steps": len(overheads),
             "generated_tokens": engine.stats.generated_tokens,
-            "overhead_us_per_seq_step": round(1e6 * statistics.fmean(overheads), 2),
-            "overhead_us_per_seq_step_last_256": round(1e6 * statistics.fmean(overheads[-TAIL_STEPS:]), 2),
+            "overhead_us_per_seq_step": round(1e6 * statistics.fmean(timed), 2),
+            "overhead_us_per_seq_step_last_256": round(1e6 * statistics.fmean(timed[-TAIL_STEPS:]), 2),
             "forward_ms_per_step": round(1e3 * engine.stats.forward_seconds / len(overheads), 4),
         }
 
@@ -69,16 +113,23 @@ def main(argv: list[str] | None = None) -> None:
         }
         for name, path in models.items():
             runs = {}
+            # a stop string that never matches keeps the stop-string search on the hot path
+            never = ["\x00never\x00"]
+            measure(path, args.short, args.concurrency, never)  # warm-up: first-use costs of kernels and allocator
             for length in (args.short, args.long):
                 print(f"[overhead] {name} {length}-token outputs", file=sys.stderr, flush=True)
-                # a stop string that never matches keeps the stop-string search on the hot path
-                runs[length] = measure(path, length, args.concurrency, stop_words=["\x00never\x00"])
-            short, long = runs[args.short], runs[args.long]
+                runs[str(length)] = measure(path, length, args.concurrency, never)
+            kv_bytes = _pages(args.long, args.concurrency) * 16 * 2 * 2 * 16 * 4  # pages x tokens x K,V x heads x dim
+            print(f"[overhead] {name} {args.short}-token outputs + {kv_bytes >> 20} MiB sweep", file=sys.stderr)
+            runs[f"{args.short}+sweep"] = measure(path, args.short, args.concurrency, never, sweep_bytes=kv_bytes)
+            short, long = runs[str(args.short)], runs[str(args.long)]
             out[name] = {
-                "runs": {str(k): v for k, v in runs.items()},
+                "runs": runs,
                 "ratio_long_vs_short": round(long["overhead_us_per_seq_step"] / short["overhead_us_per_seq_step"], 3),
                 "ratio_last_256_vs_short": round(long["overhead_us_per_seq_step_last_256"]
                                                  / short["overhead_us_per_seq_step"], 3),
+                "ratio_long_vs_short_with_sweep": round(long["overhead_us_per_seq_step"]
+                                                        / runs[f"{args.short}+sweep"]["overhead_us_per_seq_step"], 3),
             }
     print(json.dumps(out, indent=2))
 
