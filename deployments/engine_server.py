@@ -1,13 +1,12 @@
 """EngineServer: one data-parallel replica owning an AsyncEngine (and, for tp > 1, its TP workers).
 
 It speaks the internal protocol the ingress uses: requests are `schemas.EngineRequest` dicts, results
-are *result dicts* (`OutputChunk.to_dict()` deltas, or the folded `Response.to_dict()`, with
-`"matched"` added to the final one), and refusals are error items
-`ApiError.to_item()` (plain data: nothing to unpickle on the
-caller's side). Cancelling a stream (the caller stops iterating, a client disconnects) aborts the
-request in the engine, which frees its KV pages. An unexpected exception ends only its own request
-(an `internal_error` item before the first delta, a `finish_reason="error"` delta after it), never
-the other requests of a batch.
+are *result dicts* (`OutputChunk.to_dict()` deltas, or the folded `Response.to_dict()`; the final one
+carries the engine's `matched`), and refusals are error items `ApiError.to_item()` (plain data:
+nothing to unpickle on the caller's side). Cancelling a stream (the caller stops iterating, a client
+disconnects) aborts the request in the engine, which frees its KV pages. An unexpected exception
+ends only its own request (an `internal_error` item before the first delta, a `finish_reason="error"`
+delta after it), never the other requests of a batch.
 
 Test hook (`debug_hooks=True` in the app args, off by default): `debug_stall(seconds)` makes the
 engine loop sleep, as a hung forward would, so fault drills can watch the health check catch it.
@@ -27,7 +26,7 @@ from typing import Any
 from pydantic import ValidationError
 from ray import serve
 
-from configs import EngineConfig, GenerationConfig
+from configs import EngineConfig
 from deployments.metrics import RequestMetrics
 from deployments.schemas import ApiError, EngineRequest, request_error, validation_error
 from engine.async_engine import AsyncEngine, EngineDeadError
@@ -60,29 +59,13 @@ class EngineServer:
         self.engine = AsyncEngine(model, config, factory, stall_timeout_s=stall_timeout_s)
         self.replica = _replica_id()
         self.debug_hooks = debug_hooks
-        self.eos_ids = frozenset(self.engine.spec.eos_token_ids)
         self.metrics = RequestMetrics()
         log.info("EngineServer %s ready: %s (%s), tp=%d", self.replica, model, self.engine.spec.model_type,
                  config.tp)
 
     # ---- generation ------------------------------------------------------------------------
-    def _matched(self, acc: Response, params: GenerationConfig) -> int | str | None:
-        """What ended a request with finish_reason "stop": the stop token id, or the stop string."""
-        if acc.finish_reason != "stop":
-            return None
-        ids = acc.token_ids
-        stop_ids = set(params.stop_token_ids or []) | (set() if params.ignore_eos else set(self.eos_ids))
-        if ids and ids[-1] in stop_ids:
-            return ids[-1]
-        if params.stop_words:
-            text = self.engine.tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens)
-            hits = [(text.find(w), w) for w in params.stop_words if w in text]
-            if hits:
-                return min(hits)[1]
-        return None
-
-    async def _run(self, request: dict[str, Any]) -> AsyncIterator[tuple[OutputChunk, Response, Any] | dict]:
-        """Yield (chunk, folded-so-far, matched) per delta, or one error item."""
+    async def _run(self, request: dict[str, Any]) -> AsyncIterator[tuple[OutputChunk, Response] | dict]:
+        """Yield (chunk, folded-so-far) per delta, or one error item."""
         try:
             req = EngineRequest.model_validate(request)
             params = req.generation_config()
@@ -98,7 +81,7 @@ class EngineServer:
                 started = True
                 timer.chunk(chunk.token_ids, chunk.step_map, chunk.finished)
                 acc.add(chunk)
-                yield chunk, acc, (self._matched(acc, params) if chunk.finished else None)
+                yield chunk, acc
         except RequestError as e:  # raised before the first chunk
             yield request_error(e.message, e.param, req.rename).to_item()
         except ValidationError as e:
@@ -114,7 +97,7 @@ class EngineServer:
                 chunk = OutputChunk(request_id=req.request_id, finish_reason="error", error=message,
                                     input_token_len=acc.input_token_len, generate_token_len=acc.generate_token_len)
                 acc.add(chunk)
-                yield chunk, acc, None
+                yield chunk, acc
         finally:
             await stream.aclose()
 
@@ -124,11 +107,7 @@ class EngineServer:
             if isinstance(item, dict):
                 yield item
                 return
-            chunk, _, matched = item
-            out = chunk.to_dict()
-            if chunk.finished:
-                out["matched"] = matched
-            yield out
+            yield item[0].to_dict()
 
     async def generate(self, request: dict[str, Any]) -> dict[str, Any]:
         """The folded result dict of one request, or an error item."""
@@ -136,9 +115,9 @@ class EngineServer:
         async for item in self._run(request):
             if isinstance(item, dict):
                 return item
-            _, acc, matched = item
+            _, acc = item
             if acc.finish_reason is not None:
-                result = acc.to_dict() | {"matched": matched}
+                result = acc.to_dict()
         return result or ApiError("the engine ended the request without a result", None, 500,
                                   "internal_error").to_item()
 

@@ -3,8 +3,8 @@ builders (docs/api.md). Used by both the HTTP routes and the handle methods, so 
 exactly the same JSON.
 
 Engine results arrive as *result dicts*: `OutputChunk.to_dict()` (a streamed delta) or
-`Response.to_dict()` (the folded unary result), plus `"matched"` (what stopped the request) on the
-final one. Every builder here maps a result dict field by field and element by element, so building
+`Response.to_dict()` (the folded unary result); the final one carries `matched` (what stopped the
+request). Every builder here maps a result dict field by field and element by element, so building
 each delta and concatenating (`merge_generate_deltas`) equals building the folded result.
 """
 
