@@ -330,7 +330,7 @@ def bench_serve(path: Path, p: dict) -> dict:
 
 
 def bench_memory(path: Path, tokens: int, threads: int) -> dict:
-    """Issue 4: peak RSS of scoring one `tokens`-long sequence, engine vs HF, each in its own process."""
+    """Memory: peak RSS of scoring one `tokens`-long sequence, engine vs HF, each in its own process."""
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
     procs = {}
     for which in ("engine", "hf"):  # peak RSS is per process, so the two may run at once
@@ -419,7 +419,7 @@ def main() -> None:
 
 
 def targets(r: dict) -> dict:
-    """Issue 6's targets at 32 concurrent requests (absent where the part was not run)."""
+    """The performance targets at 32 concurrent requests (absent where the part was not run)."""
     out: dict = {}
     dllm = r.get("dllm", {}).get("workloads", {})
     if "32" in dllm:

@@ -1,4 +1,4 @@
-"""`python -m bench.load`: N concurrent mixed requests against blockserve over HTTP (issue 7).
+"""`python -m bench.load`: N concurrent mixed requests against blockserve over HTTP.
 
 The mix: block-diffusion generation on the DLLM app, each body sent twice -- once unary and once
 streamed (SSE) -- with seeded sampling or greedy decoding, plus input-token scoring on the AR app

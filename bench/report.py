@@ -99,7 +99,7 @@ def render(r: dict) -> str:
     if mem:
         e, h = mem["engine"], mem["hf"]
         lines += [
-            f"Memory (issue 4): scoring {mem['tokens']:,} tokens from {mem['logprob_start_len']:,}, vocabulary "
+            f"Memory: scoring {mem['tokens']:,} tokens from {mem['logprob_start_len']:,}, vocabulary "
             "151,936, each side in its own process: peak RSS above the loaded model engine "
             f"**{e['extra_peak_mb']} MB** "
             f"vs HF forward + log_softmax **{h['extra_peak_mb']} MB** (ratio {mem['extra_peak_ratio']}); "
@@ -119,7 +119,7 @@ def render(r: dict) -> str:
         ]
     t = r.get("targets", {})
     if t:
-        lines.append("Targets (issue 6): " + ", ".join(f"{k} {_fmt(v)}" for k, v in t.items()) + ".")
+        lines.append("Targets: " + ", ".join(f"{k} {_fmt(v)}" for k, v in t.items()) + ".")
         lines.append("")
     lines += ["<details><summary>raw JSON</summary>", "", "```json", json.dumps(r, indent=1), "```", "",
               "</details>", ""]

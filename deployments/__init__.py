@@ -1,4 +1,4 @@
-"""Ray Serve deployment of blockserve (CONTRACT.md §5, §6).
+"""Ray Serve deployment of blockserve (HTTP API in docs/api.md, Ray usage in docs/deploy.md).
 
 - `schemas`: HTTP/handle request models, conversion to GenerationConfig, response builders.
 - `engine_server`: the EngineServer deployment (one per data-parallel replica) owning an AsyncEngine.

@@ -26,6 +26,7 @@ from engine.checkpoint import ModelSpec, load_model_spec, load_tokenizer
 from engine.decoding import AutoregressiveDecoding, BlockDiffusionDecoding, DecodingStrategy, PickedRows
 from engine.decoding.unmasking import UnmaskingSettings
 from engine.kv_cache import KVBlockManager
+from engine.model_source import resolve_model_path
 from engine.output import OutputBuilder
 from engine.requests import RequestError, validate_request
 from engine.runner import ForwardBatch, ForwardOutput, ModelRunner
@@ -121,7 +122,9 @@ def resolve_mask_token_id(spec: ModelSpec, tokenizer, config: EngineConfig) -> i
 
 class LLMEngine:
     def __init__(self, model_path: str, config: EngineConfig | None = None, executor_factory=None):
+        """`model_path`: a checkpoint directory, or a Hugging Face model id (local cache first)."""
         config = config or EngineConfig()
+        model_path = resolve_model_path(model_path)
         self.spec = spec = load_model_spec(model_path)
         self.tokenizer = load_tokenizer(model_path)
         self.config = config = config.model_copy(update={"max_model_len": resolve_max_model_len(config, spec)})

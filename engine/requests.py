@@ -36,7 +36,7 @@ def _tokenize(engine: LLMEngine, prompt: str | list[int]) -> list[int]:
 
 
 def _check_scoring(engine: LLMEngine, prompt: str | list[int], ids: list[int], p: GenerationConfig) -> None:
-    """CONTRACT.md §4: max_new_tokens=0 is a scoring request; logprob_start_len >= 0 asks for rows."""
+    """max_new_tokens=0 is a scoring request; logprob_start_len >= 0 asks for rows."""
     scoring = p.max_new_tokens == 0
     if not scoring and p.logprob_start_len < 0:
         return

@@ -13,7 +13,7 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 QUIET = {"log_level": "WARNING", "enable_access_log": False}
 
-# Small engines for tiny checkpoints (CONTRACT.md §2 names).
+# Small engines for tiny checkpoints (EngineConfig field names).
 SERVE_ENGINE = {"max_model_len": 512, "num_kv_blocks": 192, "kv_block_size": 4, "max_batch_size": 32,
                 "dllm_block_length": 4}
 

@@ -1,4 +1,4 @@
-"""The carrier (CONTRACT.md §2): OutputChunk / Response are plain picklable data; streamed deltas
+"""The carrier: OutputChunk / Response are plain picklable data; streamed deltas
 concatenate exactly to the unary Response; None (not requested) and [] (requested, empty) never mix."""
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ CASES = {
 @pytest.mark.parametrize("model", ["ar", "dllm"])
 def test_stream_concatenates_to_unary(ar_pipe, dllm_pipe, model, case):
     if model == "dllm" and case in ("input_rows", "scoring"):
-        pytest.skip("input-token logprobs are AR only (CONTRACT.md §4)")
+        pytest.skip("input-token logprobs are AR only")
     pipe = ar_pipe if model == "ar" else dllm_pipe
     gen = GenerationConfig(**CASES[case])
     ids = prompt(11, 2)

@@ -1,5 +1,5 @@
 """Paged KV block manager (free list, page tables, prefix caching by hash chain, refcounts, LRU
-eviction, DLLM key extension) and its effect at engine level (ISSUE 2)."""
+eviction, DLLM key extension) and its effect at engine level."""
 
 from __future__ import annotations
 

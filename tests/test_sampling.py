@@ -1,6 +1,5 @@
 """Sampler: seeded sampling reproducible across runs and batch compositions (AR and DLLM), top-k=1
-equals greedy, repetition penalty against HF, stop ids / stop words / min_new_tokens / ignore_eos
-(CONTRACT.md §2, §3; ISSUE 2)."""
+equals greedy, repetition penalty against HF, stop ids / stop words / min_new_tokens / ignore_eos."""
 
 from __future__ import annotations
 
@@ -113,7 +112,7 @@ def test_seeded_sampling_survives_preemption(ar_spread):
 @pytest.mark.parametrize("model", ["ar", "dllm"])
 def test_top_k_1_equals_greedy(ar_sharp, dllm, model):
     """top_k=1 picks the argmax. For DLLM the candidates are the same, but the confidence of a sampled
-    candidate is its probability under the filtered distribution (CONTRACT.md §3), 1.0 here: so the
+    candidate is its probability under the filtered distribution, 1.0 here: so the
     comparison uses `sequential`, whose choice of positions ignores confidence."""
     path = ar_sharp if model == "ar" else dllm
     target = prompt(10, 300)
@@ -129,7 +128,7 @@ def test_top_k_1_equals_greedy(ar_sharp, dllm, model):
 
 def test_dllm_sampled_confidence_is_filtered_probability(dllm):
     """top_k=1: every candidate has confidence 1.0 >= threshold, so low_confidence_dynamic reveals each
-    whole block in one step (CONTRACT.md §3)."""
+    whole block in one step."""
     target = prompt(8, 301)  # block-aligned prompt: every block has 4 masked positions
     with pipeline(dllm, EngineConfig(dllm_block_length=4)) as pipe:
         r = pipe(target, GenerationConfig(max_new_tokens=12, ignore_eos=True, do_sample=True, top_k=1))
@@ -331,7 +330,7 @@ def test_min_new_tokens_matches_hf(eos_ckpt, reference):
 
 
 def test_dllm_stop_token_ids(dllm):
-    """DLLM: cut at the first stop id, kept in token_ids, step_map aligned (CONTRACT.md §3)."""
+    """DLLM: cut at the first stop id, kept in token_ids, step_map aligned."""
     target = prompt(7, 600)
     with pipeline(dllm, EngineConfig(dllm_block_length=4)) as pipe:
         ref = pipe(target, GenerationConfig(max_new_tokens=12, ignore_eos=True))

@@ -1,5 +1,5 @@
 """Scheduler: continuous batching, chunked prefill, preemption by recompute under a tiny page
-budget (outputs identical to an unconstrained run), requests that can never fit (ISSUE 2)."""
+budget (outputs identical to an unconstrained run), requests that can never fit."""
 
 from __future__ import annotations
 
@@ -168,7 +168,7 @@ def test_chunked_prefill_respects_budget(ar_ckpt):
 
 @pytest.mark.parametrize("model", ["ar", "dllm"])
 def test_prefill_budget_does_not_cap_running_sequences(ar_ckpt, dllm_ckpt, model):
-    """`max_prefill_token_num` bounds the prompt tokens fed per step (CONTRACT.md §2: chunked-prefill
+    """`max_prefill_token_num` bounds the prompt tokens fed per step (chunked-prefill
     budget); once prefilled, every running sequence (AR decode row / DLLM block) joins each forward."""
     path = ar_ckpt if model == "ar" else dllm_ckpt
     budget = 2 if model == "ar" else 4  # DLLM: one block of 4 is the smallest chunk

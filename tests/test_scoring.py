@@ -1,4 +1,4 @@
-"""Scoring: input-token logprobs from logprob_start_len (CONTRACT.md §4; ISSUE 4), against Hugging
+"""Scoring: input-token logprobs from logprob_start_len, against Hugging
 Face transformers' forward + log_softmax in float32."""
 
 from __future__ import annotations

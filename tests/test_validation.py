@@ -1,4 +1,4 @@
-"""Every validation error path raises ValueError naming the field (CONTRACT.md §2; ISSUE 2)."""
+"""Every validation error path raises ValueError naming the field."""
 
 from __future__ import annotations
 

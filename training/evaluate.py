@@ -2,7 +2,7 @@
 
     python -m training.evaluate [--out models/] [--write-docs]
 
-SDAR is decoded with a plain block-diffusion loop written from CONTRACT.md §3: greedy,
+SDAR is decoded with a plain block-diffusion loop written from the decoding rules (docs/decoding.md): greedy,
 `low_confidence_dynamic`, threshold 0.85, steps = B, every step a full recompute of the whole
 sequence under the block-causal mask (no KV cache). Qwen3 is decoded greedily token by token.
 Reported: exact match on the 50 held-out addition prompts (never seen in training), accuracy on
@@ -89,7 +89,7 @@ class Generation:
 
 @torch.no_grad()
 def sdar_generate(m: Loaded, prompt: str, max_new_tokens: int = 32) -> Generation:
-    """CONTRACT.md §3, greedy low_confidence_dynamic, S = B, full recompute per step."""
+    """Block diffusion as docs/decoding.md defines it: greedy low_confidence_dynamic, S = B, full recompute per step."""
     block, steps_per_block, mask_id = m.block, m.block, m.mask_id
     seq = m.tok(prompt, add_special_tokens=False).input_ids
     n_prompt = len(seq)
@@ -349,8 +349,8 @@ def render(out: Path, results: dict) -> str:
         "## Held-out evaluation",
         "",
         "SDAR decoding: greedy, `low_confidence_dynamic`, threshold 0.85, S = B = 4 steps per block,",
-        "written from CONTRACT.md §3 in `training/evaluate.py` (full recompute under the block-causal",
-        "mask, no KV cache; finishes once the stop token and everything before it are unmasked).",
+        "written from the decoding rules of docs/decoding.md in `training/evaluate.py` (full recompute under the",
+        "block-causal mask, no KV cache; finishes once the stop token and everything before it are unmasked).",
         "Tokens per step = generated tokens (stop token included) / steps that unmasked something.",
         "Qwen3: greedy AR. An answer counts only if it is exact and ends with `<|endoftext|>`.",
         "",

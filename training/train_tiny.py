@@ -6,7 +6,7 @@
 * `models/qwen3-tiny/` -- Qwen3 autoregressive model, next-token objective.
 
 Both are plain `transformers.Qwen3ForCausalLM` networks during training (SDAR uses Qwen3 layers and
-Qwen3 tensor names); only config.json tells them apart on disk (CONTRACT.md §1).
+Qwen3 tensor names); only config.json tells them apart on disk.
 
 Corpus: short checkable tasks (multi-digit addition, counting, copying and reversing lists) plus
 templated English sentences, each example `prompt + answer + <|endoftext|>`. Every example starts
