@@ -161,7 +161,7 @@ class LLMEngine:
             raise RequestError(f"n={params.n}: the engine runs one sample per request; expand the request with "
                                "GenerationConfig.samples() (the offline pipeline and the servers do)", "n")
         prompt_ids = validate_request(self, prompt, params)
-        unmasking = self._unmasking_settings(params) if self.is_dllm else None
+        unmasking = self.unmasking_settings(params) if self.is_dllm else None
         stop_ids = set(params.stop_token_ids or [])
         if not params.ignore_eos:
             stop_ids |= self.spec.eos_token_ids
@@ -181,7 +181,7 @@ class LLMEngine:
         self.stats.prompt_tokens += len(prompt_ids)
         return request_id
 
-    def _unmasking_settings(self, p: GenerationConfig) -> UnmaskingSettings:
+    def unmasking_settings(self, p: GenerationConfig) -> UnmaskingSettings:
         """The request's block-diffusion knobs over the engine's defaults."""
         cfg = self.config
         if p.dllm_block_length is not None and p.dllm_block_length != self.block_length:

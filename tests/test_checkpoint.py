@@ -146,7 +146,7 @@ def test_sdar_constants(copy, sdar):
         assert pipe.engine.mask_id == pipe.tokenizer.convert_tokens_to_ids("<|MASK|>")
     with pipeline(str(sdar), EngineConfig(dllm_block_length=4)) as pipe:
         assert pipe.engine.block_length == 4  # EngineConfig wins
-        assert pipe.engine.denoising_steps == 4  # default: B
+        assert pipe.engine.unmasking_settings(GenerationConfig()).denoising_steps == 4  # default: B
     path = copy(sdar)
     edit_json(path / "config.json", block_size=None, mask_token_id=None)
     with pipeline(str(path)) as pipe:
