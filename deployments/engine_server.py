@@ -48,7 +48,7 @@ def _replica_id() -> str:
 class EngineServer:
     def __init__(self, model: str, engine: dict[str, Any] | None = None, tp_timeout_s: float = 60.0,
                  stall_timeout_s: float = 60.0, tp_worker_options: dict[str, Any] | None = None,
-                 debug_hooks: bool = False):
+                 debug_hooks: bool = False, hold_timeout_s: float | None = None):
         config = EngineConfig(**(engine or {}))
         factory = None
         if config.tp > 1:
@@ -56,7 +56,8 @@ class EngineServer:
 
             factory = functools.partial(RayTPExecutor, timeout_s=tp_timeout_s,
                                         worker_options=tp_worker_options or None)
-        self.engine = AsyncEngine(model, config, factory, stall_timeout_s=stall_timeout_s)
+        self.engine = AsyncEngine(model, config, factory, stall_timeout_s=stall_timeout_s,
+                                  hold_timeout_s=hold_timeout_s)
         self.replica = _replica_id()
         self.debug_hooks = debug_hooks
         self.metrics = RequestMetrics()

@@ -26,6 +26,7 @@ import logging
 import queue
 import threading
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -36,8 +37,12 @@ from engine.runner import MEMORY_TAGS
 from engine.weight_sync import (
     WEIGHT_OP_TIMEOUT_S,
     DiskWeights,
+    WeightSource,
     WeightUpdateError,
     broadcast_source,
+    commit_update,
+    discard_update,
+    stage_update,
     tensor_source,
     update_weights,
 )
@@ -75,6 +80,7 @@ class AsyncEngine:
         self._released: set[str] = set()  # memory tags released
         self._held: dict[str, float] = {}  # requests that arrived while not serving -> arrival time
         self._control_since: float | None = None  # when the control operation in progress started
+        self._staged: str | None = None  # the token of the weights staged by stage_weights, not yet committed
         self._thread = threading.Thread(target=self._loop, name="blockserve-engine", daemon=True)
         self._thread.start()
 
@@ -266,11 +272,57 @@ class AsyncEngine:
 
         return await asyncio.wrap_future(self._call(run))
 
-    def _updated(self, source, weight_version: str | None) -> dict[str, Any]:
+    def _check_weights_live(self) -> None:
         if "weights" in self._released:
             raise WeightUpdateError("the weights are released: resume_memory_occupation(['weights']) first")
+
+    def _drop_staged(self) -> None:
+        if self._staged is not None:
+            self._staged = None
+            discard_update(self.engine)
+
+    def _updated(self, source: WeightSource, weight_version: str | None) -> dict[str, Any]:
+        self._check_weights_live()
+        self._drop_staged()
         version = update_weights(self.engine, source, weight_version)
         return {"message": f"weights updated to version {version!r}", "weight_version": version}
+
+    # Two-phase across engines (the replicas of a deployment): stage everywhere, then commit
+    # everywhere or discard everywhere. Generation goes on while weights are staged.
+    async def stage_weights(self, source: WeightSource) -> str:
+        """Check and stage `source` on every rank without serving it; returns the token that
+        `commit_weights` / `discard_weights` take. Raises WeightUpdateError (nothing staged) when
+        refused. Staging again drops what an earlier stage left uncommitted."""
+        def stage() -> dict[str, Any]:
+            self._check_weights_live()
+            self._drop_staged()
+            stage_update(self.engine, source)
+            self._staged = uuid.uuid4().hex
+            return {"token": self._staged}
+
+        return (await self._control(stage))["token"]
+
+    async def commit_weights(self, token: str, weight_version: str | None = None) -> dict[str, Any]:
+        """Serve the weights staged under `token` from the next step on (the prefix cache is flushed)."""
+        def commit() -> dict[str, Any]:
+            if token != self._staged:
+                raise WeightUpdateError(f"no weights staged under token {token!r} (staged: {self._staged!r})")
+            self._check_weights_live()
+            self._staged = None
+            version = commit_update(self.engine, weight_version)
+            return {"message": f"weights updated to version {version!r}", "weight_version": version}
+
+        return await self._control(commit)
+
+    async def discard_weights(self, token: str) -> dict[str, Any]:
+        """Drop the weights staged under `token` (a no-op when they are already gone)."""
+        def discard() -> dict[str, Any]:
+            dropped = token == self._staged
+            if dropped:
+                self._drop_staged()
+            return {"message": "staged weights discarded" if dropped else "nothing staged under this token"}
+
+        return await self._control(discard)
 
     async def update_weights_from_disk(self, model_path: str, weight_version: str | None = None) -> dict[str, Any]:
         """Load every tensor of a checkpoint directory of the same architecture. Raises

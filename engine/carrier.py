@@ -54,6 +54,7 @@ class _CarrierFields:
     dllm_replay_token_ids: list[int] | None = None
     dllm_replay_step_maps: list[int] | None = None
     dllm_stop_length: int | None = None
+    queue_time_s: float | None = None  # first chunk only: seconds from add_request to first admission
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -86,7 +87,7 @@ class Response(_CarrierFields):
         self.step_trace = _extend(self.step_trace, chunk.step_trace)
         self.block_step_map = _extend(self.block_step_map, chunk.block_step_map)
         for name in ("finish_reason", "matched", "error", "num_steps", "weight_version", "dllm_replay_token_ids",
-                     "dllm_replay_step_maps", "dllm_stop_length"):
+                     "dllm_replay_step_maps", "dllm_stop_length", "queue_time_s"):
             value = getattr(chunk, name)
             if value is not None:
                 setattr(self, name, value)

@@ -71,6 +71,7 @@ class OutputBuilder:
             generate_token_len=end,
             num_steps=seq.step_counter if self.is_dllm else None,
             weight_version=weight_version,
+            queue_time_s=seq.admitted_at - seq.added_at if self.first and seq.admitted_at is not None else None,
         )
         if finished and self.want_replay:
             self._add_replay(chunk, end)

@@ -12,6 +12,7 @@ tokens, which reproduces exactly the state it had.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -110,6 +111,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
+            if seq.admitted_at is None:
+                seq.admitted_at = time.monotonic()
             self.running.append(seq)
             out.append(item)
             budget -= item.end - item.start

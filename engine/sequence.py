@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -63,6 +64,8 @@ class Sequence:
     finish_reason: str | None = None
     num_output: int | None = None  # generated tokens to output, fixed once the request finishes
     matched: int | str | None = None  # the stop id or stop string that ended it
+    added_at: float = field(default_factory=time.monotonic)  # when add_request created it
+    admitted_at: float | None = None  # when the scheduler first moved it from waiting to running
 
     @property
     def prompt_len(self) -> int:

@@ -7,7 +7,9 @@ every engine rank joined (`BroadcastWeights`). Each rank reads only its own slic
 with the model's own loading code (`_destination` / `_full_shape` / `_read_shard` of
 `Qwen3ForCausalLM`), so a slice is exactly what a fresh load from the same tensors would hold.
 
-`update_weights` runs the phases on every rank through the executor:
+`update_weights` runs the phases on every rank through the executor (`stage_update`, then
+`commit_update` or `discard_update`; a caller updating several engines at once -- the data-parallel
+replicas of a deployment -- runs phase one everywhere before phase two anywhere):
 
 1. *stage*: each rank checks every tensor (a name of this model, the full shape the model's config
    implies, a floating dtype, finite values in its own slice) and copies its slice, in the serving
@@ -263,10 +265,9 @@ def init_custom_process_group(backend: str, init_method: str, world_size: int, r
 
 
 # ---- the whole engine ------------------------------------------------------------------------------
-def update_weights(engine: LLMEngine, source: WeightSource, weight_version: str | None = None) -> str:
-    """Stage on every rank, then commit on every rank or discard on every rank; flush the prefix
-    cache and name the new weights. Returns the new `weight_version`: the given one, else the number
-    of updates applied so far ("1", "2", ...). Raises WeightUpdateError when refused (nothing changed)."""
+def stage_update(engine: LLMEngine, source: WeightSource) -> None:
+    """Phase one: every rank stages its slices of `source`. Raises WeightUpdateError when any rank
+    refuses; every rank has then discarded what it staged (nothing changed)."""
     if isinstance(source, DiskWeights):
         check_same_architecture(engine.spec, load_model_spec(source.path))
     executor = engine.executor
@@ -275,15 +276,33 @@ def update_weights(engine: LLMEngine, source: WeightSource, weight_version: str 
     except Exception as e:
         if getattr(e, "fatal", False):
             raise
-        executor.run_on_ranks("discard_weights")
+        discard_update(engine)
         if isinstance(e, WeightUpdateError):
             raise
         raise WeightUpdateError(f"weight update failed while staging ({type(e).__name__}: {e})") from e
-    executor.run_on_ranks("commit_weights")
+
+
+def commit_update(engine: LLMEngine, weight_version: str | None = None) -> str:
+    """Phase two: every rank swaps its staged slices in; the prefix cache is flushed and the new
+    weights named. Returns the new `weight_version`: the given one, else the number of updates
+    applied so far ("1", "2", ...)."""
+    engine.executor.run_on_ranks("commit_weights")
     engine.flush_cache()
     engine.stats.weight_updates += 1
     engine.weight_version = str(engine.stats.weight_updates) if weight_version is None else str(weight_version)
     return engine.weight_version
+
+
+def discard_update(engine: LLMEngine) -> None:
+    """Phase two of a refused update: every rank drops what it staged."""
+    engine.executor.run_on_ranks("discard_weights")
+
+
+def update_weights(engine: LLMEngine, source: WeightSource, weight_version: str | None = None) -> str:
+    """Stage on every rank, then commit on every rank (or, refused, discard on every rank and raise
+    WeightUpdateError: nothing changed). Returns the new `weight_version`."""
+    stage_update(engine, source)
+    return commit_update(engine, weight_version)
 
 
 def tensor_source(named_tensors: Any, load_format: str | None) -> TensorWeights:
