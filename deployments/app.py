@@ -64,6 +64,7 @@ class AppArgs(BaseModel):
     health_check_period_s: float = Field(5.0, gt=0.0)
     health_check_timeout_s: float = Field(30.0, gt=0.0)
     debug_hooks: bool = False
+    hold_timeout_s: float | None = Field(None, gt=0.0)  # paused/released: a request waits this long, then 503
     ingress: IngressArgs = Field(default_factory=IngressArgs)
 
 
@@ -118,7 +119,8 @@ def build_app(args: dict[str, Any]) -> Application:
     options = engine_server_options(parsed, config)
     server = EngineServer.options(**options).bind(
         model, config.model_dump(), tp_timeout_s=parsed.tp_timeout_s, stall_timeout_s=parsed.stall_timeout_s,
-        tp_worker_options=tp_worker_options(options), debug_hooks=parsed.debug_hooks)
+        tp_worker_options=tp_worker_options(options), debug_hooks=parsed.debug_hooks,
+        hold_timeout_s=parsed.hold_timeout_s)
     ing = parsed.ingress
     # Serve must hand the ingress every request, so that admission control (not Serve's queue) decides.
     ongoing = max(ing.max_ongoing_requests, (ing.max_concurrent_requests or 0) + 64)
