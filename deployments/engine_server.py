@@ -8,10 +8,17 @@ disconnects) aborts the request in the engine, which frees its KV pages. An unex
 ends only its own request (an `internal_error` item before the first delta, a `finish_reason="error"`
 delta after it), never the other requests of a batch.
 
-Test hook (`debug_hooks=True` in the app args, off by default): `debug_stall(seconds)` makes the
-engine loop sleep, as a hung forward would, so fault drills can watch the health check catch it.
-It is a method of this deployment, reachable only through a Ray handle from inside the cluster:
-the HTTP ingress has no route to it.
+RL control: the ingress broadcasts every control call to every replica. A weight update runs in two
+phases across replicas (`stage_weights` everywhere, then `commit_weights` everywhere or
+`discard_weights` everywhere), so a refusal on any replica leaves all of them on the old weights.
+`init_weights_update_group` joins this replica's TP ranks at `rank_offset + rank * tp + tp_rank`,
+`rank` being Serve's replica rank (0..replicas-1).
+
+Test hooks (`debug_hooks=True` in the app args, off by default): `debug_stall(seconds)` makes the
+engine loop sleep, as a hung forward would, so fault drills can watch the health check catch it;
+`debug_fail_next_stage(message)` makes this replica refuse the next weight staging. They are
+methods of this deployment, reachable only through a Ray handle from inside the cluster:
+the HTTP ingress has no route to them.
 """
 
 from __future__ import annotations
@@ -29,9 +36,10 @@ from ray import serve
 from configs import EngineConfig
 from deployments.metrics import RequestMetrics
 from deployments.schemas import ApiError, EngineRequest, request_error, validation_error
-from engine.async_engine import AsyncEngine, EngineDeadError
+from engine.async_engine import AsyncEngine, EngineDeadError, EngineHeldError
 from engine.carrier import OutputChunk, Response
 from engine.requests import RequestError
+from engine.weight_sync import DiskWeights, WeightSource, broadcast_source, tensor_source
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +49,39 @@ def _replica_id() -> str:
         return serve.get_replica_context().replica_id.unique_id
     except Exception:  # noqa: BLE001 - not running under Serve (direct construction in tests)
         return "local"
+
+
+def _replica_rank() -> int:
+    """This replica's index among the deployment's replicas (Serve keeps ranks 0..n-1; 0 outside Serve)."""
+    try:
+        rank = serve.get_replica_context().rank
+    except Exception:  # noqa: BLE001 - not running under Serve
+        return 0
+    return int(getattr(rank, "rank", rank))
+
+
+# The RL control methods a replica runs as they are (every replica gets each call: the ingress broadcasts).
+CONTROL_METHODS = ("destroy_weights_update_group", "flush_cache", "pause_generation", "continue_generation",
+                   "release_memory_occupation", "resume_memory_occupation")
+
+
+def weight_source(kind: str, payload: dict[str, Any]) -> WeightSource:
+    """The engine's weight source for an update by `kind` ("disk", "tensor" or "distributed") from
+    the fields of its SGLang payload."""
+    if kind == "disk":
+        return DiskWeights(str(payload["model_path"]))
+    if kind == "tensor":
+        return tensor_source(payload["named_tensors"], payload.get("load_format"))
+    if kind == "distributed":
+        return broadcast_source(payload["names"], payload["dtypes"], payload["shapes"], payload["group_name"])
+    raise ValueError(f"unknown weight source {kind!r}")
+
+
+def _refusal(e: Exception) -> dict[str, Any]:
+    """A control operation's failure as its answer (plain data). `refused`: the input was refused
+    (a ValueError, WeightUpdateError included), rather than the replica failing."""
+    refused = isinstance(e, ValueError)
+    return {"success": False, "message": str(e) if refused else f"{type(e).__name__}: {e}", "refused": refused}
 
 
 @serve.deployment(max_ongoing_requests=512, health_check_period_s=5.0, health_check_timeout_s=30.0,
@@ -61,6 +102,9 @@ class EngineServer:
         self.replica = _replica_id()
         self.debug_hooks = debug_hooks
         self.metrics = RequestMetrics()
+        self.rank = _replica_rank()
+        self._staged: dict[str, str] = {}  # update id (the ingress's) -> the engine's staging token
+        self._fail_next_stage: str | None = None  # debug hook: refuse the next stage with this message
         log.info("EngineServer %s ready: %s (%s), tp=%d", self.replica, model, self.engine.spec.model_type,
                  config.tp)
 
@@ -80,7 +124,7 @@ class EngineServer:
         try:
             async for chunk in stream:
                 started = True
-                timer.chunk(chunk.token_ids, chunk.step_map, chunk.finished)
+                timer.chunk(chunk.token_ids, chunk.step_map, chunk.finished, chunk.queue_time_s)
                 acc.add(chunk)
                 yield chunk, acc
         except RequestError as e:  # raised before the first chunk
@@ -89,6 +133,8 @@ class EngineServer:
             yield validation_error(e, req.rename).to_item()
         except EngineDeadError as e:
             yield ApiError(str(e), None, 503, "engine_unavailable").to_item()
+        except EngineHeldError as e:
+            yield ApiError(str(e), None, 503, "engine_held", retry_after_s=e.retry_after_s).to_item()
         except Exception as e:  # noqa: BLE001 - a bug: fail this request only, never its batch mates
             log.exception("request %s failed", req.request_id)
             message = f"internal error: {type(e).__name__}: {e}"
@@ -126,12 +172,66 @@ class EngineServer:
         """Run a batch of unary requests concurrently (they share engine steps)."""
         return list(await asyncio.gather(*(self.generate(r) for r in requests)))
 
+    # ---- RL control (the ingress broadcasts each call to every replica) -----------------------
+    def _answer(self, result: dict[str, Any]) -> dict[str, Any]:
+        return result | {"replica": self.replica, "rank": self.rank}
+
+    async def control(self, method: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """Run one of CONTROL_METHODS on this replica's engine: its answer, or `success: False`."""
+        if method not in CONTROL_METHODS:
+            raise ValueError(f"{method!r} is not a control method")
+        try:
+            return self._answer(await getattr(self.engine, method)(**kwargs))
+        except Exception as e:  # noqa: BLE001 - every failure is reported to the ingress, which answers it
+            return self._answer(_refusal(e))
+
+    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                        world_size: int, group_name: str, backend: str) -> dict[str, Any]:
+        """Join the trainer's group: this replica's TP ranks are `rank_offset + rank * tp + tp_rank`."""
+        first = rank_offset + self.rank * self.engine.config.tp
+        try:
+            answer = await self.engine.init_weights_update_group(master_address, master_port, first, world_size,
+                                                                 group_name, backend)
+        except Exception as e:  # noqa: BLE001 - reported to the ingress
+            answer = _refusal(e)
+        return self._answer(answer | {"ranks": list(range(first, first + self.engine.config.tp))})
+
+    async def stage_weights(self, update_id: str, kind: str, payload: dict[str, Any]) -> dict[str, Any]:
+        """Phase one of an update across replicas: stage the new weights on every TP rank without
+        serving them. `success: False` names what was refused (nothing is staged then)."""
+        try:
+            if self._fail_next_stage is not None:
+                message, self._fail_next_stage = self._fail_next_stage, None
+                if kind == "distributed":  # the trainer's broadcast must still complete
+                    await self.engine.discard_weights(await self.engine.stage_weights(weight_source(kind, payload)))
+                raise RuntimeError(message)
+            self._staged[update_id] = await self.engine.stage_weights(weight_source(kind, payload))
+            return self._answer({"success": True, "message": "weights staged"})
+        except Exception as e:  # noqa: BLE001 - reported to the ingress, which discards everywhere
+            return self._answer(_refusal(e))
+
+    async def commit_weights(self, update_id: str, weight_version: str | None) -> dict[str, Any]:
+        token = self._staged.pop(update_id, None)
+        if token is None:
+            return self._answer({"success": False, "message": f"no weights staged for update {update_id!r}"})
+        try:
+            return self._answer(await self.engine.commit_weights(token, weight_version))
+        except Exception as e:  # noqa: BLE001 - reported to the ingress
+            return self._answer(_refusal(e))
+
+    async def discard_weights(self, update_id: str) -> dict[str, Any]:
+        token = self._staged.pop(update_id, None)
+        if token is None:
+            return self._answer({"success": True, "message": "nothing staged"})
+        return self._answer(await self.engine.discard_weights(token))
+
     # ---- observability ---------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         cfg = self.engine.config
         executor = self.engine.engine.executor
         info = executor.describe() if hasattr(executor, "describe") else {"executor": "local"}
-        return self.engine.stats() | info | {"replica": self.replica, "model_type": self.engine.spec.model_type,
+        return self.engine.stats() | info | {"replica": self.replica, "rank": self.rank,
+                                             "model_type": self.engine.spec.model_type,
                                              "tp": cfg.tp, "max_model_len": cfg.max_model_len}
 
     def metric_families(self) -> dict[str, Any]:
@@ -150,6 +250,13 @@ class EngineServer:
             raise PermissionError("debug hooks are off: deploy with debug_hooks=True to use debug_stall")
         log.warning("debug_stall: the engine loop sleeps %.1fs", seconds)
         self._stall = asyncio.ensure_future(self.engine.run(lambda _: time.sleep(seconds)))
+        return True
+
+    def debug_fail_next_stage(self, message: str) -> bool:
+        """Make this replica refuse the next weight staging with `message` (a replica failing mid-update)."""
+        if not self.debug_hooks:
+            raise PermissionError("debug hooks are off: deploy with debug_hooks=True to use debug_fail_next_stage")
+        self._fail_next_stage = message
         return True
 
     def __del__(self):

@@ -16,7 +16,9 @@ import functools
 import hmac
 import json
 import logging
+import math
 import time
+import uuid
 import weakref
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
@@ -26,16 +28,19 @@ from fastapi.openapi.utils import get_openapi
 from prometheus_client import CONTENT_TYPE_LATEST
 from ray import serve
 from ray.exceptions import TaskCancelledError
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from deployments.metrics import IngressMetrics
 from deployments.schemas import (
+    CONTROL_REQUESTS,
     ApiError,
     ChatCompletionRequest,
     ChoiceFormatter,
     CompletionRequest,
+    ControlError,
     EngineRequest,
     ErrorResponse,
     GenerateRequest,
@@ -52,6 +57,7 @@ from deployments.schemas import (
     request_components,
 )
 from engine.checkpoint import load_model_spec, load_tokenizer
+from engine.weight_sync import WEIGHT_OP_TIMEOUT_S
 
 log = logging.getLogger(__name__)
 
@@ -84,13 +90,19 @@ app.openapi = _openapi
 RETRY_AFTER_S = 1  # the Retry-After of 429 (ingress full) and 503 (engine replica failed / restarting)
 
 
+# A control broadcast may wait for the trainer (a weight broadcast, a group rendezvous) as long as the engine does.
+CONTROL_TIMEOUT_S = WEIGHT_OP_TIMEOUT_S + 60.0
+WEIGHT_SOURCES = {"update_weights_from_disk": "disk", "update_weights_from_tensor": "tensor",
+                  "update_weights_from_distributed": "distributed"}
+
+
 def _error_response(e: ApiError, retry_after_s: int = RETRY_AFTER_S,
                     headers: Mapping[str, str] | None = None) -> JSONResponse:
     headers = dict(headers or {})
     if e.status == 401:
         headers["WWW-Authenticate"] = "Bearer"
     elif e.status in (429, 503):
-        headers["Retry-After"] = str(retry_after_s)
+        headers["Retry-After"] = str(math.ceil(e.retry_after_s if e.retry_after_s is not None else retry_after_s))
     return JSONResponse(e.to_dict(), status_code=e.status, headers=headers)
 
 
@@ -140,6 +152,27 @@ async def _http_exception(request: Request, exc: StarletteHTTPException) -> JSON
     # exc.headers carries the Allow header of a 405
     return _error_response(ApiError(f"{request.method} {request.url.path}: {exc.detail}", None,
                                     exc.status_code, kind), headers=exc.headers)
+
+
+def _engine_call_error(e: Exception) -> ApiError:
+    """An exception from calling the engine deployment as the answer: Serve's queue for it is full
+    (429), or no replica can take the call (503: failed, restarting, not scheduled yet)."""
+    if isinstance(e, BackPressureError):
+        return ApiError(f"the engine replicas' queues are full; retry later ({e})", None, 429, "rate_limit_exceeded")
+    if isinstance(e, DeploymentUnavailableError):
+        return ApiError(f"no engine replica is available: {e}", None, 503, "engine_unavailable")
+    return ApiError(f"the engine replica failed: {type(e).__name__}: {e}", None, 503, "engine_unavailable")
+
+
+def _failed(answer: Any) -> dict[str, Any] | None:
+    """A replica's control answer if it failed (an exception from the broadcast counts), else None."""
+    if isinstance(answer, BaseException):
+        return {"success": False, "message": f"{type(answer).__name__}: {answer}", "rank": "?", "refused": False}
+    return None if answer.get("success") else answer
+
+
+def _refusal_message(what: str, failed: list[dict[str, Any]]) -> str:
+    return f"{what}: " + "; ".join(f"replica {a.get('rank', '?')}: {a['message']}" for a in failed)
 
 
 def _sse(obj: Any) -> str:
@@ -235,6 +268,7 @@ class Ingress:
         self.is_dllm = spec.is_dllm
         self._token_text = functools.lru_cache(maxsize=65536)(self._decode_token)
         self.created = int(time.time())
+        self._control_lock = asyncio.Lock()  # one RL control operation at a time (per ingress replica)
         self._batched_generate.set_max_batch_size(max_batch_size)
         self._batched_generate.set_batch_wait_timeout_s(batch_wait_timeout_s)
 
@@ -245,11 +279,10 @@ class Ingress:
         self.metrics.batched.inc(len(requests))
         try:
             return await self.engine.generate_batch.remote(requests)
-        except Exception as e:  # the replica died or is unreachable: every request in the batch fails
-            log.exception("generate_batch failed")
-            item = ApiError(f"the engine replica failed: {type(e).__name__}: {e}", None, 503,
-                            "engine_unavailable").to_item()
-            return [item] * len(requests)
+        except Exception as e:  # full, died or unreachable: every request in the batch fails
+            if not isinstance(e, BackPressureError):
+                log.exception("generate_batch failed")
+            return [_engine_call_error(e).to_item()] * len(requests)
 
     def _count(self, out: dict[str, Any]) -> None:
         if out.get("finish_reason") is not None:
@@ -280,8 +313,7 @@ class Ingress:
             gen.cancel()
             raise
         except Exception as e:
-            raise ApiError(f"the engine replica failed: {type(e).__name__}: {e}", None, 503,
-                           "engine_unavailable") from None
+            raise _engine_call_error(e) from None
         if is_error_item(first):
             raise ApiError.from_item(first)
 
@@ -480,7 +512,8 @@ class Ingress:
         async def models() -> Response:
             return JSONResponse({"object": "list", "data": [{
                 "id": self.served_model_name, "object": "model", "created": self.created, "owned_by": "blockserve",
-                "root": self.model_path, "max_model_len": self.max_model_len}]})
+                "root": self.model_path, "max_model_len": self.max_model_len,
+                "weight_version": (await self.get_weight_version())["weight_version"]}]})
 
         return await self._serve(request, "/v1/models", models, body=False)
 
@@ -509,12 +542,151 @@ class Ingress:
 
         return await self._serve(request, "/metrics", metrics, body=False)
 
-    async def _broadcast(self, method: str, return_exceptions: bool = False) -> list[Any]:
-        """Call `method` on every EngineServer replica (Serve >= 2.5x `broadcast`; else one replica)."""
-        if hasattr(self.engine, "broadcast"):
-            return await self.engine.broadcast(method).results_async(timeout_s=10.0,
-                                                                      return_exceptions=return_exceptions)
-        return [await getattr(self.engine, method).remote()]
+    async def _broadcast(self, method: str, *args: Any, timeout_s: float = 10.0,
+                         return_exceptions: bool = False) -> list[Any]:
+        """Call `method(*args)` on every running EngineServer replica (Serve's `broadcast`)."""
+        return await self.engine.broadcast(method, *args).results_async(timeout_s=timeout_s,
+                                                                         return_exceptions=return_exceptions)
+
+    # ---- RL control -----------------------------------------------------------------------------
+    async def _control(self, name: str, body: Any) -> dict[str, Any]:
+        """Run one RL control call (SGLang's name and payload) on every engine replica: its answer
+        `{"success": true, "message", ...}`, or ControlError. Calls run one at a time."""
+        try:
+            req = parse(CONTROL_REQUESTS[name], {} if body is None else body)
+            async with self._control_lock:
+                if name in WEIGHT_SOURCES:
+                    return await self._update_weights(WEIGHT_SOURCES[name], req)
+                if name == "init_weights_update_group":
+                    return await self._init_group(req)
+                return await self._broadcast_control(name, req.model_dump())
+        except ApiError as e:
+            raise ControlError(e.message, e.param, e.status, e.type, e.retry_after_s) from None
+
+    async def _broadcast_control(self, name: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+        answers = await self._broadcast("control", name, kwargs, timeout_s=CONTROL_TIMEOUT_S, return_exceptions=True)
+        if not answers:
+            raise ApiError("no engine replica is running", None, 503, "engine_unavailable")
+        failed = [a for a in map(_failed, answers) if a is not None]
+        if failed:
+            status = 400 if all(a.get("refused") for a in failed) else 500
+            raise ApiError(_refusal_message(f"{name} failed on {len(failed)} of {len(answers)} engine replicas",
+                                            failed), None, status, "control_failed")
+        out: dict[str, Any] = {"success": True, "message": f"{answers[0]['message']} ({len(answers)} replicas)",
+                               "num_replicas": len(answers)}
+        if name == "pause_generation":
+            out["requests"] = sum(a.get("requests", 0) for a in answers)
+        return out
+
+    async def _init_group(self, req) -> dict[str, Any]:
+        """Every replica joins the trainer's group; replica r's TP ranks at rank_offset + r * tp + tp_rank."""
+        stats = await self._broadcast("stats", timeout_s=CONTROL_TIMEOUT_S)
+        if not stats:
+            raise ApiError("no engine replica is running", None, 503, "engine_unavailable")
+        replicas, tp = len(stats), stats[0]["tp"]
+        if req.world_size != req.rank_offset + replicas * tp:
+            raise ApiError(f"world_size={req.world_size}: {replicas} engine replicas of tp={tp} join at ranks "
+                           f"{req.rank_offset}..{req.rank_offset + replicas * tp - 1}, so the group's world_size is "
+                           f"rank_offset + replicas * tp = {req.rank_offset + replicas * tp}", "world_size")
+        answers = await self._broadcast("init_weights_update_group", req.master_address, req.master_port,
+                                        req.rank_offset, req.world_size, req.group_name, req.backend,
+                                        timeout_s=CONTROL_TIMEOUT_S, return_exceptions=True)
+        failed = [a for a in map(_failed, answers) if a is not None]
+        if failed:
+            raise ApiError(_refusal_message("init_weights_update_group failed", failed), None,
+                           400 if all(a.get("refused") for a in failed) else 500, "control_failed")
+        ranks = sorted(r for a in answers for r in a["ranks"])
+        return {"success": True, "message": f"joined weight update group {req.group_name!r} at ranks {ranks}",
+                "ranks": ranks, "num_replicas": len(answers)}
+
+    async def _update_weights(self, kind: str, req) -> dict[str, Any]:
+        """All or nothing across replicas: stage on every replica; commit on every replica only if all
+        staged, else discard everywhere and answer 400 naming the refusal. A broadcast source is
+        received by every replica either way (the trainer's collective completes)."""
+        if kind == "tensor":
+            if req.serialized_named_tensors is not None or req.named_tensors is None:
+                raise ApiError("update_weights_from_tensor takes `named_tensors` ([[name, torch.Tensor], ...]) "
+                               "through the Serve handle: serve.get_app_handle(app).update_weights_from_tensor"
+                               ".remote({...}); serialized (pickled) tensors over HTTP are not accepted",
+                               "named_tensors")
+            payload = {"named_tensors": req.named_tensors, "load_format": req.load_format}
+        else:
+            payload = req.model_dump(exclude={"weight_version"})
+        update_id = uuid.uuid4().hex
+        staged = await self._broadcast("stage_weights", update_id, kind, payload, timeout_s=CONTROL_TIMEOUT_S,
+                                       return_exceptions=True)
+        if not staged:
+            raise ApiError("no engine replica is running", None, 503, "engine_unavailable")
+        refused = [a for a in map(_failed, staged) if a is not None]
+        if refused:
+            await self._broadcast("discard_weights", update_id, timeout_s=CONTROL_TIMEOUT_S, return_exceptions=True)
+            raise ApiError(_refusal_message(f"weight update refused ({len(refused)} of {len(staged)} engine "
+                                            "replicas); every replica keeps its weights", refused), None, 400,
+                           "weight_update_refused")
+        committed = await self._broadcast("commit_weights", update_id, req.weight_version,
+                                          timeout_s=CONTROL_TIMEOUT_S, return_exceptions=True)
+        failed = [a for a in map(_failed, committed) if a is not None]
+        if failed:  # past the point of no return: say exactly where the new weights are not
+            raise ApiError(_refusal_message(f"weight update committed on {len(committed) - len(failed)} of "
+                                            f"{len(committed)} engine replicas only", failed), None, 500,
+                           "internal_error")
+        versions = sorted({a["weight_version"] for a in committed})
+        version = versions[0] if len(versions) == 1 else versions
+        return {"success": True, "message": f"weights updated to version {version!r} on {len(committed)} replicas",
+                "weight_version": version, "num_replicas": len(committed)}
+
+    async def _control_route(self, request: Request, name: str, body: bool = True) -> Response:
+        async def handler(payload: Any = None) -> Response:
+            return JSONResponse(await self._control(name, payload))
+
+        return await self._serve(request, f"/{name}", handler, body=body)
+
+    @app.post("/update_weights_from_disk", responses=ERRORS, summary="RL: load a checkpoint on every replica")
+    async def http_update_weights_from_disk(self, request: Request):
+        return await self._control_route(request, "update_weights_from_disk")
+
+    @app.post("/update_weights_from_tensor", responses=ERRORS, summary="RL: handle only (tensors travel by Ray)")
+    async def http_update_weights_from_tensor(self, request: Request):
+        return await self._control_route(request, "update_weights_from_tensor")
+
+    @app.post("/init_weights_update_group", responses=ERRORS, summary="RL: join the trainer's broadcast group")
+    async def http_init_weights_update_group(self, request: Request):
+        return await self._control_route(request, "init_weights_update_group")
+
+    @app.post("/update_weights_from_distributed", responses=ERRORS, summary="RL: receive weights by broadcast")
+    async def http_update_weights_from_distributed(self, request: Request):
+        return await self._control_route(request, "update_weights_from_distributed")
+
+    @app.post("/destroy_weights_update_group", responses=ERRORS, summary="RL: leave the broadcast group")
+    async def http_destroy_weights_update_group(self, request: Request):
+        return await self._control_route(request, "destroy_weights_update_group")
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"], responses=ERRORS, summary="RL: drop the prefix cache")
+    async def http_flush_cache(self, request: Request):
+        return await self._control_route(request, "flush_cache", body=False)
+
+    @app.post("/pause_generation", responses=ERRORS, summary="RL: stop generating (abort | retract | in_place)")
+    async def http_pause_generation(self, request: Request):
+        return await self._control_route(request, "pause_generation")
+
+    @app.post("/continue_generation", responses=ERRORS, summary="RL: generate again after pause_generation")
+    async def http_continue_generation(self, request: Request):
+        return await self._control_route(request, "continue_generation", body=False)
+
+    @app.post("/release_memory_occupation", responses=ERRORS, summary="RL: free weights and/or KV cache")
+    async def http_release_memory_occupation(self, request: Request):
+        return await self._control_route(request, "release_memory_occupation")
+
+    @app.post("/resume_memory_occupation", responses=ERRORS, summary="RL: restore weights and/or KV cache")
+    async def http_resume_memory_occupation(self, request: Request):
+        return await self._control_route(request, "resume_memory_occupation")
+
+    @app.get("/get_weight_version", responses={401: ERRORS[401]}, summary="RL: the weights being served")
+    async def http_get_weight_version(self, request: Request):
+        async def version() -> Response:
+            return JSONResponse(await self.get_weight_version())
+
+        return await self._serve(request, "/get_weight_version", version, body=False)
 
     # ---- handle API (other Ray jobs) -------------------------------------------------------
     async def generate(self, body: dict[str, Any]) -> dict[str, Any] | list[dict[str, Any]]:
@@ -558,3 +730,48 @@ class Ingress:
     async def engine_stats(self) -> list[dict[str, Any]]:
         """Per-replica engine stats (kv_pages_free, running, generated_tokens, ...)."""
         return await self._broadcast("stats")
+
+    async def _control_handle(self, name: str, body: dict[str, Any] | None) -> dict[str, Any]:
+        self.metrics.request(f"handle:{name}", 0)
+        try:
+            return await self._control(name, body)
+        except ApiError as e:
+            return e.to_dict()
+
+    # RL control: the HTTP routes' payloads and answers (a refusal is `{"success": false, "message", "error"}`)
+    async def update_weights_from_disk(self, body: dict[str, Any]) -> dict[str, Any]:
+        return await self._control_handle("update_weights_from_disk", body)
+
+    async def update_weights_from_tensor(self, body: dict[str, Any]) -> dict[str, Any]:
+        """`{"named_tensors": [[name, torch.Tensor], ...], "weight_version"?, "load_format"?}`."""
+        return await self._control_handle("update_weights_from_tensor", body)
+
+    async def init_weights_update_group(self, body: dict[str, Any]) -> dict[str, Any]:
+        return await self._control_handle("init_weights_update_group", body)
+
+    async def update_weights_from_distributed(self, body: dict[str, Any]) -> dict[str, Any]:
+        return await self._control_handle("update_weights_from_distributed", body)
+
+    async def destroy_weights_update_group(self, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        return await self._control_handle("destroy_weights_update_group", body)
+
+    async def flush_cache(self, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        return await self._control_handle("flush_cache", body)
+
+    async def pause_generation(self, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        return await self._control_handle("pause_generation", body)
+
+    async def continue_generation(self, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        return await self._control_handle("continue_generation", body)
+
+    async def release_memory_occupation(self, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        return await self._control_handle("release_memory_occupation", body)
+
+    async def resume_memory_occupation(self, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        return await self._control_handle("resume_memory_occupation", body)
+
+    async def get_weight_version(self) -> dict[str, Any]:
+        """`{"weight_version"}` (a list when the replicas disagree, e.g. one restarted since an update)."""
+        stats = await self._broadcast("stats", return_exceptions=True)
+        versions = sorted({s["weight_version"] for s in stats if isinstance(s, dict)})
+        return {"weight_version": versions[0] if len(versions) == 1 else versions or None}

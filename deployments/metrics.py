@@ -1,9 +1,9 @@
 """Prometheus metrics (prometheus_client), in the names and kinds vLLM / SGLang dashboards chart.
 
 - `RequestMetrics` (one per EngineServer replica): per-request latency histograms observed where the
-  engine's chunks arrive -- time to first token, time per output token, end-to-end latency, and for
-  block diffusion the tokens revealed per denoising step. Its families travel to the ingress as
-  plain objects (`families()`), so one scrape of the ingress shows every replica.
+  engine's chunks arrive -- queue time (waiting for admission), time to first token, time per output
+  token, end-to-end latency, and for block diffusion the tokens revealed per denoising step. Its families
+  travel to the ingress as plain objects (`families()`), so one scrape of the ingress shows every replica.
 - `IngressMetrics` (one per ingress replica): request counters by route and status, tokens, @serve.batch
   calls, admission control; `render(stats, families)` adds the engine replicas' gauges (running and
   waiting requests, KV usage, prefix-cache hits) and histograms, each with a `replica` label.
@@ -36,8 +36,12 @@ class RequestTimer:
         self.tokens = 0
         self.last_step = 0
 
-    def chunk(self, token_ids: list[int], step_map: list[int] | None, finished: bool) -> None:
+    def chunk(self, token_ids: list[int], step_map: list[int] | None, finished: bool,
+              queue_time_s: float | None = None) -> None:
+        """One chunk of the request; `queue_time_s` comes with its first (the engine's wait for admission)."""
         now = time.monotonic()
+        if queue_time_s is not None:
+            self.metrics.queue_time.observe(queue_time_s)
         if token_ids and self.first_token is None:
             self.first_token = now
             self.metrics.ttft.observe(now - self.start)
@@ -69,6 +73,9 @@ class RequestMetrics:
                               "Per request: (finish - first token) / (output tokens - 1).", TOKEN_BUCKETS)
         self.e2e = histogram("blockserve_e2e_request_latency_seconds",
                              "Time from the engine receiving a request to its end.", LATENCY_BUCKETS)
+        self.queue_time = histogram("blockserve_request_queue_time_seconds",
+                                    "Time a request waited in the engine's queue before its first admission.",
+                                    LATENCY_BUCKETS)
         self.tokens_per_step = histogram(
             "blockserve_request_tokens_per_step",
             "Block diffusion, per request: output tokens / denoising steps that revealed them.",

@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.json_schema import models_json_schema
 
 from configs import GenerationConfig
+from configs.generation_config import UnmaskingStrategy
 
 MAX_STOP_STRINGS = 64  # stop strings per request (a longer list is a 400 naming `stop`)
 MAX_STOP_STRING_CHARS = 1024  # characters per stop string
@@ -44,9 +45,10 @@ class ApiError(Exception):
     """An error the API reports as `{"error": {"message", "type", "param"}}` with an HTTP status."""
 
     def __init__(self, message: str, param: str | None = None, status: int = 400,
-                 type: str = "invalid_request_error"):
+                 type: str = "invalid_request_error", retry_after_s: float | None = None):
         super().__init__(message)
         self.message, self.param, self.status, self.type = message, param, status, type
+        self.retry_after_s = retry_after_s  # a 429 / 503's own Retry-After (None: the server's default)
 
     def to_dict(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param}}
@@ -54,13 +56,20 @@ class ApiError(Exception):
     # Between EngineServer and ingress a refusal travels as an *error item*, a plain dict that no
     # result dict can be mistaken for (result dicts carry the carrier's own `error` field).
     def to_item(self) -> dict[str, Any]:
-        return {"rejected": self.to_dict()["error"], "status": self.status}
+        return {"rejected": self.to_dict()["error"], "status": self.status, "retry_after_s": self.retry_after_s}
 
     @classmethod
     def from_item(cls, item: Mapping[str, Any]) -> ApiError:
         e = item["rejected"]
         return cls(e.get("message", ""), e.get("param"), item.get("status", 400),
-                   e.get("type", "invalid_request_error"))
+                   e.get("type", "invalid_request_error"), item.get("retry_after_s"))
+
+
+class ControlError(ApiError):
+    """A refused RL control call: SGLang's `{"success": false, "message"}` beside the error object."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"success": False, "message": self.message, **super().to_dict()}
 
 
 def is_error_item(item: Mapping[str, Any]) -> bool:
@@ -156,6 +165,13 @@ class _SamplingFields(_Strict):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # block diffusion, per request (None: the engine's setting; dllm_block_length, if given, must equal
+    # the model's: 400 otherwise)
+    dllm_unmasking_strategy: UnmaskingStrategy | None = None
+    dllm_denoising_steps: int | None = Field(None, ge=1)
+    dllm_confidence_threshold: float | None = Field(None, ge=0.0, le=1.0)
+    dllm_entropy_threshold: float | None = Field(None, gt=0.0)
+    dllm_block_length: int | None = Field(None, ge=1, description="must equal the model's block length")
 
 
 class GenerateRequest(_SamplingFields):
@@ -207,8 +223,9 @@ class NativeGenerateRequest(_Strict):
     return_dllm_replay: bool = Field(False, description="block diffusion: the final block's replay in meta_info")
 
 
-def _output_fields(req: GenerateRequest | NativeGenerateRequest) -> dict[str, bool]:
-    return dict(return_step_trace=req.return_step_trace, return_block_step_map=req.return_block_step_map,
+def _output_fields(req: GenerateRequest | NativeGenerateRequest | _OpenAIFields) -> dict[str, bool]:
+    return dict(return_step_trace=getattr(req, "return_step_trace", False),
+                return_block_step_map=req.return_block_step_map,
                 return_dllm_replay=req.return_dllm_replay)
 
 
@@ -233,6 +250,8 @@ class _OpenAIFields(_SamplingFields):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     min_tokens: int = Field(0, ge=0)
+    return_block_step_map: bool = Field(False, description="block diffusion: `block_step_map` on each choice")
+    return_dllm_replay: bool = Field(False, description="block diffusion: the final block's replay on each choice")
 
 
 class CompletionRequest(_OpenAIFields):
@@ -313,6 +332,10 @@ HTTP_RENAME = {"max_new_tokens": "max_tokens", "random_seed": "seed", "stop_word
                "min_new_tokens": "min_tokens", "do_sample": "temperature"}
 
 
+DLLM_KNOBS = ("dllm_unmasking_strategy", "dllm_denoising_steps", "dllm_confidence_threshold",
+              "dllm_entropy_threshold", "dllm_block_length")
+
+
 def _sampling(req: _SamplingFields) -> dict[str, Any]:
     stop = [req.stop] if isinstance(req.stop, str) else req.stop
     sample = req.temperature >= SAMPLING_EPS
@@ -324,6 +347,7 @@ def _sampling(req: _SamplingFields) -> dict[str, Any]:
         stop_words=stop or None, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
         skip_special_tokens=req.skip_special_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output,
+        **{f: getattr(req, f) for f in DLLM_KNOBS},
     )
 
 
@@ -494,7 +518,7 @@ def completion_to_engine(req: CompletionRequest, served_model: str, tokenizer, i
             ids = list(tokenizer.encode(prompt, add_special_tokens=False)) if isinstance(prompt, str) else prompt
             text = prompt if isinstance(prompt, str) else tokenizer.decode(ids, clean_up_tokenization_spaces=False)
             echo, prompt = Echo(text, ids), ids if score_prompt else prompt
-        out.append((echo, _engine_requests(prompt, req, rename, "cmpl", n=req.n, **fields)))
+        out.append((echo, _engine_requests(prompt, req, rename, "cmpl", n=req.n, **fields, **_output_fields(req))))
     return out
 
 
@@ -520,7 +544,8 @@ def chat_to_engine(req: ChatCompletionRequest, served_model: str, tokenizer, max
         rename["max_new_tokens"] = "max_completion_tokens"
     max_tokens = req.max_completion_tokens or req.max_tokens or max(max_model_len - len(ids), 1)
     return _engine_requests(ids, req, rename, "chatcmpl", max_new_tokens=max_tokens, min_new_tokens=req.min_tokens,
-                            n=req.n, logprobs=(req.top_logprobs or 0) if req.logprobs else None)
+                            n=req.n, logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+                            **_output_fields(req))
 
 
 # ---- responses: /generate ----------------------------------------------------------------------
@@ -572,9 +597,20 @@ def generate_body(out: Mapping[str, Any], req: GenerationConfig) -> dict[str, An
             "step_map": None if out.get("step_map") is None else list(out["step_map"]),
             "step_trace": None if out.get("step_trace") is None else [dict(e) for e in out["step_trace"]],
             "weight_version": out.get("weight_version"),
+            **dllm_steps(out),
             **{k: out[k] for k in ON_REQUEST_META if out.get(k) is not None},
         },
     }
+
+
+def dllm_steps(out: Mapping[str, Any]) -> dict[str, Any]:
+    """Block diffusion: the request's denoising steps so far and its output tokens per step (both
+    cumulative, so the last streamed delta carries the whole request's); {} for autoregressive models."""
+    steps = out.get("num_steps")
+    if steps is None:
+        return {}
+    tokens = out.get("generate_token_len", 0)
+    return {"dllm_num_steps": steps, "dllm_tokens_per_step": tokens / steps if steps else None}
 
 
 def _cat(a: list | None, b: list | None) -> list | None:
@@ -664,6 +700,9 @@ class ChoiceFormatter:
                                   else self._chat_logprobs(out))
         choice["finish_reason"] = out.get("finish_reason")
         choice["step_map"] = None if out.get("step_map") is None else list(out["step_map"])
+        choice["weight_version"] = out.get("weight_version")
+        choice.update(dllm_steps(out))
+        choice.update({k: out[k] for k in ON_REQUEST_META if out.get(k) is not None})
         self.first = False
         return choice
 
@@ -710,6 +749,78 @@ class OpenAIFormatter:
             if len(self.finals) == len(self.choices):
                 result.append(dict(base, choices=[], usage=self._usage(self.finals)))
         return result
+
+
+# ---- RL control requests (SGLang's payloads) ----------------------------------------------------------
+class _Control(BaseModel):
+    # Unknown fields are ignored, not refused: trainers written for SGLang send SGLang's own extras
+    # (abort_all_requests, flush_cache, ...), and the same code must work here unchanged.
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+
+
+class EmptyControlRequest(_Control):
+    """flush_cache, continue_generation: no fields."""
+
+
+class UpdateWeightsFromDiskRequest(_Control):
+    model_path: str
+    weight_version: str | None = None
+
+
+class UpdateWeightsFromTensorRequest(_Control):
+    """Handle only: `named_tensors` are [[name, torch.Tensor], ...] (or SGLang's flattened_bucket payload
+    with load_format="flattened_bucket"), carried by Ray. SGLang's HTTP `serialized_named_tensors`
+    (pickles) are refused."""
+
+    model_config = ConfigDict(extra="ignore", strict=False, arbitrary_types_allowed=True)
+
+    named_tensors: Any = None
+    serialized_named_tensors: Any = None
+    weight_version: str | None = None
+    load_format: str | None = None
+
+
+class InitWeightsUpdateGroupRequest(_Control):
+    master_address: str
+    master_port: int = Field(ge=1, le=65535)
+    rank_offset: int = Field(1, ge=1)
+    world_size: int = Field(ge=2)
+    group_name: str = "weight_update_group"
+    backend: Literal["nccl", "gloo"] = "nccl"
+
+
+class UpdateWeightsFromDistributedRequest(_Control):
+    names: list[str] = Field(min_length=1)
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = "weight_update_group"
+    weight_version: str | None = None
+
+
+class DestroyWeightsUpdateGroupRequest(_Control):
+    group_name: str = "weight_update_group"
+
+
+class PauseGenerationRequest(_Control):
+    mode: Literal["abort", "retract", "in_place"] = "abort"
+
+
+class MemoryOccupationRequest(_Control):
+    tags: list[str] | None = Field(None, description="weights, kv_cache (default: both)")
+
+
+CONTROL_REQUESTS: dict[str, type[_Control]] = {
+    "update_weights_from_disk": UpdateWeightsFromDiskRequest,
+    "update_weights_from_tensor": UpdateWeightsFromTensorRequest,
+    "init_weights_update_group": InitWeightsUpdateGroupRequest,
+    "update_weights_from_distributed": UpdateWeightsFromDistributedRequest,
+    "destroy_weights_update_group": DestroyWeightsUpdateGroupRequest,
+    "flush_cache": EmptyControlRequest,
+    "pause_generation": PauseGenerationRequest,
+    "continue_generation": EmptyControlRequest,
+    "release_memory_occupation": MemoryOccupationRequest,
+    "resume_memory_occupation": MemoryOccupationRequest,
+}
 
 
 # ---- OpenAPI ----------------------------------------------------------------------------------------

@@ -54,6 +54,7 @@ def without_id(r: Response) -> Response:
 def fields(obj) -> dict:
     d = obj.to_dict()
     d.pop("request_id", None)
+    d.pop("queue_time_s", None)  # a measurement of this run, not part of the output
     return d
 
 
