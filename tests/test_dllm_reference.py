@@ -180,13 +180,29 @@ def test_sequential_unmasks_left_to_right(model, tok, mask_id):
     assert res.step_map == [1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6]
 
 
-@pytest.mark.parametrize("strategy", dllm_reference.STRATEGIES)
+QUOTA_STRATEGIES = [s for s in dllm_reference.STRATEGIES if s != "entropy_bounded"]  # the quota n_s decides
+
+
+def _one_step_per_block(prompt_len: int) -> list[int]:
+    first = prompt_len // B
+    return [(prompt_len + j) // B - first + 1 for j in range(12)]
+
+
+@pytest.mark.parametrize("strategy", QUOTA_STRATEGIES)
 def test_one_step_unmasks_a_whole_block(model, tok, mask_id, strategy):
     for prompt in PROMPTS:
-        prompt_len = len(tok.encode(prompt))
         res = generate(model, tok, mask_id, prompt, strategy=strategy, denoising_steps=1)
-        first = prompt_len // B
-        assert res.step_map == [(prompt_len + j) // B - first + 1 for j in range(12)]
+        assert res.step_map == _one_step_per_block(len(tok.encode(prompt)))
+
+
+def test_entropy_bound_extremes(model, tok, mask_id):
+    """entropy_bounded ignores the step quota: an unreachable bound reveals a whole block per step,
+    a bound below any entropy one token per step (the lowest-entropy one)."""
+    for prompt in PROMPTS:
+        loose = generate(model, tok, mask_id, prompt, strategy="entropy_bounded", entropy_threshold=1e9)
+        assert loose.step_map == _one_step_per_block(len(tok.encode(prompt)))
+        tight = generate(model, tok, mask_id, prompt, strategy="entropy_bounded", entropy_threshold=1e-12)
+        assert sorted(tight.step_map) == list(range(1, 13))
 
 
 def test_dynamic_threshold_extremes(model, tok, mask_id):
