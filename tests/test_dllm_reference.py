@@ -202,7 +202,7 @@ def test_entropy_bound_extremes(model, tok, mask_id):
         loose = generate(model, tok, mask_id, prompt, strategy="entropy_bounded", entropy_threshold=1e9)
         assert loose.step_map == _one_step_per_block(len(tok.encode(prompt)))
         tight = generate(model, tok, mask_id, prompt, strategy="entropy_bounded", entropy_threshold=1e-12)
-        assert sorted(tight.step_map) == list(range(1, 13))
+        assert len(set(tight.step_map)) == 12, "one token per step"
 
 
 def test_dynamic_threshold_extremes(model, tok, mask_id):
