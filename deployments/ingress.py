@@ -635,49 +635,52 @@ class Ingress:
         return {"success": True, "message": f"weights updated to version {version!r} on {len(committed)} replicas",
                 "weight_version": version, "num_replicas": len(committed)}
 
+    # The control routes stay out of /openapi.json: they change the state of every replica (pause,
+    # release, new weights), so schema-driven clients and fuzzers must not call them blindly.
     async def _control_route(self, request: Request, name: str, body: bool = True) -> Response:
         async def handler(payload: Any = None) -> Response:
             return JSONResponse(await self._control(name, payload))
 
         return await self._serve(request, f"/{name}", handler, body=body)
 
-    @app.post("/update_weights_from_disk", responses=ERRORS, summary="RL: load a checkpoint on every replica")
+    @app.post("/update_weights_from_disk", include_in_schema=False, summary="RL: load a checkpoint on every replica")
     async def http_update_weights_from_disk(self, request: Request):
         return await self._control_route(request, "update_weights_from_disk")
 
-    @app.post("/update_weights_from_tensor", responses=ERRORS, summary="RL: handle only (tensors travel by Ray)")
+    @app.post("/update_weights_from_tensor", include_in_schema=False, summary="RL: handle only (tensors travel by Ray)")
     async def http_update_weights_from_tensor(self, request: Request):
         return await self._control_route(request, "update_weights_from_tensor")
 
-    @app.post("/init_weights_update_group", responses=ERRORS, summary="RL: join the trainer's broadcast group")
+    @app.post("/init_weights_update_group", include_in_schema=False, summary="RL: join the trainer's broadcast group")
     async def http_init_weights_update_group(self, request: Request):
         return await self._control_route(request, "init_weights_update_group")
 
-    @app.post("/update_weights_from_distributed", responses=ERRORS, summary="RL: receive weights by broadcast")
+    @app.post("/update_weights_from_distributed", include_in_schema=False, summary="RL: receive weights by broadcast")
     async def http_update_weights_from_distributed(self, request: Request):
         return await self._control_route(request, "update_weights_from_distributed")
 
-    @app.post("/destroy_weights_update_group", responses=ERRORS, summary="RL: leave the broadcast group")
+    @app.post("/destroy_weights_update_group", include_in_schema=False, summary="RL: leave the broadcast group")
     async def http_destroy_weights_update_group(self, request: Request):
         return await self._control_route(request, "destroy_weights_update_group")
 
-    @app.api_route("/flush_cache", methods=["GET", "POST"], responses=ERRORS, summary="RL: drop the prefix cache")
+    @app.api_route("/flush_cache", methods=["GET", "POST"], include_in_schema=False,
+                   summary="RL: drop the prefix cache")
     async def http_flush_cache(self, request: Request):
         return await self._control_route(request, "flush_cache", body=False)
 
-    @app.post("/pause_generation", responses=ERRORS, summary="RL: stop generating (abort | retract | in_place)")
+    @app.post("/pause_generation", include_in_schema=False, summary="RL: stop generating (abort | retract | in_place)")
     async def http_pause_generation(self, request: Request):
         return await self._control_route(request, "pause_generation")
 
-    @app.post("/continue_generation", responses=ERRORS, summary="RL: generate again after pause_generation")
+    @app.post("/continue_generation", include_in_schema=False, summary="RL: generate again after pause_generation")
     async def http_continue_generation(self, request: Request):
         return await self._control_route(request, "continue_generation", body=False)
 
-    @app.post("/release_memory_occupation", responses=ERRORS, summary="RL: free weights and/or KV cache")
+    @app.post("/release_memory_occupation", include_in_schema=False, summary="RL: free weights and/or KV cache")
     async def http_release_memory_occupation(self, request: Request):
         return await self._control_route(request, "release_memory_occupation")
 
-    @app.post("/resume_memory_occupation", responses=ERRORS, summary="RL: restore weights and/or KV cache")
+    @app.post("/resume_memory_occupation", include_in_schema=False, summary="RL: restore weights and/or KV cache")
     async def http_resume_memory_occupation(self, request: Request):
         return await self._control_route(request, "resume_memory_occupation")
 
