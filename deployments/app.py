@@ -1,28 +1,36 @@
 """`build_app(args)`: the Serve application builder named in serve_config.yaml and used by the
-`blockserve serve` CLI (docs/deploy.md).
+`blockserve serve` CLI (docs/deploy.md, which also explains the placement, routing, overload and
+autoscaling knobs below).
 
     args = {
         "model": PATH,                       # checkpoint directory (relative: cwd, then the repo root) or a
                                              # Hugging Face model id (the local HF cache, else a download)
         "served_model_name": None,           # default: the last component of `model` as given
-        "engine": {EngineConfig fields},     # tp > 1 -> one placement-group bundle per shard
+        "engine": {EngineConfig fields},     # tp > 1 -> one placement-group bundle per rank
         "num_replicas": 1,                   # data-parallel EngineServer replicas ...
         "autoscaling_config": None,          # ... or Serve autoscaling instead of a fixed count
         "ray_actor_options": None,           # EngineServer replica (rank 0) resources; default 1 CPU (+1 GPU)
+        "tp_worker_actor_options": None,     # each TP worker (rank 1..tp-1); default: as ray_actor_options
+        "placement_strategy": "STRICT_PACK", # a TP group on one node; PACK: may span nodes
+        "request_router": "prefix_aware",    # or "power_of_two" (Serve's default)
+        "request_router_kwargs": {},         # deployments.router.PrefixAffinityRouter.initialize_state
         "max_ongoing_requests": 512,         # per EngineServer replica
+        "max_queued_requests": -1,           # per caller, waiting for a replica; beyond: BackPressureError
+        "graceful_shutdown_wait_loop_s": 2, "graceful_shutdown_timeout_s": 60,   # draining a removed replica
         "tp_timeout_s": 60, "stall_timeout_s": 60,   # a TP forward / an engine loop stuck this long fails
         "health_check_period_s": 5, "health_check_timeout_s": 30,   # Serve's health check of EngineServer
         "debug_hooks": False,                # True: EngineServer.debug_stall (handle only; for fault drills)
         "ingress": {"max_batch_size": 16, "batch_wait_timeout_s": 0.005, "api_key": None,
-                    "max_body_bytes": 8388608, "max_concurrent_requests": None, "retry_after_s": 1,
-                    "max_ongoing_requests": 1024, "num_replicas": 1, "ray_actor_options": {"num_cpus": 0.5}},
+                    "max_body_bytes": 8388608, "max_concurrent_requests": None, "max_queued_requests": None,
+                    "retry_after_s": 1, "max_ongoing_requests": 1024, "num_replicas": 1,
+                    "ray_actor_options": {"num_cpus": 0.5}},
     }
 """
 
 from __future__ import annotations
 
 from pathlib import PurePath
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ray.serve import Application
@@ -30,7 +38,11 @@ from ray.serve import Application
 from configs import EngineConfig
 from deployments.engine_server import EngineServer
 from deployments.ingress import DEFAULT_MAX_BODY_BYTES, RETRY_AFTER_S, Ingress
+from deployments.placement import Group, Strategy, actor_resources, bundle_of, check_fits, cluster_nodes
 from engine.model_source import resolve_model_path
+
+ROUTERS = {"prefix_aware": "deployments.router:PrefixAffinityRouter",
+           "power_of_two": "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter"}
 
 
 class IngressArgs(BaseModel):
@@ -40,11 +52,13 @@ class IngressArgs(BaseModel):
     batch_wait_timeout_s: float = Field(0.005, ge=0.0)
     api_key: str | None = None
     max_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, ge=1024)
-    # Admission control per ingress replica: beyond this many generation requests in flight, answer
-    # 429 with Retry-After instead of queueing without bound. None = no limit.
+    # Admission per ingress replica: this many requests in flight (Serve's max_ongoing_requests of the
+    # ingress), max_queued_requests (default: as many) more waiting in each proxy, beyond that 429 with
+    # Retry-After from Serve's proxy. None = no limit.
     max_concurrent_requests: int | None = Field(None, ge=1)
+    max_queued_requests: int | None = Field(None, ge=1)
     retry_after_s: int = Field(RETRY_AFTER_S, ge=0)
-    max_ongoing_requests: int = Field(1024, ge=1)  # Serve's own cap (raised above max_concurrent_requests)
+    max_ongoing_requests: int = Field(1024, ge=1)  # used when max_concurrent_requests is None
     num_replicas: int = Field(1, ge=1)
     ray_actor_options: dict[str, Any] = Field(default_factory=lambda: {"num_cpus": 0.5})
 
@@ -58,13 +72,19 @@ class AppArgs(BaseModel):
     num_replicas: int = Field(1, ge=1)
     autoscaling_config: dict[str, Any] | None = None
     ray_actor_options: dict[str, Any] | None = None
+    tp_worker_actor_options: dict[str, Any] | None = None
+    placement_strategy: Strategy = "STRICT_PACK"
+    request_router: Literal["prefix_aware", "power_of_two"] = "prefix_aware"
+    request_router_kwargs: dict[str, Any] = Field(default_factory=dict)
     max_ongoing_requests: int = Field(512, ge=1)
+    max_queued_requests: int = Field(-1, ge=-1)
+    graceful_shutdown_wait_loop_s: float = Field(2.0, gt=0.0)
+    graceful_shutdown_timeout_s: float = Field(60.0, gt=0.0)
     tp_timeout_s: float = Field(60.0, gt=0.0)
     stall_timeout_s: float = Field(60.0, gt=0.0)
     health_check_period_s: float = Field(5.0, gt=0.0)
     health_check_timeout_s: float = Field(30.0, gt=0.0)
     debug_hooks: bool = False
-    hold_timeout_s: float | None = Field(None, gt=0.0)  # paused/released: a request waits this long, then 503
     ingress: IngressArgs = Field(default_factory=IngressArgs)
 
 
@@ -80,33 +100,65 @@ def _wants_gpu(config: EngineConfig) -> bool:
 
 
 def engine_server_options(args: AppArgs, config: EngineConfig) -> dict[str, Any]:
-    """Serve options for EngineServer: replicas, and for tp > 1 a PACKed placement group with one
-    bundle per shard (rank 0 = the replica itself in bundle 0, workers in bundles 1..tp-1)."""
+    """Serve options for EngineServer: replicas, overload and draining limits, the request router, and
+    for tp > 1 a placement group with one bundle per rank (rank 0 = the replica itself in bundle 0,
+    workers in bundles 1..tp-1) placed with `placement_strategy`."""
     gpu = _wants_gpu(config)
     actor = {"num_cpus": 1, **({"num_gpus": 1} if gpu else {})}
     actor.update(args.ray_actor_options or {})
-    options: dict[str, Any] = {"ray_actor_options": actor, "max_ongoing_requests": args.max_ongoing_requests,
-                               "health_check_period_s": args.health_check_period_s,
-                               "health_check_timeout_s": args.health_check_timeout_s}
+    options: dict[str, Any] = {
+        "ray_actor_options": actor, "max_ongoing_requests": args.max_ongoing_requests,
+        "max_queued_requests": args.max_queued_requests,
+        "graceful_shutdown_wait_loop_s": args.graceful_shutdown_wait_loop_s,
+        "graceful_shutdown_timeout_s": args.graceful_shutdown_timeout_s,
+        "health_check_period_s": args.health_check_period_s, "health_check_timeout_s": args.health_check_timeout_s,
+        "request_router_config": {"request_router_class": ROUTERS[args.request_router],
+                                  "request_router_kwargs": args.request_router_kwargs}}
     if args.autoscaling_config is not None:
         options["autoscaling_config"] = args.autoscaling_config
     else:
         options["num_replicas"] = args.num_replicas
     if config.tp > 1:
-        bundle = {"CPU": actor.get("num_cpus", 1)}
-        if actor.get("num_gpus"):
-            bundle["GPU"] = actor["num_gpus"]
-        options["placement_group_bundles"] = [dict(bundle) for _ in range(config.tp)]
-        options["placement_group_strategy"] = "PACK"
+        worker = {"num_cpus": 1, **({"num_gpus": 1} if gpu else {})}
+        worker.update(args.tp_worker_actor_options or args.ray_actor_options or {})
+        options["placement_group_bundles"] = [bundle_of(actor)] + [bundle_of(worker)] * (config.tp - 1)
+        options["placement_group_strategy"] = args.placement_strategy
     return options
 
 
 def tp_worker_options(options: dict[str, Any]) -> dict[str, Any]:
-    """Resources of one TP worker actor: exactly one bundle."""
+    """Resources of one TP worker actor: exactly its bundle."""
     bundles = options.get("placement_group_bundles")
-    if not bundles:
-        return {}
-    return {"num_cpus": bundles[0].get("CPU", 0), "num_gpus": bundles[0].get("GPU", 0)}
+    return actor_resources(bundles[1]) if bundles else {}
+
+
+def _initial_replicas(options: dict[str, Any]) -> int:
+    scaling = options.get("autoscaling_config")
+    if scaling is None:
+        return options["num_replicas"]
+    return max(1, scaling.get("initial_replicas") or scaling.get("min_replicas", 1))
+
+
+def placement_groups(options: dict[str, Any], ingress: IngressArgs) -> list[Group]:
+    """What the application must place at once: the ingress replicas and the first engine replicas."""
+    bundles = options.get("placement_group_bundles") or [bundle_of(options["ray_actor_options"])]
+    together = options.get("placement_group_strategy", "STRICT_PACK") == "STRICT_PACK"
+    tp = len(bundles)
+    engines = [Group(f"EngineServer replica {i + 1} (tp={tp}, {options.get('placement_group_strategy', 'one actor')})",
+                     tuple(bundles), together) for i in range(_initial_replicas(options))]
+    ingresses = [Group(f"Ingress replica {i + 1}", (bundle_of(ingress.ray_actor_options),), True)
+                 for i in range(ingress.num_replicas)]
+    return engines + ingresses
+
+
+def ingress_options(ing: IngressArgs) -> dict[str, Any]:
+    """Serve options for the ingress: `max_concurrent_requests` is Serve's max_ongoing_requests, so
+    Serve's proxy queues at most max_queued_requests more and answers the rest 429 + Retry-After."""
+    limited = ing.max_concurrent_requests is not None
+    return {"num_replicas": ing.num_replicas, "ray_actor_options": ing.ray_actor_options,
+            "max_ongoing_requests": ing.max_concurrent_requests if limited else ing.max_ongoing_requests,
+            "max_queued_requests": (ing.max_queued_requests or ing.max_concurrent_requests) if limited else -1,
+            "backpressure_config": {"status_code": 429, "retry_after_s": ing.retry_after_s}}
 
 
 def build_app(args: dict[str, Any]) -> Application:
@@ -117,18 +169,16 @@ def build_app(args: dict[str, Any]) -> Application:
         raise ValueError(f"invalid blockserve application args: {e}") from None
     model = resolve_model_path(parsed.model)
     options = engine_server_options(parsed, config)
+    nodes = cluster_nodes()
+    if nodes is not None:  # not connected (a dry build): Serve checks nothing either
+        check_fits(placement_groups(options, parsed.ingress), nodes)
     server = EngineServer.options(**options).bind(
         model, config.model_dump(), tp_timeout_s=parsed.tp_timeout_s, stall_timeout_s=parsed.stall_timeout_s,
-        tp_worker_options=tp_worker_options(options), debug_hooks=parsed.debug_hooks,
-        hold_timeout_s=parsed.hold_timeout_s)
+        tp_worker_options=tp_worker_options(options), debug_hooks=parsed.debug_hooks)
     ing = parsed.ingress
-    # Serve must hand the ingress every request, so that admission control (not Serve's queue) decides.
-    ongoing = max(ing.max_ongoing_requests, (ing.max_concurrent_requests or 0) + 64)
-    return Ingress.options(num_replicas=ing.num_replicas, ray_actor_options=ing.ray_actor_options,
-                           max_ongoing_requests=ongoing).bind(
+    return Ingress.options(**ingress_options(ing)).bind(
         server, model, served_model_name=parsed.served_model_name or PurePath(parsed.model).name,
         max_model_len=config.max_model_len,
         max_batch_size=ing.max_batch_size, batch_wait_timeout_s=ing.batch_wait_timeout_s, api_key=ing.api_key,
         max_body_bytes=ing.max_body_bytes, max_concurrent_requests=ing.max_concurrent_requests,
         retry_after_s=ing.retry_after_s)
-
