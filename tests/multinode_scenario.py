@@ -1,0 +1,213 @@
+"""Multi-node drills on one machine (run by tests/test_multinode.py in its own process, since the test
+session already has a Ray cluster): a `ray.cluster_utils.Cluster` of a head and four worker nodes,
+each with logical CPUs and custom resources that force where replicas go. Prints one JSON object.
+
+- spread: two EngineServer replicas pinned to nodes A and B (resource `spread`), a one-replica
+  reference app on the head; the outputs of both replicas must equal the reference's.
+- tp: a tp=2 group whose bundles need resource `tp` (one unit on A, one on B): STRICT_PACK is refused
+  at build time with the missing resources named; PACK places rank 0 and rank 1 on different nodes.
+- loss: two replicas on nodes C and D (resource `loss`; node E joins with a spare unit); streams in
+  flight on both, then node C is removed without warning. Every request is answered (lost = 0); the
+  ones on C end with an explicit error; new requests succeed once Serve replaced the replica on E.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+QUIET = {"log_level": "WARNING", "enable_access_log": False}
+ENGINE = {"max_model_len": 512, "num_kv_blocks": 192, "kv_block_size": 4, "max_batch_size": 32, "dllm_block_length": 4}
+HEAD_ONLY = {"num_cpus": 0.5, "resources": {"head": 0.01}}  # ingress replicas stay on the head node
+PROMPTS = ["Hello world", "Question: what is 7 * 8? Answer:", "Once upon a time", "def f(x):", "1, 2, 3,", "abc"]
+# Fast node-failure detection: the GCS declares a silent node dead after ~3 s instead of ~30 s.
+SYSTEM_CONFIG = {"health_check_initial_delay_ms": 0, "health_check_period_ms": 1000,
+                 "health_check_failure_threshold": 3}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _deploy(url: str, name: str, args: dict[str, Any]) -> str:
+    from ray import serve
+
+    from deployments.app import build_app
+
+    serve.run(build_app(args), name=name, route_prefix=f"/{name}", logging_config=QUIET)
+    return f"{url}/{name}"
+
+
+def _alive_actors() -> list[dict[str, Any]]:
+    """The cluster's live actors from the GCS of the cluster this driver is connected to (the state
+    API would go through a dashboard, which this cluster does not run)."""
+    import ray
+
+    return [a for a in ray._private.state.actors().values() if a["State"] == "ALIVE"]
+
+
+def _replica_nodes(app: str) -> dict[str, str]:
+    """EngineServer replica id -> node id, for the app's live replicas."""
+    return {a["Name"].split("#")[-1]: a["Address"]["NodeID"] for a in _alive_actors()
+            if a["ActorClassName"] == f"ServeReplica:{app}:EngineServer"}
+
+
+def _generate(url: str, prompt: str) -> dict[str, Any]:
+    return httpx.post(url + "/generate", json={"prompt": prompt, "max_tokens": 12, "temperature": 0},
+                      timeout=120).json()
+
+
+def spread(url: str, ckpt: str, nodes: dict[str, str]) -> dict[str, Any]:
+    from ray import serve
+
+    ref = _deploy(url, "ref", {"model": ckpt, "engine": ENGINE, "ray_actor_options": {"num_cpus": 1,
+                                                                                       "resources": {"head": 0.01}},
+                               "ingress": {"ray_actor_options": HEAD_ONLY}})
+    two = _deploy(url, "spread", {"model": ckpt, "engine": ENGINE, "num_replicas": 2,
+                                  "ray_actor_options": {"num_cpus": 1, "resources": {"spread": 1}},
+                                  "ingress": {"ray_actor_options": HEAD_ONLY}})
+    expected = [_generate(ref, p)["output_ids"] for p in PROMPTS]
+    got = [_generate(two, p)["output_ids"] for p in PROMPTS]  # distinct prefixes: spread over both replicas
+    stats = serve.get_app_handle("spread").engine_stats.remote().result()
+    placed = sorted(nodes[n] for n in _replica_nodes("spread").values())
+    serve.delete("ref")
+    serve.delete("spread")
+    return {"identical": got == expected, "replica_nodes": placed,
+            "tokens_per_replica": sorted(s["generated_tokens"] for s in stats)}
+
+
+def tp(url: str, ckpt: str, nodes: dict[str, str]) -> dict[str, Any]:
+    from ray import serve
+
+    from deployments.placement import PlacementError
+
+    args = {"model": ckpt, "engine": dict(ENGINE, tp=2), "ray_actor_options": {"num_cpus": 1, "resources": {"tp": 1}},
+            "ingress": {"ray_actor_options": HEAD_ONLY}}
+    try:
+        _deploy(url, "tp_strict", args)
+        strict_error = None
+    except PlacementError as e:
+        strict_error = str(e)
+    packed = _deploy(url, "tp_pack", args | {"placement_strategy": "PACK"})
+    out = _generate(packed, PROMPTS[1])
+    (stats,) = serve.get_app_handle("tp_pack").engine_stats.remote().result()
+    (worker,) = [a["Address"]["NodeID"] for a in _alive_actors() if a["Name"] == stats["tp_worker_names"][0]]
+    rank_nodes = sorted(nodes[n] for n in [*_replica_nodes("tp_pack").values(), worker])
+    serve.delete("tp_pack")
+    return {"strict_error": strict_error, "pack_output_ids": out.get("output_ids"), "pack_rank_nodes": rank_nodes,
+            "tp_workers": stats["tp_workers"]}
+
+
+async def _stream(client: httpx.AsyncClient, url: str, prompt: str, ended: dict[int, float], i: int) -> str:
+    """'ok', 'error' (an explicit error: status or error delta) or 'lost' (no answer, broken connection)."""
+    body = {"prompt": prompt, "max_tokens": 400, "temperature": 1.0, "seed": i, "ignore_eos": True, "stream": True}
+    try:
+        async with client.stream("POST", url + "/generate", json=body) as r:
+            lines = [line async for line in r.aiter_lines() if line]
+    except Exception:  # noqa: BLE001 - a dropped connection or a timeout is a lost request
+        return "lost"
+    finally:
+        ended[i] = time.monotonic()
+    if r.status_code != 200:
+        return "error" if r.status_code in (429, 500, 503) else "lost"
+    events = [json.loads(x[6:]) for x in lines if x.startswith("data: ") and x != "data: [DONE]"]
+    if not lines or lines[-1] != "data: [DONE]" or not events:
+        return "lost"
+    return "error" if events[-1]["meta_info"]["finish_reason"]["type"] == "error" else "ok"
+
+
+def loss(url: str, ckpt: str, nodes: dict[str, str], cluster, victim) -> dict[str, Any]:
+    """Replicas on C and D; once they run, node E joins with a spare `loss` unit for the replacement."""
+    from ray import serve
+
+    app = _deploy(url, "loss", {"model": ckpt, "engine": ENGINE, "num_replicas": 2, "request_router": "power_of_two",
+                                "ray_actor_options": {"num_cpus": 1, "resources": {"loss": 1}},
+                                "health_check_period_s": 1.0, "health_check_timeout_s": 5.0,
+                                "ingress": {"ray_actor_options": HEAD_ONLY}})
+    placed = {rid: nodes[n] for rid, n in _replica_nodes("loss").items()}
+    nodes[cluster.add_node(num_cpus=3, resources={"loss": 1}).node_id] = "E"
+    cluster.wait_for_nodes()
+    handle = serve.get_app_handle("loss")
+
+    async def drill() -> dict[str, Any]:
+        ended: dict[int, float] = {}
+        async with httpx.AsyncClient(timeout=60) as client:
+            tasks = [asyncio.ensure_future(_stream(client, app, PROMPTS[i % len(PROMPTS)], ended, i))
+                     for i in range(12)]
+            deadline = time.monotonic() + 60
+            while True:  # both replicas have requests running
+                stats = await asyncio.to_thread(lambda: handle.engine_stats.remote().result())
+                if all(s["running"] > 0 for s in stats) or time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(0.2)
+            running = {placed.get(s["replica"], "?"): s["running"] for s in stats}
+            await asyncio.to_thread(cluster.remove_node, victim, False)
+            killed_at = time.monotonic()
+            outcomes = await asyncio.gather(*tasks)
+        after_kill = [ended[i] - killed_at for i, o in enumerate(outcomes) if o == "error"]
+        return {"running_at_kill": running, "ok": outcomes.count("ok"), "failed": outcomes.count("error"),
+                "lost": outcomes.count("lost"), "max_error_s_after_kill": round(max(after_kill, default=0.0), 2)}
+
+    result = asyncio.run(drill())
+    deadline, recovered = time.monotonic() + 120, False
+    while time.monotonic() < deadline:
+        r = httpx.post(app + "/generate", json={"prompt": "after", "max_tokens": 8}, timeout=60)
+        if r.status_code == 200 and len(_replica_nodes("loss")) == 2:
+            recovered = all(_generate(app, p).get("output_ids") for p in PROMPTS)
+            break
+        time.sleep(1)
+    result.update(replica_nodes_before=sorted(placed.values()), new_requests_ok=recovered,
+                  replica_nodes_after=sorted(nodes.get(n, "?") for n in _replica_nodes("loss").values()))
+    return result
+
+
+def main() -> int:
+    import ray
+    from ray import serve
+    from ray.cluster_utils import Cluster
+
+    from engine.tiny_checkpoint import DLLM_TEST_LOGIT_SCALE, write_tiny_checkpoint
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 4, "resources": {"head": 1},
+                                                            "_system_config": SYSTEM_CONFIG})
+    names = {"A": {"spread": 1, "tp": 1}, "B": {"spread": 1, "tp": 1}, "C": {"loss": 1}, "D": {"loss": 1}}
+    handles = {name: cluster.add_node(num_cpus=3, resources=res) for name, res in names.items()}
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, logging_level="warning", log_to_driver=False)
+    nodes = {n["NodeID"]: "head" for n in ray.nodes()}
+    for name, h in handles.items():
+        nodes[h.node_id] = name
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port, "location": "HeadOnly"}, logging_config=QUIET)
+    url = f"http://127.0.0.1:{port}"
+    report: dict[str, Any] = {}
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            ckpt = str(write_tiny_checkpoint(Path(tmp) / "sdar", model_type="sdar", logit_scale=DLLM_TEST_LOGIT_SCALE))
+            for part, run in (("spread", lambda: spread(url, ckpt, nodes)), ("tp", lambda: tp(url, ckpt, nodes)),
+                              ("loss", lambda: loss(url, ckpt, nodes, cluster, handles["C"]))):
+                started = time.monotonic()
+                report[part] = run()
+                report[part]["seconds"] = round(time.monotonic() - started, 1)
+    finally:
+        print(json.dumps(report), flush=True)
+        serve.shutdown()
+        ray.shutdown()
+        cluster.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

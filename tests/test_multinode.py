@@ -1,0 +1,49 @@
+"""Multi-node placement, replica spread and node loss on a real multi-node Ray cluster on this machine.
+The scenario (tests/multinode_scenario.py) starts its own `ray.cluster_utils.Cluster`, so it runs in
+a subprocess: this session's own Ray cluster stays untouched."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def report() -> dict:
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "multinode_scenario.py")], cwd=ROOT,
+                          capture_output=True, text=True, timeout=480)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
+    return json.loads(lines[-1])
+
+
+def test_replicas_on_different_nodes_serve_identical_outputs(report):
+    spread = report["spread"]
+    assert spread["replica_nodes"] == ["A", "B"]
+    assert spread["identical"]
+    assert min(spread["tokens_per_replica"]) > 0  # both replicas served some of the prompts
+
+
+def test_tp_group_strict_pack_refused_with_missing_resources_pack_spans_nodes(report):
+    tp = report["tp"]
+    assert tp["strict_error"] is not None and "on one node" in tp["strict_error"]
+    assert "tp: 1" in tp["strict_error"] and "PACK" in tp["strict_error"], tp["strict_error"]
+    assert tp["pack_rank_nodes"] == ["A", "B"] and tp["tp_workers"] == 1
+    assert tp["pack_output_ids"]
+
+
+def test_node_loss_fails_its_requests_explicitly_and_the_rest_succeed(report):
+    loss = report["loss"]
+    print("node loss:", loss)
+    assert loss["replica_nodes_before"] == ["C", "D"]
+    assert loss["lost"] == 0  # every request answered: a result or an explicit error
+    assert loss["max_error_s_after_kill"] < 10
+    assert loss["ok"] >= loss["running_at_kill"].get("D", 0) > 0  # the other node's requests are unaffected
+    assert loss["failed"] >= loss["running_at_kill"].get("C", 0) > 0  # the lost node's requests: explicit errors
+    assert loss["new_requests_ok"] and loss["replica_nodes_after"] == ["D", "E"]
