@@ -4,9 +4,11 @@ Engine overhead = a step's wall time minus the time inside the model forward (sc
 building, sampling, unmasking, stop checks, detokenisation, output chunks). It must not grow with
 output length: 32 concurrent requests with 64-token outputs vs 32 with 4,096-token outputs, block
 diffusion and AR, on a small random-weight model (so the forward does not drown the figure).
-Block-diffusion requests finish at different steps, so the figure is per sequence-step: a step's
-overhead divided by the sequences it ran. Prints one JSON object: per paradigm and output length,
-the mean over the run and over its last 256 steps, and the ratios long / short.
+Block-diffusion requests finish at different steps, so the figure is per sequence-step (a step's
+overhead divided by the sequences it ran) over the steps that ran all 32 sequences: a step's fixed
+costs spread over fewer sequences would otherwise count as growth. Prints one JSON object: per
+paradigm and output length, the mean over the run and over its last 256 such steps, and the ratios
+long / short.
 
 Times are CPU time of the engine's thread (`time.thread_time`; torch runs on that one thread), so
 other processes on a shared machine do not count as engine overhead. Two controls separate the
@@ -90,11 +92,13 @@ def measure(path: Path, output_len: int, concurrency: int, stop_words: list[str]
             forward0, t0 = clock.seconds, time.thread_time()
             running = len(engine.scheduler.running) + len(engine.scheduler.waiting)
             engine.step()
-            overheads.append(((time.thread_time() - t0) - (clock.seconds - forward0)) / running)
-        timed = [o for o in overheads if o == o]
+            seconds = (time.thread_time() - t0) - (clock.seconds - forward0)
+            overheads.append(seconds / running if running == concurrency else float("nan"))
+        timed = [o for o in overheads if o == o]  # steps that ran the whole batch
         return {
             "python_calls_per_seq_step_at_step": calls or None,
             "steps": len(overheads),
+            "full_batch_steps": len(timed),
             "generated_tokens": engine.stats.generated_tokens,
             "overhead_us_per_seq_step": round(1e6 * statistics.fmean(timed), 2),
             "overhead_us_per_seq_step_last_256": round(1e6 * statistics.fmean(timed[-TAIL_STEPS:]), 2),
