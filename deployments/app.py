@@ -82,6 +82,9 @@ class AppArgs(BaseModel):
     graceful_shutdown_timeout_s: float = Field(60.0, gt=0.0)
     tp_timeout_s: float = Field(60.0, gt=0.0)
     stall_timeout_s: float = Field(60.0, gt=0.0)
+    hold_timeout_s: float | None = Field(
+        None, gt=0.0, description="a request waiting this long while generation is paused or memory released "
+        "gets 503 + Retry-After (None: it waits)")
     health_check_period_s: float = Field(5.0, gt=0.0)
     health_check_timeout_s: float = Field(30.0, gt=0.0)
     debug_hooks: bool = False
@@ -174,7 +177,8 @@ def build_app(args: dict[str, Any]) -> Application:
         check_fits(placement_groups(options, parsed.ingress), nodes)
     server = EngineServer.options(**options).bind(
         model, config.model_dump(), tp_timeout_s=parsed.tp_timeout_s, stall_timeout_s=parsed.stall_timeout_s,
-        tp_worker_options=tp_worker_options(options), debug_hooks=parsed.debug_hooks)
+        tp_worker_options=tp_worker_options(options), debug_hooks=parsed.debug_hooks,
+        hold_timeout_s=parsed.hold_timeout_s)
     ing = parsed.ingress
     return Ingress.options(**ingress_options(ing)).bind(
         server, model, served_model_name=parsed.served_model_name or PurePath(parsed.model).name,

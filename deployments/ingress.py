@@ -88,6 +88,7 @@ app.openapi = _openapi
 
 
 RETRY_AFTER_S = 1  # the Retry-After of 429 (ingress full) and 503 (engine replica failed / restarting)
+ENGINE_CHECK_INTERVAL_S = 1.0  # how often the ingress re-checks that an engine replica runs
 
 
 # A control broadcast may wait for the trainer (a weight broadcast, a group rendezvous) as long as the engine does.
@@ -269,6 +270,7 @@ class Ingress:
         self._token_text = functools.lru_cache(maxsize=65536)(self._decode_token)
         self.created = int(time.time())
         self._control_lock = asyncio.Lock()  # one RL control operation at a time (per ingress replica)
+        self._engine_seen_at = 0.0  # when an engine replica was last seen running
         self._batched_generate.set_max_batch_size(max_batch_size)
         self._batched_generate.set_batch_wait_timeout_s(batch_wait_timeout_s)
 
@@ -289,9 +291,25 @@ class Ingress:
             self.metrics.prompt_tokens.inc(out.get("input_token_len", 0))
             self.metrics.generation_tokens.inc(out.get("generate_token_len", 0))
 
+    async def _require_engine(self) -> None:
+        """503 at once while no engine replica runs (one that cannot be scheduled, or all being
+        replaced): Serve's router would otherwise hold the request until one starts. Looked up at
+        most once a second."""
+        if time.monotonic() - self._engine_seen_at < ENGINE_CHECK_INTERVAL_S:
+            return
+        try:
+            answers = await self._broadcast("check_health", return_exceptions=True)
+        except DeploymentUnavailableError:  # Serve's word for "no replica of it runs"
+            answers = []
+        if not answers:
+            raise ApiError("no engine replica is running (starting, being replaced, or waiting for resources: "
+                           "see `serve status`)", None, 503, "engine_unavailable")
+        self._engine_seen_at = time.monotonic()
+
     async def _unary(self, req: EngineRequest) -> dict[str, Any]:
         """The folded result dict of one request; ApiError for refusals and engine failures (503: the
         engine replica failed under the request; Serve replaces it, so a retry is the remedy)."""
+        await self._require_engine()
         out = await self._batched_generate(req.model_dump())
         if is_error_item(out):
             raise ApiError.from_item(out)
@@ -304,6 +322,7 @@ class Ingress:
         """The request's result-dict deltas. Refusals raise ApiError here, before anything is sent;
         a failure later ends the stream with a finish_reason "error" delta. Closing the iterator
         (client disconnect, cancellation) cancels the engine-side stream."""
+        await self._require_engine()
         gen = self.engine.options(stream=True).generate_stream.remote(req.model_dump())
         try:
             first = await gen.__anext__()

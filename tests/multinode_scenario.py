@@ -9,6 +9,9 @@ each with logical CPUs and custom resources that force where replicas go. Prints
 - loss: two replicas on nodes C and D (resource `loss`; node E joins with a spare unit); streams in
   flight on both, then node C is removed without warning. Every request is answered (lost = 0); the
   ones on C end with an explicit error; new requests succeed once Serve replaced the replica on E.
+- unschedulable: an app whose engine replica needs a resource that exists (so it passes the build-time
+  check) but that another actor holds: Serve cannot place the replica, and HTTP requests get 503 with
+  Retry-After at once instead of waiting for it.
 """
 
 from __future__ import annotations
@@ -173,6 +176,42 @@ def loss(url: str, ckpt: str, nodes: dict[str, str], cluster, victim) -> dict[st
     return result
 
 
+class Holder:
+    """An actor that only holds the resources it was created with."""
+
+    def ready(self) -> bool:
+        return True
+
+
+def unschedulable(url: str, ckpt: str) -> dict[str, Any]:
+    import ray
+    from ray import serve
+
+    from deployments.app import build_app
+
+    holder = ray.remote(resources={"busy": 1})(Holder).remote()
+    ray.get(holder.ready.remote())
+    args = {"model": ckpt, "engine": ENGINE, "ray_actor_options": {"num_cpus": 1, "resources": {"busy": 1}},
+            "ingress": {"ray_actor_options": HEAD_ONLY}}
+    serve._run(build_app(args), _blocking=False, name="stuck", route_prefix="/stuck", logging_config=QUIET)
+    answers: list[dict[str, Any]] = []
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and len(answers) < 3:  # until the ingress itself is up
+        started = time.monotonic()
+        try:
+            r = httpx.post(f"{url}/stuck/generate", json={"prompt": "hi", "max_tokens": 4}, timeout=30)
+        except httpx.TimeoutException:
+            answers.append({"status": "timeout", "seconds": round(time.monotonic() - started, 2)})
+            continue
+        if r.status_code != 404:  # 404: the proxy does not route /stuck yet
+            answers.append({"status": r.status_code, "retry_after": r.headers.get("retry-after"),
+                            "seconds": round(time.monotonic() - started, 2)})
+        time.sleep(0.5)
+    serve.delete("stuck", _blocking=False)
+    ray.kill(holder)
+    return {"answers": answers}
+
+
 def main() -> int:
     import ray
     from ray import serve
@@ -182,7 +221,7 @@ def main() -> int:
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 4, "resources": {"head": 1},
                                                             "_system_config": SYSTEM_CONFIG})
-    names = {"A": {"spread": 1, "tp": 1}, "B": {"spread": 1, "tp": 1}, "C": {"loss": 1}, "D": {"loss": 1}}
+    names = {"A": {"spread": 1, "tp": 1, "busy": 1}, "B": {"spread": 1, "tp": 1}, "C": {"loss": 1}, "D": {"loss": 1}}
     handles = {name: cluster.add_node(num_cpus=3, resources=res) for name, res in names.items()}
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, logging_level="warning", log_to_driver=False)
@@ -197,6 +236,7 @@ def main() -> int:
         with tempfile.TemporaryDirectory() as tmp:
             ckpt = str(write_tiny_checkpoint(Path(tmp) / "sdar", model_type="sdar", logit_scale=DLLM_TEST_LOGIT_SCALE))
             for part, run in (("spread", lambda: spread(url, ckpt, nodes)), ("tp", lambda: tp(url, ckpt, nodes)),
+                              ("unschedulable", lambda: unschedulable(url, ckpt)),
                               ("loss", lambda: loss(url, ckpt, nodes, cluster, handles["C"]))):
                 started = time.monotonic()
                 report[part] = run()

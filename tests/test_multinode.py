@@ -47,3 +47,10 @@ def test_node_loss_fails_its_requests_explicitly_and_the_rest_succeed(report):
     assert loss["ok"] >= loss["running_at_kill"].get("D", 0) > 0  # the other node's requests are unaffected
     assert loss["failed"] >= loss["running_at_kill"].get("C", 0) > 0  # the lost node's requests: explicit errors
     assert loss["new_requests_ok"] and loss["replica_nodes_after"] == ["D", "E"]
+
+
+def test_unschedulable_replica_gets_503_at_once(report):
+    answers = report["unschedulable"]["answers"]
+    print("unschedulable:", answers)
+    assert answers, "the ingress never answered"
+    assert all(a["status"] == 503 and a["retry_after"] for a in answers), answers

@@ -20,12 +20,10 @@ from conftest import SERVE_ENGINE, deploy, sse_events, without_ids
 from ray import serve
 
 from configs import EngineConfig, GenerationConfig
-from deployments.app import AppArgs
 from deployments.schemas import merge_generate_deltas
 from engine.pipeline import pipeline
 from engine.tiny_checkpoint import DLLM_TEST_LOGIT_SCALE, write_tiny_checkpoint
 
-HOLD_ARG = "hold_timeout_s" in AppArgs.model_fields  # the app arg passed through to the engine
 PROMPT = [5, 17, 200, 33, 9, 41]
 ROLLOUT = {"input_ids": PROMPT, "max_tokens": 12, "temperature": 0, "return_logprob": True}
 
@@ -89,8 +87,8 @@ def ckpts(tmp_path_factory) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def rl_app(serve_cluster, ckpts):
-    hold = {"hold_timeout_s": 3.0} if HOLD_ARG else {}
-    app = deploy(serve_cluster, "rl", Path(ckpts["old"]), dict(SERVE_ENGINE), num_replicas=2, debug_hooks=True, **hold)
+    app = deploy(serve_cluster, "rl", Path(ckpts["old"]), dict(SERVE_ENGINE), num_replicas=2, debug_hooks=True,
+                 hold_timeout_s=3.0)
     yield app
     serve.delete(app.name)
 
@@ -223,7 +221,6 @@ def test_pause_modes_with_requests_in_flight(rl_app, mode):
     assert not ended_while_paused
 
 
-@pytest.mark.skipif(not HOLD_ARG, reason="deployments/app.py does not pass hold_timeout_s through")
 def test_held_request_gets_503_with_retry_after(rl_app):
     assert httpx.post(rl_app.url + "/pause_generation", json={"mode": "in_place"}).json()["success"]
     try:
