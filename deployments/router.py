@@ -23,15 +23,14 @@ whole prefix. Each replica's set is an LRU bounded by `max_chunks_per_replica`.
 
 from __future__ import annotations
 
-import random
 from collections import OrderedDict
 from typing import Any
 
 from ray.serve._private.common import ReplicaID
 from ray.serve._private.replica_result import ReplicaResult
 from ray.serve._private.request_router.common import PendingRequest
+from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
 from ray.serve._private.request_router.replica_wrapper import RunningReplica
-from ray.serve._private.request_router.request_router import RequestRouter
 
 TOKEN_BASE = 0xF0000  # supplementary private use area A: token id t is chr(TOKEN_BASE + t)
 
@@ -66,7 +65,7 @@ def chunk_hashes(key: str, chunk_chars: int) -> list[int]:
     return hashes
 
 
-class PrefixAffinityRouter(RequestRouter):
+class PrefixAffinityRouter(PowerOfTwoChoicesRequestRouter):
     """Route to the replica that holds the longest prefix of the request, load permitting."""
 
     def initialize_state(self, chunk_chars: int = 16, imbalanced_threshold: int = 8,
@@ -119,14 +118,16 @@ class PrefixAffinityRouter(RequestRouter):
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         """Ranked groups: Serve tries the first group (the least loaded replica in it that has room),
-        then the next. The last group is always two random candidates (power of two choices)."""
-        if not candidate_replicas:
-            return []
-        fallback = random.sample(candidate_replicas, min(2, len(candidate_replicas)))
+        then the next. The last group is Serve's power-of-two choice."""
+        # Serve's own power-of-two round first: FIFO order, locality rounds (same node, same zone,
+        # then all) and the backoff between rounds come with it; it is also the fallback group.
+        fallback = await super().choose_replicas(candidate_replicas, pending_request)
+        if not fallback or not candidate_replicas:
+            return fallback
         chains = [chunk_hashes(k, self.chunk_chars) for k in request_keys(pending_request)]
         total = sum(len(c) for c in chains)
         if total == 0:
-            return [fallback]
+            return fallback
         least = min(self._queue_len(r) for r in candidate_replicas)
         balanced = [r for r in candidate_replicas if self._queue_len(r) - least <= self.imbalanced_threshold]
         scores = {r.replica_id: sum(self._matched(r.replica_id, c) for c in chains) for r in balanced}
@@ -139,4 +140,4 @@ class PrefixAffinityRouter(RequestRouter):
             # ... the same one for every request of this prefix routed before the first is recorded
             first = next(c[0] for c in chains if c)
             preferred = [max(lightest, key=lambda r: hash((first, r.replica_id.unique_id)))]
-        return [preferred, fallback]
+        return [preferred, *fallback]
