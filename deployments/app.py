@@ -52,13 +52,15 @@ class IngressArgs(BaseModel):
     batch_wait_timeout_s: float = Field(0.005, ge=0.0)
     api_key: str | None = None
     max_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, ge=1024)
-    # Admission per ingress replica: this many requests in flight (Serve's max_ongoing_requests of the
-    # ingress), max_queued_requests (default: as many) more waiting in each proxy, beyond that 429 with
-    # Retry-After from Serve's proxy. None = no limit.
+    # Generation requests in flight per ingress replica; beyond it 429 + Retry-After in the error JSON.
+    # Counted by the ingress itself: Serve's own limits below count every route, and /health, /metrics
+    # and the RL control routes must stay reachable while generation is full. None = no limit.
     max_concurrent_requests: int | None = Field(None, ge=1)
+    # Serve's limits of the ingress deployment (all routes): requests one ingress replica handles at
+    # once, and how many more wait in each proxy before it answers 429 + Retry-After (None: no bound).
+    max_ongoing_requests: int = Field(1024, ge=1)
     max_queued_requests: int | None = Field(None, ge=1)
     retry_after_s: int = Field(RETRY_AFTER_S, ge=0)
-    max_ongoing_requests: int = Field(1024, ge=1)  # used when max_concurrent_requests is None
     num_replicas: int = Field(1, ge=1)
     ray_actor_options: dict[str, Any] = Field(default_factory=lambda: {"num_cpus": 0.5})
 
@@ -155,12 +157,11 @@ def placement_groups(options: dict[str, Any], ingress: IngressArgs) -> list[Grou
 
 
 def ingress_options(ing: IngressArgs) -> dict[str, Any]:
-    """Serve options for the ingress: `max_concurrent_requests` is Serve's max_ongoing_requests, so
-    Serve's proxy queues at most max_queued_requests more and answers the rest 429 + Retry-After."""
-    limited = ing.max_concurrent_requests is not None
+    """Serve options for the ingress: its own max_ongoing_requests / max_queued_requests (every route),
+    beyond which Serve's proxy answers 429 + Retry-After."""
     return {"num_replicas": ing.num_replicas, "ray_actor_options": ing.ray_actor_options,
-            "max_ongoing_requests": ing.max_concurrent_requests if limited else ing.max_ongoing_requests,
-            "max_queued_requests": (ing.max_queued_requests or ing.max_concurrent_requests) if limited else -1,
+            "max_ongoing_requests": ing.max_ongoing_requests,
+            "max_queued_requests": -1 if ing.max_queued_requests is None else ing.max_queued_requests,
             "backpressure_config": {"status_code": 429, "retry_after_s": ing.retry_after_s}}
 
 

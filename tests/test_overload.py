@@ -2,8 +2,8 @@
 Retry-After at once, never a hang. Two places to set the limit:
 - `engine`: the EngineServer's max_ongoing_requests + max_queued_requests (the ingress gets Serve's
   BackPressureError from the engine handle and answers it);
-- `ingress`: ingress.max_concurrent_requests, which is the ingress deployment's max_ongoing_requests
-  (+ max_queued_requests), refused by Serve's proxy with 429 + Retry-After.
+- `ingress`: ingress.max_concurrent_requests, the generation requests the ingress admits (beyond it
+  429 + Retry-After), with the ingress deployment's own Serve queue bounded too.
 The p99 latency of the admitted requests is printed and recorded (not asserted: timing never decides)."""
 
 from __future__ import annotations
