@@ -10,6 +10,10 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+# On a loaded machine Serve's HTTP proxy can take longer than Serve's default 5-10 s to start and
+# answer its health checks; the controller would then kill it and every Serve test would fail.
+for _name in ("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S"):
+    os.environ.setdefault(_name, "60")
 
 QUIET = {"log_level": "WARNING", "enable_access_log": False}
 

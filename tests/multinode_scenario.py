@@ -29,6 +29,8 @@ from typing import Any
 import httpx
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+for _name in ("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S"):
+    os.environ.setdefault(_name, "60")  # a loaded machine starts Serve's proxy slowly
 QUIET = {"log_level": "WARNING", "enable_access_log": False}
 ENGINE = {"max_model_len": 512, "num_kv_blocks": 192, "kv_block_size": 4, "max_batch_size": 32, "dllm_block_length": 4}
 HEAD_ONLY = {"num_cpus": 0.5, "resources": {"head": 0.01}}  # ingress replicas stay on the head node
