@@ -10,6 +10,9 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+# Ray starts its workers at nice 15, so any busy normal-priority process on a shared machine starves
+# the cluster under test; the tests' own cluster runs its workers at normal priority.
+os.environ.setdefault("RAY_worker_niceness", "0")
 # On a loaded machine Serve's HTTP proxy can take longer than Serve's default 5-10 s to start and
 # answer its health checks; the controller would then kill it and every Serve test would fail.
 for _name in ("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S"):

@@ -29,6 +29,9 @@ from typing import Any
 import httpx
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+# Ray starts its workers at nice 15, so any busy normal-priority process on a shared machine starves
+# the cluster under test; the tests' own cluster runs its workers at normal priority.
+os.environ.setdefault("RAY_worker_niceness", "0")
 for _name in ("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S"):
     os.environ.setdefault(_name, "60")  # a loaded machine starts Serve's proxy slowly
 QUIET = {"log_level": "WARNING", "enable_access_log": False}
