@@ -1,14 +1,18 @@
-"""The GPU check: `python -m bench.gpu_check` prints one JSON object (sized for under 8 minutes on one H200;
-not yet run on one).
+"""The GPU check: `python -m bench.gpu_check` prints each part's JSON line as it finishes, then the whole
+report as one JSON object (about 3 minutes on one H200; a part that raises reports its error and the
+others still run).
 
 1. `flash`: the flash backend against the torch backend, bf16, on random page tables (AR and DLLM
    batches: prefill chunks, denoising steps, fused commit + next block, decode rows).
 2. `greedy`: greedy DLLM and AR outputs (tokens, step_map) of tiny checkpoints in bf16 against the
-   same engine in fp32 on the same GPU; the share of identical outputs (bf16 may flip near-ties).
+   same engine in fp32 on the same GPU; the share of identical outputs, and at each first differing
+   token the fp32 run's logprob gap between the two choices (bf16 flips near-ties; a bug flips clear calls).
 3. `seeded_sampling`: sampled requests with seeds, served twice in different batch mixes: identical.
 4. `throughput`: an SDAR-1.7B-shaped random-weight model (hidden 2048, 28 layers, 16 / 8 heads x 128,
    MLP 6144, vocabulary 151,936, block 4) served at 1, 32 and 128 concurrent requests, against the SDAR
    reference loop on HF transformers (bench/hf_baselines.py) on the same GPU, tokens/s and output match.
+5. `float32_reference`: part 4 at one request at a time in float32, where the engine's outputs must
+   match the reference loop's exactly (bf16's rounding flips confidences at the unmasking threshold).
 
 Where CUDA is absent it prints why and exits 0. Every part is a function of (device, dtype, ...) so
 tests/test_gpu_check.py runs them on the CPU in float32 with tiny shapes.
@@ -21,6 +25,7 @@ import json
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
@@ -98,18 +103,35 @@ def _tiny_prompts(n: int, seed: int) -> list[list[int]]:
 
 def compare_greedy(paths: dict[str, Path], device: str, dtypes: tuple[str, str] = ("bfloat16", "float32"),
                    requests: int = 16) -> dict:
-    """Share of identical greedy outputs (tokens and, for DLLM, step_map) between two dtypes."""
+    """Share of identical greedy outputs (tokens and, for DLLM, step_map) between two dtypes, and where they
+    differ, how close a call it was: at the first differing token, the second dtype's logprob of its own token
+    minus its logprob of the first dtype's token (`None` when that token is outside its top 5). Rounding
+    flips near-ties (gaps of hundredths of a nat); a bug shows as large gaps."""
     prompts = _tiny_prompts(requests, seed=3)
-    params = [GenerationConfig(max_new_tokens=24)] * requests
+    params = [GenerationConfig(max_new_tokens=24, logprobs=5)] * requests
     out = {}
     for name, path in paths.items():
         runs = [_serve(path, EngineConfig(device=device, dtype=dt, kv_block_size=PAGE, num_kv_blocks=256,
                                           dllm_block_length=BLOCK), prompts, params, 8) for dt in dtypes]
         tokens = sum(a.token_ids == b.token_ids for a, b in zip(*runs))
         step_maps = sum(a.step_map == b.step_map for a, b in zip(*runs))
+        gaps = [_first_divergence_gap(a, b) for a, b in zip(*runs) if a.token_ids != b.token_ids]
+        known = [g for g in gaps if g is not None]
         out[name] = {"dtypes": list(dtypes), "requests": requests, "same_tokens": tokens / requests,
-                     "same_step_map": step_maps / requests}
+                     "same_step_map": step_maps / requests, "divergence_gaps_nats": gaps,
+                     "max_gap_nats": max(known, default=None)}
     return out
+
+
+def _first_divergence_gap(first, second) -> float | None:
+    """`second`'s logprob of its token minus its logprob of `first`'s token, at the first differing position."""
+    i = next((i for i, (a, b) in enumerate(zip(first.token_ids, second.token_ids)) if a != b),
+             min(len(first.token_ids), len(second.token_ids)))
+    if i >= min(len(first.token_ids), len(second.token_ids)):
+        return 0.0  # one output is a prefix of the other: a stop token's timing, not a different token
+    row = second.logprobs[i]
+    theirs = row.get(first.token_ids[i])
+    return None if theirs is None else row[second.token_ids[i]] - theirs
 
 
 # ---- 3. seeded sampling ----------------------------------------------------------------------------------------
@@ -148,10 +170,24 @@ def throughput(path: Path, shape: BenchShape, device: str, dtype: str, concurren
                                     "tokens_per_s": run.output_tokens / run.seconds}
     del engine
 
+    try:
+        result["hf_sdar_loop"] = _hf_sdar_loop(path, device, dtype, prompts, budgets, stops, mask_id, first_outputs,
+                                               hf_requests)
+    except Exception as exc:  # noqa: BLE001 -- the engine's figures above stand without the baseline
+        result["hf_sdar_loop"] = {"error": f"{type(exc).__name__}: {exc}"}
+        return result
+    for c, e in result["engine"].items():
+        result["engine"][c]["vs_hf_sdar_loop"] = e["tokens_per_s"] / result["hf_sdar_loop"]["tokens_per_s"]
+    return result
+
+
+def _hf_sdar_loop(path: Path, device: str, dtype: str, prompts: list[list[int]], budgets: list[int], stops: set[int],
+                  mask_id: int, engine_outputs: list[list[int]], requests: int) -> dict:
+    """The SDAR reference loop on HF transformers, one request at a time: tokens/s and agreement with the engine."""
     model = hf.load_hf(path).to(device=device, dtype=getattr(torch, dtype))
     tokens, seconds, match = 0, 0.0, 0
     with torch.device(device):  # the loop builds its tensors with default devices
-        for i in range(hf_requests):
+        for i in range(requests):
             t = time.perf_counter()
             out, _, _ = hf.sdar_generate(model, prompts[i], block_length=BLOCK, mask_id=mask_id,
                                          max_new_tokens=budgets[i], stop_ids=stops, strategy=STRATEGY,
@@ -160,12 +196,9 @@ def throughput(path: Path, shape: BenchShape, device: str, dtype: str, concurren
                 torch.cuda.synchronize()
             seconds += time.perf_counter() - t
             tokens += len(out)
-            match += out == first_outputs[i]
-    result["hf_sdar_loop"] = {"requests": hf_requests, "output_tokens": tokens, "seconds": seconds,
-                              "tokens_per_s": tokens / seconds, "same_as_engine": match / hf_requests}
-    for c, e in result["engine"].items():
-        result["engine"][c]["vs_hf_sdar_loop"] = e["tokens_per_s"] / result["hf_sdar_loop"]["tokens_per_s"]
-    return result
+            match += out == engine_outputs[i]
+    return {"requests": requests, "output_tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+            "same_as_engine": match / requests}
 
 
 def write_tiny_pair(root: Path) -> dict[str, Path]:
@@ -178,9 +211,13 @@ def write_sdar(root: Path, shape: BenchShape) -> Path:
                                  block_size=BLOCK, logit_scale=DLLM_LOGIT_SCALE, seed=1, **asdict(shape))
 
 
+PARTS = ("flash", "greedy", "seeded_sampling", "throughput", "float32_reference")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--skip-throughput", action="store_true")
+    parser.add_argument("--only", nargs="+", choices=PARTS, help="run these parts alone")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print(json.dumps({"skipped": "no CUDA device: the GPU check runs only where torch.cuda.is_available()"}))
@@ -188,18 +225,31 @@ def main(argv: list[str] | None = None) -> int:
     report: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                     "flash_kernel": None if INSTALLED is None else f"{INSTALLED.source} ({INSTALLED.key_lengths})"}
     t0 = time.perf_counter()
-    cuda = torch.device("cuda")
-    report["flash"] = ({"skipped": "no flash kernel installed"} if INSTALLED is None
-                       else compare_attention(INSTALLED, cuda, torch.bfloat16))
+
+    def part(name: str, check: Callable[[], dict]) -> None:
+        """Run one part, print it at once (a later part's crash or timeout keeps the earlier ones), record it."""
+        if args.only and name not in args.only:
+            return
+        try:
+            report[name] = check()
+        except Exception as exc:  # noqa: BLE001 -- one failing part must not hide the others' results
+            report[name] = {"error": f"{type(exc).__name__}: {exc}"}
+        print(json.dumps({name: report[name]}), flush=True)
+
+    part("flash", lambda: {"skipped": "no flash kernel installed"} if INSTALLED is None
+         else compare_attention(INSTALLED, torch.device("cuda"), torch.bfloat16))
     with tempfile.TemporaryDirectory() as tmp:
         tiny = write_tiny_pair(Path(tmp))
-        report["greedy"] = compare_greedy(tiny, "cuda")
-        report["seeded_sampling"] = {name: check_seeded_sampling(path, "cuda", "bfloat16")
-                                     for name, path in tiny.items()}
-        if not args.skip_throughput:
+        part("greedy", lambda: compare_greedy(tiny, "cuda"))
+        part("seeded_sampling", lambda: {name: check_seeded_sampling(path, "cuda", "bfloat16")
+                                         for name, path in tiny.items()})
+        if not args.skip_throughput and (not args.only or {"throughput", "float32_reference"} & set(args.only)):
             path = write_sdar(Path(tmp), SDAR_1_7B)
-            report["throughput"] = throughput(path, SDAR_1_7B, "cuda", "bfloat16", [1, 32, 128],
-                                              Traffic(256, (64, 256), (64, 128)), hf_requests=4)
+            traffic = Traffic(256, (64, 256), (64, 128))
+            part("throughput", lambda: throughput(path, SDAR_1_7B, "cuda", "bfloat16", [1, 32, 128], traffic,
+                                                  hf_requests=4))
+            part("float32_reference", lambda: throughput(path, SDAR_1_7B, "cuda", "float32", [1], traffic,
+                                                         hf_requests=4))
     report["seconds"] = time.perf_counter() - t0
     print(json.dumps(report, indent=2))
     return 0

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import inspect
 import time
 from pathlib import Path
 
@@ -27,6 +28,12 @@ def load_hf(path: Path, attn: str = "sdpa") -> transformers.PreTrainedModel:
     """Load a bench checkpoint into HF `Qwen3ForCausalLM` (SDAR is Qwen3 layers) or, for the MoE
     types, `Qwen3MoeForCausalLM`."""
     return load_hf_reference(path, attn_implementation=attn)
+
+
+def _cache_argument(model: transformers.PreTrainedModel) -> str:
+    """The name `forward` takes its KV cache by: `cache` in current transformers, `past_key_values` before it
+    (an unknown keyword would be swallowed by `**kwargs` and the loop would run without its cache)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 # ---- DLLM: the SDAR block-diffusion loop ----------------------------------------------------------
@@ -67,12 +74,13 @@ def sdar_generate(model, prompt: list[int], *, block_length: int, mask_id: int, 
     x = torch.full((1, num_blocks * b), mask_id, dtype=torch.long)
     x[0, :prompt_len] = torch.tensor(prompt)
     positions = torch.arange(num_blocks * b)[None]
-    cache = DynamicCache(config=model.config)
+    kv = DynamicCache(config=model.config)
+    cache = {_cache_argument(model): kv}
     forwards = rows = 0
     prefill = prompt_len // b * b
     if prefill:
         model(x[:, :prefill], attention_mask=_block_causal(0, prefill, prefill, b, model.dtype),
-              position_ids=positions[:, :prefill], cache=cache, use_cache=True)
+              position_ids=positions[:, :prefill], **cache, use_cache=True)
         forwards, rows = forwards + 1, rows + prefill
     stops = torch.tensor(sorted(stop_ids))
     for k in range(prefill // b, num_blocks):
@@ -84,12 +92,12 @@ def sdar_generate(model, prompt: list[int], *, block_length: int, mask_id: int, 
         while True:
             masked = cur[0] == mask_id
             if not bool(masked.any()):  # commit forward: append the block's final K/V
-                model(cur, attention_mask=mask, position_ids=positions[:, lo:hi], cache=cache, use_cache=True)
+                model(cur, attention_mask=mask, position_ids=positions[:, lo:hi], **cache, use_cache=True)
                 forwards, rows = forwards + 1, rows + b
                 break
-            logits = model(cur, attention_mask=mask, position_ids=positions[:, lo:hi], cache=cache,
+            logits = model(cur, attention_mask=mask, position_ids=positions[:, lo:hi], **cache,
                            use_cache=True).logits[0].float()
-            cache.crop(lo - cache.get_seq_length())  # drop the block's K/V again
+            kv.crop(lo - kv.get_seq_length())  # drop the block's K/V again
             forwards, rows = forwards + 1, rows + b
             probs = logits.softmax(-1)
             conf, cand = probs.max(-1)

@@ -16,6 +16,7 @@ engine's own work from the machine's memory hierarchy: the Python
 function calls per step (deterministic: constant work per step gives equal counts early and late
 in a long run), and a short run whose forward also sweeps as much memory as the long run's KV cache
 (a long-context forward evicts the CPU caches the engine's bookkeeping then runs on).
+`--device cuda` runs the forward on the GPU, where it leaves the CPU caches to the engine.
 """
 
 from __future__ import annotations
@@ -48,14 +49,17 @@ class _ForwardClock:
     """Wraps the executor's forward: adds its thread CPU time to `seconds`, and optionally sweeps
     `sweep_bytes` of memory after it (counted as forward time)."""
 
-    def __init__(self, execute, sweep_bytes: int = 0):
+    def __init__(self, execute, device: str, sweep_bytes: int = 0):
         self.execute = execute
+        self.cuda = device == "cuda"
         self.buffer = torch.zeros(sweep_bytes // 4) if sweep_bytes else None
         self.seconds = 0.0
 
     def __call__(self, batch):
         t0 = time.thread_time()
         out = self.execute(batch)
+        if self.cuda:  # the kernels run asynchronously: wait here, or the wait lands in the sampler's copy
+            torch.cuda.synchronize()
         if self.buffer is not None:
             self.buffer.add_(1.0)
         self.seconds += time.thread_time() - t0
@@ -73,12 +77,13 @@ def _calls_per_seq_step(engine, steps: int) -> float:
     return pstats.Stats(profile).total_calls / steps / running
 
 
-def measure(path: Path, output_len: int, concurrency: int, stop_words: list[str], sweep_bytes: int = 0) -> dict:
-    config = EngineConfig(num_kv_blocks=_pages(output_len, concurrency), kv_block_size=16,
+def measure(path: Path, output_len: int, concurrency: int, stop_words: list[str], sweep_bytes: int = 0,
+            device: str = "cpu") -> dict:
+    config = EngineConfig(device=device, num_kv_blocks=_pages(output_len, concurrency), kv_block_size=16,
                           max_batch_size=concurrency, dllm_block_length=4)
     with pipeline(str(path), config) as pipe:
         engine = pipe.engine
-        clock = engine.executor.execute = _ForwardClock(engine.executor.execute, sweep_bytes)
+        clock = engine.executor.execute = _ForwardClock(engine.executor.execute, device, sweep_bytes)
         gen = GenerationConfig(max_new_tokens=output_len, ignore_eos=True, stop_words=stop_words)
         for i in range(concurrency):
             engine.add_request([(7 * i + 3 * k) % 200 + 10 for k in range(PROMPT_LEN)], gen)
@@ -111,9 +116,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--short", type=int, default=64)
     ap.add_argument("--long", type=int, default=4096)
     ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="cuda: the forward runs on the GPU (bf16) and leaves the CPU caches to the engine")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    out: dict = {"concurrency": args.concurrency, "short": args.short, "long": args.long}
+    out: dict = {"device": args.device, "concurrency": args.concurrency, "short": args.short, "long": args.long}
     with tempfile.TemporaryDirectory() as tmp:
         models = {
             "block_diffusion": write_tiny_checkpoint(Path(tmp) / "sdar", model_type="sdar", num_hidden_layers=1,
@@ -126,13 +133,15 @@ def main(argv: list[str] | None = None) -> None:
             runs = {}
             # a stop string that never matches keeps the stop-string search on the hot path
             never = ["\x00never\x00"]
-            measure(path, args.short, args.concurrency, never)  # warm-up: first-use costs of kernels and allocator
+            # warm-up: first-use costs of kernels and allocator
+            measure(path, args.short, args.concurrency, never, device=args.device)
             for length in (args.short, args.long):
                 print(f"[overhead] {name} {length}-token outputs", file=sys.stderr, flush=True)
-                runs[str(length)] = measure(path, length, args.concurrency, never)
+                runs[str(length)] = measure(path, length, args.concurrency, never, device=args.device)
             kv_bytes = _pages(args.long, args.concurrency) * 16 * 2 * 2 * 16 * 4  # pages x tokens x K,V x heads x dim
             print(f"[overhead] {name} {args.short}-token outputs + {kv_bytes >> 20} MiB sweep", file=sys.stderr)
-            runs[f"{args.short}+sweep"] = measure(path, args.short, args.concurrency, never, sweep_bytes=kv_bytes)
+            runs[f"{args.short}+sweep"] = measure(path, args.short, args.concurrency, never, sweep_bytes=kv_bytes,
+                                                  device=args.device)
             short, long = runs[str(args.short)], runs[str(args.long)]
             out[name] = {
                 "runs": runs,

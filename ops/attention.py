@@ -22,11 +22,13 @@ Backends:
 from __future__ import annotations
 
 import logging
+from contextlib import nullcontext
 from dataclasses import dataclass
 from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ops import flash_kernel
 from ops.flash_kernel import FlashKernel, flash_unmet
@@ -35,6 +37,13 @@ log = logging.getLogger(__name__)
 
 # `enable_gqa` arrived in torch 2.5; before it, K/V heads are repeated for SDPA instead.
 SDPA_HAS_GQA = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 5)
+# SDPA's CUDA implementations for a masked call, minus cuDNN's. cuDNN builds and caches an execution
+# plan per distinct shape, and a serving batch's key length changes every step: on an H200 in bfloat16
+# (where SDPA prefers cuDNN) each call spent ~1.7 ms of CPU building one, 60 % of the engine's CPU
+# time, which made one request at a time 2.5x slower in bfloat16 than in float32. Flash takes no mask
+# and memory-efficient refuses unequal query / K-V head counts, so on CUDA the K/V heads are repeated
+# and memory-efficient runs (math where it declines).
+CUDA_SDPA_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 @dataclass
@@ -207,11 +216,12 @@ def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bucke
 def sdpa_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
     """SDPA with grouped K/V heads: q [S, H, Q, D], k/v [S, KVH, K, D]; query head h reads K/V head
     h // (H // KVH), as FlashAttention and Hugging Face group them."""
-    if SDPA_HAS_GQA:
+    if SDPA_HAS_GQA and not q.is_cuda:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    with sdpa_kernel(CUDA_SDPA_BACKENDS) if q.is_cuda else nullcontext():
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
 class FlashAttention(AttentionBackend):

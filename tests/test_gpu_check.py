@@ -4,6 +4,7 @@ kernel substitutes of tests/test_flash_kernels.py), and its skip where CUDA is a
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -36,7 +37,17 @@ def test_flash_part_agrees_through_each_kernel_shape(kernel):
 def test_greedy_part_finds_identical_outputs_for_identical_dtypes(tiny):
     out = gpu_check.compare_greedy(tiny, "cpu", ("float32", "float32"), requests=4)
     assert out == {name: {"dtypes": ["float32", "float32"], "requests": 4, "same_tokens": 1.0,
-                          "same_step_map": 1.0} for name in ("dllm", "ar")}
+                          "same_step_map": 1.0, "divergence_gaps_nats": [], "max_gap_nats": None}
+                   for name in ("dllm", "ar")}
+
+
+def test_divergence_gap_is_read_from_the_second_run_at_the_first_differing_token():
+    first = SimpleNamespace(token_ids=[5, 7, 9])
+    second = SimpleNamespace(token_ids=[5, 8, 9], logprobs=[{5: -0.1}, {8: -0.50, 7: -0.52, 3: -2.0}, {9: -0.2}])
+    assert gpu_check._first_divergence_gap(first, second) == pytest.approx(0.02)
+    second.logprobs[1] = {8: -0.5, 3: -2.0}  # the first run's token is outside the second's top-k
+    assert gpu_check._first_divergence_gap(first, second) is None
+    assert gpu_check._first_divergence_gap(SimpleNamespace(token_ids=[5]), second) == 0.0
 
 
 def test_seeded_sampling_part(tiny):
