@@ -8,9 +8,8 @@ This follows the design of Ray Serve LLM's `PrefixCacheAffinityRouter` (match �
 the longest cached prefix if load is balanced; little match → the replica holding the least; load
 imbalanced → power of two choices) with two differences:
 
-- it reads our request dicts (`{"prompt"|"input_ids", ...}`, and for `generate_batch` a list of
-  them) instead of `.prompt` / `.messages` attributes; token ids become characters of a private
-  Unicode range so that text and ids share one key space;
+- it reads our request dicts (`{"prompt": text or token ids, ...}`, and for `generate_batch` a list
+  of them) instead of `.prompt` / `.messages` attributes, and matches token-id prompts on their ids;
 - its state lives in the router itself (one per calling ingress replica), not in a shared tree
   actor, because that router calls `ray.get` on the actor twice per request inside Serve's
   routing event loop, which serializes all routing behind actor round trips. The price: with
@@ -32,21 +31,25 @@ from ray.serve._private.request_router.common import PendingRequest
 from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
 from ray.serve._private.request_router.replica_wrapper import RunningReplica
 
-TOKEN_BASE = 0xF0000  # supplementary private use area A: token id t is chr(TOKEN_BASE + t)
 
+def request_key(request: Any) -> str | tuple[int, ...] | None:
+    """What a request's prefix is matched on: its prompt text, or its token ids.
 
-def request_key(request: Any) -> str | None:
-    """The text a request's prefix is matched on: its prompt, or its token ids as characters."""
+    The ingress sends `EngineRequest.model_dump()`: `{"prompt": str | list[int], ...}`; a request dict
+    made by hand may also carry its ids as `input_ids`."""
     if not isinstance(request, dict):
         return None
-    ids = request.get("input_ids")
-    if isinstance(ids, list) and ids and all(isinstance(t, int) and 0 <= t < 0x10000 for t in ids):
-        return "".join(chr(TOKEN_BASE + t) for t in ids)
     prompt = request.get("prompt")
-    return prompt if isinstance(prompt, str) and prompt else None
+    if prompt is None:
+        prompt = request.get("input_ids")
+    if isinstance(prompt, str):
+        return prompt or None
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        return tuple(prompt)
+    return None
 
 
-def request_keys(pending: PendingRequest | None) -> list[str]:
+def request_keys(pending: PendingRequest | None) -> list[str | tuple[int, ...]]:
     """The keys of every request in a call: one for generate/generate_stream, one per entry of a
     generate_batch list; none for calls without a prompt (stats, health checks)."""
     if pending is None or not pending.args:
@@ -56,7 +59,7 @@ def request_keys(pending: PendingRequest | None) -> list[str]:
     return [k for k in keys if k]
 
 
-def chunk_hashes(key: str, chunk_chars: int) -> list[int]:
+def chunk_hashes(key: str | tuple[int, ...], chunk_chars: int) -> list[int]:
     """Hash chain over the key's full chunks: entry i identifies the prefix key[: (i + 1) * chunk_chars]."""
     hashes, h = [], 0
     for i in range(len(key) // chunk_chars):
@@ -70,7 +73,7 @@ class PrefixAffinityRouter(PowerOfTwoChoicesRequestRouter):
 
     def initialize_state(self, chunk_chars: int = 16, imbalanced_threshold: int = 8,
                          match_rate_threshold: float = 0.1, max_chunks_per_replica: int = 200_000) -> None:
-        """chunk_chars: granularity of prefix matching (characters, or tokens for input_ids);
+        """chunk_chars: granularity of prefix matching (characters of a text prompt, or token ids);
         imbalanced_threshold: a replica this many requests busier than the least busy candidate
         is not preferred for its prefix; match_rate_threshold: below this share of the request's
         chunks matched, the request goes to the replica holding the fewest prefixes instead."""

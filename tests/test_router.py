@@ -1,0 +1,36 @@
+"""The prefix-aware router's view of a request: the keys it matches prefixes on, read from the calls
+the ingress really makes (`EngineRequest.model_dump()`, one per `generate_stream`, a list per
+`generate_batch`) inside Serve's own `PendingRequest`."""
+
+from __future__ import annotations
+
+from ray.serve._private.common import RequestMetadata
+from ray.serve._private.request_router.common import PendingRequest
+
+from deployments.router import chunk_hashes, request_keys
+from deployments.schemas import EngineRequest
+
+IDS = list(range(150_000, 150_040))  # ids above 2**16 occur in every Qwen3 vocabulary (151,936)
+
+
+def _call(arg) -> PendingRequest:
+    return PendingRequest(args=[arg], kwargs={}, metadata=RequestMetadata(request_id="r", internal_request_id="r"))
+
+
+def _sent(prompt) -> dict:
+    return EngineRequest(prompt=prompt, params={"max_new_tokens": 4}, request_id="r").model_dump()
+
+
+def test_token_id_and_text_prompts_as_the_ingress_sends_them_have_keys():
+    assert request_keys(_call(_sent(IDS))) == [tuple(IDS)]
+    assert request_keys(_call(_sent("system prompt"))) == ["system prompt"]
+    assert request_keys(_call([_sent(IDS), _sent("x")])) == [tuple(IDS), "x"]  # generate_batch
+    assert request_keys(_call({"input_ids": IDS})) == [tuple(IDS)]
+    assert request_keys(_call({"method": "check_health"})) == []
+
+
+def test_prompts_sharing_a_prefix_share_exactly_its_chunk_hashes():
+    shared, other = chunk_hashes(tuple(IDS), 16), chunk_hashes(tuple(IDS[:32] + [7] * 8), 16)
+    assert len(shared) == 2 and shared == other[:2]
+    assert chunk_hashes(tuple(IDS[:32]), 16) == shared
+    assert chunk_hashes(tuple([1] + IDS[1:]), 16)[0] != shared[0]
