@@ -4,6 +4,8 @@ the ingress really makes (`EngineRequest.model_dump()`, one per `generate_stream
 
 from __future__ import annotations
 
+import asyncio
+
 from ray.serve._private.common import RequestMetadata
 from ray.serve._private.request_router.common import PendingRequest
 
@@ -13,8 +15,12 @@ from deployments.schemas import EngineRequest
 IDS = list(range(150_000, 150_040))  # ids above 2**16 occur in every Qwen3 vocabulary (151,936)
 
 
-def _call(arg) -> PendingRequest:
-    return PendingRequest(args=[arg], kwargs={}, metadata=RequestMetadata(request_id="r", internal_request_id="r"))
+def _keys(arg) -> list:
+    """`request_keys` of a call with this argument (a PendingRequest holds a future: it needs a loop)."""
+    async def keys() -> list:
+        metadata = RequestMetadata(request_id="r", internal_request_id="r")
+        return request_keys(PendingRequest(args=[arg], kwargs={}, metadata=metadata))
+    return asyncio.run(keys())
 
 
 def _sent(prompt) -> dict:
@@ -22,11 +28,11 @@ def _sent(prompt) -> dict:
 
 
 def test_token_id_and_text_prompts_as_the_ingress_sends_them_have_keys():
-    assert request_keys(_call(_sent(IDS))) == [tuple(IDS)]
-    assert request_keys(_call(_sent("system prompt"))) == ["system prompt"]
-    assert request_keys(_call([_sent(IDS), _sent("x")])) == [tuple(IDS), "x"]  # generate_batch
-    assert request_keys(_call({"input_ids": IDS})) == [tuple(IDS)]
-    assert request_keys(_call({"method": "check_health"})) == []
+    assert _keys(_sent(IDS)) == [tuple(IDS)]
+    assert _keys(_sent("system prompt")) == ["system prompt"]
+    assert _keys([_sent(IDS), _sent("x")]) == [tuple(IDS), "x"]  # generate_batch
+    assert _keys({"input_ids": IDS}) == [tuple(IDS)]
+    assert _keys({"method": "check_health"}) == []
 
 
 def test_prompts_sharing_a_prefix_share_exactly_its_chunk_hashes():
