@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import socket
 import sys
 import tempfile
@@ -27,15 +26,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from ray_env import QUIET, SERVE_ENGINE, set_test_ray_environment
 
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-# Ray starts its workers at nice 15, so any busy normal-priority process on a shared machine starves
-# the cluster under test; the tests' own cluster runs its workers at normal priority.
-os.environ.setdefault("RAY_worker_niceness", "0")
-for _name in ("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S"):
-    os.environ.setdefault(_name, "60")  # a loaded machine starts Serve's proxy slowly
-QUIET = {"log_level": "WARNING", "enable_access_log": False}
-ENGINE = {"max_model_len": 512, "num_kv_blocks": 192, "kv_block_size": 4, "max_batch_size": 32, "dllm_block_length": 4}
+set_test_ray_environment()
+ENGINE = SERVE_ENGINE
 HEAD_ONLY = {"num_cpus": 0.5, "resources": {"head": 0.01}}  # ingress replicas stay on the head node
 PROMPTS = ["Hello world", "Question: what is 7 * 8? Answer:", "Once upon a time", "def f(x):", "1, 2, 3,", "abc"]
 # Fast node-failure detection: the GCS declares a silent node dead after ~3 s instead of ~30 s.

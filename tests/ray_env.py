@@ -1,0 +1,25 @@
+"""What the Ray clusters the tests start share: their environment and Serve settings. Used by
+conftest.py and by the multi-node scenario, which runs in a process of its own."""
+
+from __future__ import annotations
+
+import os
+
+QUIET = {"log_level": "WARNING", "enable_access_log": False}  # Serve's logging_config for test apps
+
+# Small engines for tiny checkpoints (EngineConfig field names).
+SERVE_ENGINE = {"max_model_len": 512, "num_kv_blocks": 192, "kv_block_size": 4, "max_batch_size": 32,
+                "dllm_block_length": 4}
+
+
+def set_test_ray_environment() -> None:
+    """Settings the Ray processes read at start; call before starting a cluster. Values already in the
+    environment win."""
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    # Ray starts its workers at nice 15, so any busy normal-priority process on a shared machine starves
+    # the cluster under test; the tests' own cluster runs its workers at normal priority.
+    os.environ.setdefault("RAY_worker_niceness", "0")
+    # On a loaded machine Serve's HTTP proxy can take longer than Serve's default 5-10 s to start and
+    # answer its health checks; the controller would then kill it and every Serve test would fail.
+    for name in ("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S"):
+        os.environ.setdefault(name, "60")
