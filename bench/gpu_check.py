@@ -125,9 +125,9 @@ def compare_greedy(paths: dict[str, Path], device: str, dtypes: tuple[str, str] 
 
 def _first_divergence_gap(first, second) -> float | None:
     """`second`'s logprob of its token minus its logprob of `first`'s token, at the first differing position."""
-    i = next((i for i, (a, b) in enumerate(zip(first.token_ids, second.token_ids)) if a != b),
-             min(len(first.token_ids), len(second.token_ids)))
-    if i >= min(len(first.token_ids), len(second.token_ids)):
+    n = min(len(first.token_ids), len(second.token_ids))
+    i = next((i for i in range(n) if first.token_ids[i] != second.token_ids[i]), None)
+    if i is None:
         return 0.0  # one output is a prefix of the other: a stop token's timing, not a different token
     row = second.logprobs[i]
     theirs = row.get(first.token_ids[i])
@@ -212,6 +212,7 @@ def write_sdar(root: Path, shape: BenchShape) -> Path:
 
 
 PARTS = ("flash", "greedy", "seeded_sampling", "throughput", "float32_reference")
+MODEL_PARTS = {"throughput", "float32_reference"}  # the parts that need the SDAR-1.7B-shaped checkpoint
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -224,11 +225,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     report: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                     "flash_kernel": None if INSTALLED is None else f"{INSTALLED.source} ({INSTALLED.key_lengths})"}
+    selected = set(args.only or PARTS) - (MODEL_PARTS if args.skip_throughput else set())
     t0 = time.perf_counter()
 
     def part(name: str, check: Callable[[], dict]) -> None:
         """Run one part, print it at once (a later part's crash or timeout keeps the earlier ones), record it."""
-        if args.only and name not in args.only:
+        if name not in selected:
             return
         try:
             report[name] = check()
@@ -243,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         part("greedy", lambda: compare_greedy(tiny, "cuda"))
         part("seeded_sampling", lambda: {name: check_seeded_sampling(path, "cuda", "bfloat16")
                                          for name, path in tiny.items()})
-        if not args.skip_throughput and (not args.only or {"throughput", "float32_reference"} & set(args.only)):
+        if selected & MODEL_PARTS:
             path = write_sdar(Path(tmp), SDAR_1_7B)
             traffic = Traffic(256, (64, 256), (64, 128))
             part("throughput", lambda: throughput(path, SDAR_1_7B, "cuda", "bfloat16", [1, 32, 128], traffic,
