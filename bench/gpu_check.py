@@ -36,10 +36,10 @@ from bench.measure import run_engine
 from bench.models import DLLM_LOGIT_SCALE, BenchShape, mask_id_of, stop_ids_of
 from bench.workloads import Traffic, make_prompts
 from configs import EngineConfig, GenerationConfig
-from engine.engine import LLMEngine
-from engine.tiny_checkpoint import DLLM_TEST_LOGIT_SCALE, write_tiny_checkpoint
+from engine.core.llm_engine import LLMEngine
 from ops.attention import AttentionMetadata, FlashAttention, TorchAttention
 from ops.flash_kernel import INSTALLED, FlashKernel
+from tools.tiny_checkpoint import DLLM_TEST_LOGIT_SCALE, write_tiny_checkpoint
 
 SDAR_1_7B = BenchShape(hidden_size=2048, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
                        head_dim=128, intermediate_size=6144)

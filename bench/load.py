@@ -258,7 +258,7 @@ def _run_local(n: int, seed: int) -> dict[str, Any]:
     from ray import serve
 
     from deployments.app import build_app
-    from engine.tiny_checkpoint import DLLM_TEST_LOGIT_SCALE, write_tiny_checkpoint
+    from tools.tiny_checkpoint import DLLM_TEST_LOGIT_SCALE, write_tiny_checkpoint
 
     with tempfile.TemporaryDirectory() as tmp, local_serve(num_cpus=16) as base_url:
         sdar = write_tiny_checkpoint(Path(tmp) / "sdar", model_type="sdar", logit_scale=DLLM_TEST_LOGIT_SCALE)

@@ -24,8 +24,8 @@ from bench.local_cluster import _free_port
 from configs import EngineConfig, GenerationConfig
 from engine.async_engine import AsyncEngine
 from engine.carrier import Response
-from engine.checkpoint import iter_weights
-from engine.tiny_checkpoint import write_tiny_checkpoint
+from engine.model.checkpoint import iter_weights
+from tools.tiny_checkpoint import write_tiny_checkpoint
 
 SHAPE = dict(hidden_size=1024, num_attention_heads=8, num_key_value_heads=4, head_dim=128, intermediate_size=3072)
 PROMPT = [5, 9, 13, 22, 7, 8]
@@ -45,7 +45,7 @@ class Trainer:
                 [list(t.shape) for _, t in self.tensors])
 
     def join(self, port: int, world_size: int, group_name: str) -> None:
-        from engine.weight_sync import init_custom_process_group
+        from engine.worker.weight_staging import init_custom_process_group
 
         self.group = init_custom_process_group("gloo", f"tcp://127.0.0.1:{port}", world_size, 0, group_name)
 
@@ -85,7 +85,7 @@ def main() -> None:
     size = sum(f.stat().st_size for f in a.glob("*.safetensors"))
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(num_cpus=4, include_dashboard=False, logging_level="warning", log_to_driver=False)
-    from deployments.tp_executor import RayTPExecutor
+    from engine.executor.ray_tp import RayTPExecutor
 
     config = EngineConfig(tp=2, max_model_len=256, num_kv_blocks=64, kv_block_size=16)
     eng = AsyncEngine(str(a), config, RayTPExecutor)

@@ -39,7 +39,7 @@ from configs import EngineConfig
 from deployments.engine_server import EngineServer
 from deployments.ingress import DEFAULT_MAX_BODY_BYTES, RETRY_AFTER_S, Ingress
 from deployments.placement import Group, Strategy, actor_resources, bundle_of, check_fits, cluster_nodes
-from engine.model_source import resolve_model_path
+from engine.model.source import resolve_model_path
 
 ROUTERS = {"prefix_aware": "deployments.router:PrefixAffinityRouter",
            "power_of_two": "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter"}

@@ -36,10 +36,10 @@ from ray import serve
 from configs import EngineConfig
 from deployments.metrics import RequestMetrics
 from deployments.schemas import ApiError, EngineRequest, request_error, validation_error
-from engine.async_engine import AsyncEngine, EngineDeadError, EngineHeldError
+from engine.async_engine import AsyncEngine
 from engine.carrier import OutputChunk, Response
-from engine.requests import RequestError
-from engine.weight_sync import DiskWeights, WeightSource, broadcast_source, tensor_source
+from engine.errors import EngineDeadError, EngineHeldError, RequestError
+from engine.worker.weight_sources import DiskWeights, WeightSource, broadcast_source, tensor_source
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ class EngineServer:
         config = EngineConfig(**(engine or {}))
         factory = None
         if config.tp > 1:
-            from deployments.tp_executor import RayTPExecutor
+            from engine.executor.ray_tp import RayTPExecutor
 
             factory = functools.partial(RayTPExecutor, timeout_s=tp_timeout_s,
                                         worker_options=tp_worker_options or None)
@@ -228,9 +228,7 @@ class EngineServer:
     # ---- observability ---------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         cfg = self.engine.config
-        executor = self.engine.engine.executor
-        info = executor.describe() if hasattr(executor, "describe") else {"executor": "local"}
-        return self.engine.stats() | info | {"replica": self.replica, "rank": self.rank,
+        return self.engine.stats() | {"replica": self.replica, "rank": self.rank,
                                              "model_type": self.engine.spec.model_type,
                                              "tp": cfg.tp, "max_model_len": cfg.max_model_len}
 

@@ -56,8 +56,8 @@ from deployments.schemas import (
     request_body,
     request_components,
 )
-from engine.checkpoint import load_model_spec, load_tokenizer
-from engine.weight_sync import WEIGHT_OP_TIMEOUT_S
+from engine.model.checkpoint import load_model_spec, load_tokenizer
+from engine.worker.update_group import WEIGHT_OP_TIMEOUT_S
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ import sys
 
 from configs import EngineConfig, GenerationConfig
 from engine.carrier import Response
-from engine.pipeline import pipeline
+from engine.offline import pipeline
 
 _COLOURS = [31, 32, 33, 34, 35, 36, 91, 92, 93, 94, 95, 96]
 

@@ -35,7 +35,7 @@ def _free_port() -> int:
 @pytest.fixture(scope="session")
 def ar_ckpt(tmp_path_factory) -> str:
     """A tiny Qwen3 (AR) checkpoint with mildly peaked logits, shared by the engine-level tests."""
-    from engine.tiny_checkpoint import write_tiny_checkpoint
+    from tools.tiny_checkpoint import write_tiny_checkpoint
 
     return str(write_tiny_checkpoint(tmp_path_factory.mktemp("ar"), model_type="qwen3", seed=4, logit_scale=2.0))
 
@@ -43,7 +43,7 @@ def ar_ckpt(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def dllm_ckpt(tmp_path_factory) -> str:
     """A tiny SDAR (DLLM) checkpoint whose confidences give dynamic unmasking something to do."""
-    from engine.tiny_checkpoint import DLLM_TEST_LOGIT_SCALE, write_tiny_checkpoint
+    from tools.tiny_checkpoint import DLLM_TEST_LOGIT_SCALE, write_tiny_checkpoint
 
     return str(write_tiny_checkpoint(tmp_path_factory.mktemp("sdar"), model_type="sdar", seed=5,
                                      logit_scale=DLLM_TEST_LOGIT_SCALE))
@@ -52,7 +52,7 @@ def dllm_ckpt(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def tiny_checkpoints(tmp_path_factory) -> dict[str, Path]:
     """One tiny SDAR (DLLM) and one tiny Qwen3 (AR) checkpoint on disk."""
-    from engine.tiny_checkpoint import DLLM_TEST_LOGIT_SCALE, write_tiny_checkpoint
+    from tools.tiny_checkpoint import DLLM_TEST_LOGIT_SCALE, write_tiny_checkpoint
 
     root = tmp_path_factory.mktemp("ckpt")
     return {"sdar": write_tiny_checkpoint(root / "sdar", model_type="sdar", logit_scale=DLLM_TEST_LOGIT_SCALE),

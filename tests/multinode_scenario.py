@@ -216,7 +216,7 @@ def main() -> int:
     from ray import serve
     from ray.cluster_utils import Cluster
 
-    from engine.tiny_checkpoint import DLLM_TEST_LOGIT_SCALE, write_tiny_checkpoint
+    from tools.tiny_checkpoint import DLLM_TEST_LOGIT_SCALE, write_tiny_checkpoint
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 4, "resources": {"head": 1},
                                                             "_system_config": SYSTEM_CONFIG})

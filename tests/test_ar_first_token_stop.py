@@ -6,7 +6,7 @@ once masked the stop ids for the first token and one token past min_new_tokens."
 from __future__ import annotations
 
 from engine import EngineConfig, GenerationConfig, pipeline
-from engine.tiny_checkpoint import write_tiny_checkpoint
+from tools.tiny_checkpoint import write_tiny_checkpoint
 
 
 def test_first_token_can_be_a_stop_id(tmp_path):

@@ -8,8 +8,8 @@ import pytest
 
 from engine import EngineConfig, GenerationConfig, Response
 from engine.async_engine import AsyncEngine
-from engine.requests import RequestError
-from engine.tiny_checkpoint import DLLM_TEST_LOGIT_SCALE, write_tiny_checkpoint
+from engine.errors import RequestError
+from tools.tiny_checkpoint import DLLM_TEST_LOGIT_SCALE, write_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -13,8 +13,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from engine import EngineConfig, GenerationConfig, pipeline
-from engine.checkpoint import load_model_spec
-from engine.tiny_checkpoint import load_hf_reference, write_tiny_checkpoint
+from engine.model.checkpoint import load_model_spec
+from tools.tiny_checkpoint import load_hf_reference, write_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")

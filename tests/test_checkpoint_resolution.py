@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from engine import EngineConfig, pipeline
-from engine.tiny_checkpoint import write_tiny_checkpoint
+from tools.tiny_checkpoint import write_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")

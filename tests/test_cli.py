@@ -118,7 +118,7 @@ def test_blockserve_serve_scores_over_http_on_the_cluster_ray_address_names():
 RESOLVE = """
 import sys
 from engine import GenerationConfig, pipeline
-from engine.model_source import resolve_model_path
+from engine.model.source import resolve_model_path
 
 path = resolve_model_path("blockserve-test/qwen3-tiny")
 print("PATH " + path)

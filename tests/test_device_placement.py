@@ -37,9 +37,10 @@ from torch._subclasses.fake_tensor import FakeTensorDeviceMismatchError, FakeTen
 from torch.utils.cpp_extension import include_paths
 
 from configs import EngineConfig
-from engine.checkpoint import load_model_spec
-from engine.model import Qwen3ForCausalLM
-from engine.runner import ForwardBatch, ModelRunner
+from engine.model.checkpoint import load_model_spec
+from engine.model.qwen3 import Qwen3ForCausalLM
+from engine.worker.forward_batch import ForwardBatch
+from engine.worker.runner import ModelRunner
 from ops import flash_kernel
 from ops.attention import AttentionMetadata, FlashAttention, TorchAttention, make_attention_backend, write_kv
 

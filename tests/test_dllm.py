@@ -8,7 +8,7 @@ import pytest
 from dllm_reference import reference_dllm_generate
 
 from engine import EngineConfig, GenerationConfig, Response, pipeline
-from engine.tiny_checkpoint import DLLM_TEST_LOGIT_SCALE, load_hf_reference, write_tiny_checkpoint
+from tools.tiny_checkpoint import DLLM_TEST_LOGIT_SCALE, load_hf_reference, write_tiny_checkpoint
 
 STRATEGIES = ["low_confidence_dynamic", "low_confidence_static", "sequential"]
 ENTROPY_BOUNDS = [0.35, 2.0, 6.0]

@@ -11,7 +11,7 @@ import transformers
 from dllm_reference import block_causal_logits, reference_dllm_generate
 from safetensors import safe_open
 
-from engine.tiny_checkpoint import (
+from tools.tiny_checkpoint import (
     DLLM_TEST_LOGIT_SCALE,
     SPECIAL_TOKENS,
     build_byte_tokenizer,

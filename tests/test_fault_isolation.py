@@ -13,7 +13,7 @@ import asyncio
 import httpx
 import pytest
 
-import engine.engine as engine_module
+import engine.core.llm_engine as engine_module
 from engine import EngineConfig, GenerationConfig, pipeline
 
 ODD = {  # each must neither fail its batch mates nor raise a 5xx

@@ -7,16 +7,16 @@ import pytest
 import torch
 
 from engine import EngineConfig, GenerationConfig, pipeline
-from engine.kv_cache import KVBlockManager, PageTable
+from engine.kv.page_manager import KVPageManager, PageTable
 
-# ---- unit: KVBlockManager ---------------------------------------------------------------------
+# ---- unit: KVPageManager ---------------------------------------------------------------------
 
 
 def toks(n: int, base: int = 0) -> list[int]:
     return [base + i for i in range(n)]
 
 
-def filled(kv: KVBlockManager, tokens: list[int], committed: int | None = None) -> PageTable:
+def filled(kv: KVPageManager, tokens: list[int], committed: int | None = None) -> PageTable:
     """A sequence whose pages hold `tokens` and whose first `committed` tokens are final."""
     table = PageTable()
     assert kv.allocate(table, len(tokens))
@@ -25,7 +25,7 @@ def filled(kv: KVBlockManager, tokens: list[int], committed: int | None = None) 
 
 
 def test_free_list_accounting():
-    kv = KVBlockManager(num_pages=8, page_size=4, enable_prefix_caching=False)
+    kv = KVPageManager(num_pages=8, page_size=4, enable_prefix_caching=False)
     assert kv.num_free_pages == 8
     a = PageTable()
     assert kv.pages_needed(a, 9) == 3
@@ -46,7 +46,7 @@ def test_free_list_accounting():
 
 
 def test_prefix_hit_and_refcount_sharing():
-    kv = KVBlockManager(num_pages=16, page_size=4, enable_prefix_caching=True)
+    kv = KVPageManager(num_pages=16, page_size=4, enable_prefix_caching=True)
     prompt = toks(14)
     a = filled(kv, prompt)
     assert a.registered == 3, "only full pages are registered (14 tokens = 3 full pages + 2)"
@@ -68,7 +68,7 @@ def test_prefix_hit_and_refcount_sharing():
 
 
 def test_hash_chain_miss_on_different_earlier_page():
-    kv = KVBlockManager(num_pages=16, page_size=4, enable_prefix_caching=True)
+    kv = KVPageManager(num_pages=16, page_size=4, enable_prefix_caching=True)
     a_tokens = toks(8)
     filled(kv, a_tokens)
     # same second page, different first page: the chain makes the second page a miss too
@@ -83,7 +83,7 @@ def test_hash_chain_miss_on_different_earlier_page():
 
 
 def test_register_only_committed_pages():
-    kv = KVBlockManager(num_pages=8, page_size=4, enable_prefix_caching=True)
+    kv = KVPageManager(num_pages=8, page_size=4, enable_prefix_caching=True)
     tokens = toks(12)
     a = filled(kv, tokens, committed=5)
     assert a.registered == 1, "tokens 4..7 are not committed yet: page 1 must not be published"
@@ -98,7 +98,7 @@ def test_register_only_committed_pages():
 
 
 def test_disabled_prefix_cache_never_hits():
-    kv = KVBlockManager(num_pages=8, page_size=4, enable_prefix_caching=False)
+    kv = KVPageManager(num_pages=8, page_size=4, enable_prefix_caching=False)
     tokens = toks(8)
     a = filled(kv, tokens)
     kv.free(a)
@@ -108,7 +108,7 @@ def test_disabled_prefix_cache_never_hits():
 
 
 def test_lru_eviction_order():
-    kv = KVBlockManager(num_pages=4, page_size=4, enable_prefix_caching=True)
+    kv = KVPageManager(num_pages=4, page_size=4, enable_prefix_caching=True)
     a_tok, b_tok = toks(8, 0), toks(8, 50)
     a, b = filled(kv, a_tok), filled(kv, b_tok)
     b_pages = list(b.pages)
@@ -132,7 +132,7 @@ def test_lru_eviction_order():
 
 
 def test_evicted_page_is_not_matched_by_its_old_key():
-    kv = KVBlockManager(num_pages=2, page_size=4, enable_prefix_caching=True)
+    kv = KVPageManager(num_pages=2, page_size=4, enable_prefix_caching=True)
     a_tok = toks(8)
     kv.free(filled(kv, a_tok))
     other = filled(kv, toks(8, 70))  # reuses (evicts) both pages with new content
@@ -146,7 +146,7 @@ def test_evicted_page_is_not_matched_by_its_old_key():
 def test_dllm_key_extends_to_the_end_of_the_block(page_size, block):
     """Under block-causal attention a page's K/V depend on the rest of its DLLM block: the page may
     only be shared when those tokens match too, and registered only when they are committed."""
-    kv = KVBlockManager(num_pages=32, page_size=page_size, enable_prefix_caching=True, dllm_block_length=block)
+    kv = KVPageManager(num_pages=32, page_size=page_size, enable_prefix_caching=True, dllm_block_length=block)
     tokens = toks(2 * block)
     a = PageTable()
     assert kv.allocate(a, len(tokens))

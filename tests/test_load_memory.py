@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from engine.tiny_checkpoint import load_hf_reference, write_tiny_checkpoint
+from tools.tiny_checkpoint import load_hf_reference, write_tiny_checkpoint
 
 SHAPE = dict(hidden_size=1024, num_hidden_layers=40, num_attention_heads=8, num_key_value_heads=4, head_dim=128,
              intermediate_size=3072)
@@ -25,9 +25,9 @@ PROMPT = [5, 77, 130, 9, 250, 31, 200, 14]
 
 CHILD = """
 import json, sys, torch
-from engine.checkpoint import load_model_spec
-from engine.model import TPContext
-from engine.runner import build_model
+from engine.model.checkpoint import load_model_spec
+from engine.model.qwen3 import TPContext
+from engine.worker.runner import build_model
 
 def rss(field):
     for line in open("/proc/self/status"):

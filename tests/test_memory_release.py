@@ -15,8 +15,8 @@ import pytest
 
 from engine import EngineConfig, GenerationConfig, Response
 from engine.async_engine import AsyncEngine
-from engine.checkpoint import iter_weights
-from engine.tiny_checkpoint import DLLM_TEST_LOGIT_SCALE, write_tiny_checkpoint
+from engine.model.checkpoint import iter_weights
+from tools.tiny_checkpoint import DLLM_TEST_LOGIT_SCALE, write_tiny_checkpoint
 
 CONFIG = EngineConfig(max_model_len=256, num_kv_blocks=96, kv_block_size=4, logprobs_mode="raw_logprobs")
 PARAMS = GenerationConfig(max_new_tokens=12, ignore_eos=True, logprobs=0)
@@ -127,7 +127,7 @@ def test_weights_from_tensors_come_back_exactly(ckpts):
 
 
 def test_tp2_releases_and_restores_every_rank(serve_cluster, ckpts):
-    from deployments.tp_executor import RayTPExecutor
+    from engine.executor.ray_tp import RayTPExecutor
 
     eng = AsyncEngine(ckpts["a"], CONFIG.model_copy(update={"tp": 2}), RayTPExecutor)
     try:

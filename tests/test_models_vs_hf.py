@@ -11,7 +11,7 @@ import torch
 from conftest import record_lm_head_rows
 
 from engine import EngineConfig, GenerationConfig, pipeline
-from engine.tiny_checkpoint import load_hf_reference, write_tiny_checkpoint
+from tools.tiny_checkpoint import load_hf_reference, write_tiny_checkpoint
 
 # logit_scale 2: distributions are still spread (logprobs are informative) but greedy choices are
 # not near-ties, so float32 rounding differences between two implementations cannot flip them.

@@ -20,8 +20,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from engine import EngineConfig, GenerationConfig, pipeline
-from engine.checkpoint import CheckpointError
-from engine.tiny_checkpoint import DLLM_TEST_LOGIT_SCALE, load_hf_reference, write_tiny_checkpoint
+from engine.model.checkpoint import CheckpointError
+from tools.tiny_checkpoint import DLLM_TEST_LOGIT_SCALE, load_hf_reference, write_tiny_checkpoint
 
 TOL = 1e-4
 NEW_TOKENS = 8

@@ -12,7 +12,7 @@ import openai
 import pytest
 import torch
 
-from engine.tiny_checkpoint import load_hf_reference
+from tools.tiny_checkpoint import load_hf_reference
 
 TOL = 1e-4
 ITEMS = 100

@@ -10,8 +10,9 @@ import asyncio
 import pytest
 
 from engine import EngineConfig, GenerationConfig, Response, pipeline
-from engine.async_engine import AsyncEngine, EngineHeldError
-from engine.tiny_checkpoint import DLLM_TEST_LOGIT_SCALE, write_tiny_checkpoint
+from engine.async_engine import AsyncEngine
+from engine.errors import EngineHeldError
+from tools.tiny_checkpoint import DLLM_TEST_LOGIT_SCALE, write_tiny_checkpoint
 
 CONFIG = EngineConfig(max_model_len=512, num_kv_blocks=256, kv_block_size=4, logprobs_mode="raw_logprobs")
 LONG = GenerationConfig(max_new_tokens=300, ignore_eos=True, logprobs=0)

@@ -14,9 +14,9 @@ from dllm_reference import reference_dllm_generate
 
 from configs import EngineConfig
 from engine import GenerationConfig, pipeline
-from engine.checkpoint import CheckpointError, load_model_spec
-from engine.runner import resolve_dtype
-from engine.tiny_checkpoint import DLLM_TEST_LOGIT_SCALE, load_hf_reference, write_tiny_checkpoint
+from engine.model.checkpoint import CheckpointError, load_model_spec
+from engine.worker.runner import resolve_dtype
+from tools.tiny_checkpoint import DLLM_TEST_LOGIT_SCALE, load_hf_reference, write_tiny_checkpoint
 
 TOL = 1e-4
 TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,

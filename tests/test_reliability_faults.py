@@ -15,7 +15,8 @@ from conftest import SERVE_ENGINE, in_flight_then
 from ray import serve
 
 from configs import EngineConfig, GenerationConfig
-from engine.async_engine import AsyncEngine, EngineDeadError
+from engine.async_engine import AsyncEngine
+from engine.errors import EngineDeadError
 
 LONG = {"prompt": "Tell me a long story.", "max_tokens": 480, "temperature": 0.9, "seed": 5, "ignore_eos": True}
 SHORT = {"prompt": "Hello", "max_tokens": 6, "temperature": 0, "ignore_eos": True}

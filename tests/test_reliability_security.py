@@ -21,7 +21,7 @@ from configs import EngineConfig, GenerationConfig
 from deployments.app import AppArgs
 from deployments.ingress import app as ingress_app
 from deployments.schemas import CONTROL_REQUESTS
-from engine.pipeline import pipeline
+from engine.offline import pipeline
 
 AUTH = {"Authorization": f"Bearer {KEY}"}
 ROOT = Path(__file__).resolve().parent.parent

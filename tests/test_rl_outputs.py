@@ -11,7 +11,7 @@ import torch
 from dllm_reference import block_causal_logits
 
 from engine import EngineConfig, GenerationConfig, pipeline
-from engine.tiny_checkpoint import DLLM_TEST_LOGIT_SCALE, load_hf_reference, write_tiny_checkpoint
+from tools.tiny_checkpoint import DLLM_TEST_LOGIT_SCALE, load_hf_reference, write_tiny_checkpoint
 
 B = 4
 SAMPLING = dict(do_sample=True, temperature=0.7, top_k=20, top_p=0.9, min_p=0.05, repetition_penalty=1.1)

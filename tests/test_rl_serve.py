@@ -21,8 +21,8 @@ from ray import serve
 
 from configs import EngineConfig, GenerationConfig
 from deployments.schemas import merge_generate_deltas
-from engine.pipeline import pipeline
-from engine.tiny_checkpoint import DLLM_TEST_LOGIT_SCALE, write_tiny_checkpoint
+from engine.offline import pipeline
+from tools.tiny_checkpoint import DLLM_TEST_LOGIT_SCALE, write_tiny_checkpoint
 
 PROMPT = [5, 17, 200, 33, 9, 41]
 ROLLOUT = {"input_ids": PROMPT, "max_tokens": 12, "temperature": 0, "return_logprob": True}
@@ -33,7 +33,7 @@ import httpx, ray, torch
 import torch.distributed as dist
 from ray import serve
 from safetensors.torch import load_file
-from engine.weight_sync import init_custom_process_group
+from engine.worker.update_group import init_custom_process_group
 
 app, url, address, disk, tensors_dir, broadcast_dir, body = sys.argv[1:8]
 body = json.loads(body)

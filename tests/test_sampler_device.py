@@ -11,7 +11,7 @@ from test_device_placement import fake_cuda, fake_cuda_guard  # noqa: F401 - fix
 from torch._subclasses.fake_tensor import FakeTensorDeviceMismatchError
 
 from configs import GenerationConfig
-from engine.sampler import RowGroup, logprob_values, pick_tokens
+from engine.core.sampler import RowGroup, logprob_values, pick_tokens
 
 VOCAB = 64
 GROUPS = {

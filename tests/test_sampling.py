@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine import EngineConfig, GenerationConfig, Response, pipeline
-from engine.tiny_checkpoint import DLLM_TEST_LOGIT_SCALE, load_hf_reference, write_tiny_checkpoint
+from tools.tiny_checkpoint import DLLM_TEST_LOGIT_SCALE, load_hf_reference, write_tiny_checkpoint
 
 
 def prompt(n: int, seed: int) -> list[int]:

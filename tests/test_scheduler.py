@@ -38,7 +38,7 @@ def generate_bounded(pipe, prompts, params: GenerationConfig, max_steps: int = 2
             responses[chunk.request_id].add(chunk)
         if not engine.has_unfinished():
             return [responses[rid] for rid in rids]
-    sched = engine.scheduler
+    sched = engine.core.scheduler
     pytest.fail(f"no completion after {max_steps} steps: running={[s.request_id for s in sched.running]}, "
                 f"waiting={[(s.request_id, len(s.table.pages)) for s in sched.waiting]} (request, pages held), "
                 f"free pages={engine.kv.num_free_pages}")

@@ -8,8 +8,8 @@ import torch
 from conftest import record_lm_head_rows
 
 from engine import EngineConfig, GenerationConfig, Response, pipeline
-from engine.requests import RequestError
-from engine.tiny_checkpoint import load_hf_reference, write_tiny_checkpoint
+from engine.errors import RequestError
+from tools.tiny_checkpoint import load_hf_reference, write_tiny_checkpoint
 
 TOL = 1e-4
 L = 26

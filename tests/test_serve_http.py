@@ -11,7 +11,7 @@ from ray import serve
 
 from configs import EngineConfig, GenerationConfig
 from deployments.schemas import merge_generate_deltas
-from engine.pipeline import pipeline
+from engine.offline import pipeline
 
 TIMEOUT = 120
 

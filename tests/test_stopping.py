@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from engine import EngineConfig, GenerationConfig, Response, pipeline
-from engine.tiny_checkpoint import DLLM_TEST_LOGIT_SCALE, write_tiny_checkpoint
+from tools.tiny_checkpoint import DLLM_TEST_LOGIT_SCALE, write_tiny_checkpoint
 
 B = 4
 MAX_NEW = 40

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from engine import EngineConfig, GenerationConfig, pipeline
-from engine.requests import RequestError
-from engine.tiny_checkpoint import write_tiny_checkpoint
+from engine.errors import RequestError
+from tools.tiny_checkpoint import write_tiny_checkpoint
 
 # ---- configs ----------------------------------------------------------------------------------
 

@@ -18,9 +18,9 @@ import torch
 
 from engine import EngineConfig, GenerationConfig, Response, pipeline
 from engine.async_engine import AsyncEngine
-from engine.checkpoint import iter_weights
-from engine.tiny_checkpoint import DLLM_TEST_LOGIT_SCALE, write_tiny_checkpoint
-from engine.weight_sync import WeightUpdateError
+from engine.errors import WeightUpdateError
+from engine.model.checkpoint import iter_weights
+from tools.tiny_checkpoint import DLLM_TEST_LOGIT_SCALE, write_tiny_checkpoint
 
 CONFIG = EngineConfig(max_model_len=256, num_kv_blocks=96, kv_block_size=4, logprobs_mode="raw_logprobs")
 PARAMS = GenerationConfig(max_new_tokens=16, ignore_eos=True, logprobs=0)
@@ -31,8 +31,8 @@ PROMPTS = [[5, 9, 13, 22, 7, 8, 9, 10, 31, 4], [77, 3, 120, 9]]
 TRAINER = """
 import json, sys, torch
 import torch.distributed as dist
-from engine.checkpoint import iter_weights
-from engine.weight_sync import init_custom_process_group
+from engine.model.checkpoint import iter_weights
+from engine.worker.update_group import init_custom_process_group
 
 port, world, path, group_name, bad = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
 group = init_custom_process_group("gloo", f"tcp://127.0.0.1:{port}", world, 0, group_name, timeout_s=120)
@@ -258,7 +258,7 @@ def test_distributed_update_from_a_trainer_broadcast(engine, ckpts, expected):
 # ---- tp=2 over Ray (rank 0 in this process, rank 1 a TPWorker actor, gloo) -----------------------
 @pytest.fixture(scope="module")
 def tp2(serve_cluster, ckpts):
-    from deployments.tp_executor import RayTPExecutor
+    from engine.executor.ray_tp import RayTPExecutor
 
     eng = AsyncEngine(ckpts["a"], CONFIG.model_copy(update={"tp": 2}), RayTPExecutor)
     yield eng
@@ -294,9 +294,9 @@ def test_tp2_a_rank_refusing_its_slice_leaves_every_rank_on_the_old_weights(tp2,
 
 
 def test_flush_forgets_cached_pages_and_tables_from_before_never_publish():
-    from engine.kv_cache import KVBlockManager, PageTable
+    from engine.kv.page_manager import KVPageManager, PageTable
 
-    kv, tokens = KVBlockManager(num_pages=8, page_size=4, enable_prefix_caching=True), list(range(100, 112))
+    kv, tokens = KVPageManager(num_pages=8, page_size=4, enable_prefix_caching=True), list(range(100, 112))
     in_flight, finished = PageTable(), PageTable()
     assert kv.allocate(in_flight, 8) and kv.allocate(finished, 4)
     kv.register(in_flight, tokens, 8)

@@ -1,46 +1,58 @@
-"""Request validation: every rule a request must meet, with messages that say what to change."""
+"""Input processing: a request's prompt turned into token ids, and every rule it must meet, with
+messages that say what to change.
+
+It sees what it checks against -- the tokenizer and the `ModelLimits` of the loaded model and
+cache -- never the engine (the HTTP schemas check field ranges first, with the same limits as
+`GenerationConfig`; these are the rules that need the model).
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import Any
 
 from configs import GenerationConfig
-
-if TYPE_CHECKING:
-    from engine.engine import LLMEngine
+from engine.errors import RequestError
 
 
-class RequestError(ValueError):
-    """A request the engine refuses; `param` names the offending field (HTTP 400)."""
+@dataclass(frozen=True)
+class ModelLimits:
+    """What a request is checked against: the model's vocabulary and paradigm, the engine's lengths."""
 
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.message = message
-        self.param = param
+    vocab_size: int
+    max_model_len: int
+    kv_page_size: int
+    num_kv_pages: int
+    block_length: int | None  # the diffusion block of a block-diffusion model; None for AR
+    logprobs_mode: str | None
+
+    @property
+    def is_dllm(self) -> bool:
+        return self.block_length is not None
 
 
-def _tokenize(engine: LLMEngine, prompt: str | list[int]) -> list[int]:
+def _tokenize(tokenizer: Any, limits: ModelLimits, prompt: str | list[int]) -> list[int]:
     if isinstance(prompt, str):
         if not prompt:
             raise RequestError("prompt is empty", "prompt")
-        return list(engine.tokenizer.encode(prompt, add_special_tokens=False))
+        return list(tokenizer.encode(prompt, add_special_tokens=False))
     if not isinstance(prompt, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         raise RequestError("input_ids must be a list of integer token ids", "input_ids")
     if not prompt:
         raise RequestError("input_ids is empty", "input_ids")
-    vocab = engine.spec.vocab_size
+    vocab = limits.vocab_size
     bad = [t for t in prompt if not 0 <= t < vocab]
     if bad:
         raise RequestError(f"input_ids holds ids outside the vocabulary [0, {vocab}): {bad[:5]}", "input_ids")
     return list(prompt)
 
 
-def _check_scoring(engine: LLMEngine, prompt: str | list[int], ids: list[int], p: GenerationConfig) -> None:
+def _check_scoring(limits: ModelLimits, prompt: str | list[int], ids: list[int], p: GenerationConfig) -> None:
     """max_new_tokens=0 is a scoring request; logprob_start_len >= 0 asks for rows."""
     scoring = p.max_new_tokens == 0
     if not scoring and p.logprob_start_len < 0:
         return
-    if engine.is_dllm:
+    if limits.is_dllm:
         if p.logprob_start_len >= 0:
             raise RequestError("input-token logprobs (logprob_start_len >= 0) are only available for AR models; "
                                "this model is a block-diffusion LM", "logprob_start_len")
@@ -57,29 +69,29 @@ def _check_scoring(engine: LLMEngine, prompt: str | list[int], ids: list[int], p
                            f"must be < len(input_ids) - 1 = {len(ids) - 1}", "logprob_start_len")
     if p.logprobs is None:
         raise RequestError("input-token logprobs need logprobs >= 0 (return_logprob=true over HTTP)", "logprobs")
-    if engine.config.logprobs_mode is None:
+    if limits.logprobs_mode is None:
         raise RequestError("this engine was started with logprobs_mode=None; restart it with logprobs_mode="
                            "'raw_logprobs' or 'raw_logits' to score inputs", "logprobs_mode")
 
 
-def validate_request(engine: LLMEngine, prompt: str | list[int], params: GenerationConfig) -> list[int]:
+def process_input(tokenizer: Any, limits: ModelLimits, prompt: str | list[int], params: GenerationConfig
+                  ) -> list[int]:
     """Token ids of a valid request, or RequestError."""
-    ids = _tokenize(engine, prompt)
-    _check_scoring(engine, prompt, ids, params)
+    ids = _tokenize(tokenizer, limits, prompt)
+    _check_scoring(limits, prompt, ids, params)
     total = len(ids) + params.max_new_tokens
-    cfg = engine.config
-    if total > cfg.max_model_len:
+    if total > limits.max_model_len:
         raise RequestError(f"prompt ({len(ids)} tokens) + max_new_tokens ({params.max_new_tokens}) = {total} "
-                           f"exceeds max_model_len={cfg.max_model_len}; shorten the prompt or lower "
+                           f"exceeds max_model_len={limits.max_model_len}; shorten the prompt or lower "
                            "max_new_tokens", "max_new_tokens")
-    if engine.is_dllm:
-        b = engine.block_length
+    if limits.is_dllm:
+        b = limits.block_length
         total = -(-total // b) * b
-    pages = -(-total // cfg.kv_block_size)
-    if pages > engine.kv.num_pages:
-        raise RequestError(f"the request needs {pages} KV pages but the cache has only {engine.kv.num_pages}; "
+    pages = -(-total // limits.kv_page_size)
+    if pages > limits.num_kv_pages:
+        raise RequestError(f"the request needs {pages} KV pages but the cache has only {limits.num_kv_pages}; "
                            "it can never fit: shorten it or raise num_kv_blocks", "max_new_tokens")
-    vocab = engine.spec.vocab_size
+    vocab = limits.vocab_size
     if params.stop_token_ids and any(t >= vocab for t in params.stop_token_ids):
         raise RequestError(f"stop_token_ids must be < vocab size {vocab}", "stop_token_ids")
     if params.logprobs is not None and params.logprobs > vocab:

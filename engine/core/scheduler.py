@@ -17,9 +17,9 @@ from collections import deque
 from dataclasses import dataclass
 
 from configs import EngineConfig
-from engine.decoding import DecodingStrategy
-from engine.kv_cache import KVBlockManager
-from engine.sequence import SeqStatus, Sequence
+from engine.core.decoding import DecodingStrategy
+from engine.core.sequence import SeqStatus, Sequence
+from engine.kv.page_manager import KVPageManager
 
 _UNLIMITED = 1 << 62
 
@@ -33,7 +33,7 @@ class ScheduledSeq:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv: KVBlockManager, decoding: DecodingStrategy):
+    def __init__(self, config: EngineConfig, kv: KVPageManager, decoding: DecodingStrategy):
         self.config = config
         self.kv = kv
         self.decoding = decoding

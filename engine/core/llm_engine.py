@@ -3,8 +3,8 @@
 request -> scheduler -> batch -> runner (model) -> sampler -> decoding strategy -> stop rule ->
 output builder (carrier). `step()` runs one forward for the scheduled batch and returns the
 OutputChunks it made. The engine only orchestrates: what to feed and how to advance is the decoding
-strategy's (`engine.decoding`), where an output ends is the stop rule's (`engine.stopping`),
-batch layout and scoring rows live in `engine.batch` / `engine.scoring`.
+strategy's (`engine.core.decoding`), where an output ends is the stop rule's (`engine.core.stopping`),
+batch layout and scoring rows live in `engine.core.batch` / `engine.core.scoring`.
 
 Fault isolation: a step that raises is re-run one request at a time (K/V writes are idempotent and
 sampling draws are counter-based, so a re-run reproduces exactly what that request would have got
@@ -20,21 +20,25 @@ import time
 from dataclasses import dataclass
 
 from configs import EngineConfig, GenerationConfig
-from engine.batch import SampleSlice, build_batch
 from engine.carrier import OutputChunk
-from engine.checkpoint import ModelSpec, load_model_spec, load_tokenizer
-from engine.decoding import AutoregressiveDecoding, BlockDiffusionDecoding, DecodingStrategy, PickedRows
-from engine.decoding.unmasking import UnmaskingSettings
-from engine.kv_cache import KVBlockManager
-from engine.model_source import resolve_model_path
-from engine.output import OutputBuilder
-from engine.requests import RequestError, validate_request
-from engine.runner import ForwardBatch, ForwardOutput, ModelRunner
-from engine.sampler import RowGroup, logprob_entries, pick_tokens
-from engine.scheduler import ScheduledSeq, Scheduler
-from engine.scoring import take_score_rows
-from engine.sequence import SeqStatus, Sequence
-from engine.stopping import StopChecker
+from engine.core.batch import SampleSlice, build_batch
+from engine.core.decoding import AutoregressiveDecoding, BlockDiffusionDecoding, DecodingStrategy, PickedRows
+from engine.core.decoding.unmasking import UnmaskingSettings
+from engine.core.input_processing import ModelLimits, process_input
+from engine.core.output_builder import OutputBuilder
+from engine.core.sampler import RowGroup, logprob_entries, pick_tokens
+from engine.core.scheduler import ScheduledSeq, Scheduler
+from engine.core.scoring import take_score_rows
+from engine.core.sequence import SeqStatus, Sequence
+from engine.core.stopping import StopChecker
+from engine.errors import RequestError, WeightUpdateError
+from engine.executor.local import LocalExecutor
+from engine.kv.page_manager import KVPageManager
+from engine.model.checkpoint import ModelSpec, load_model_spec, load_tokenizer
+from engine.model.source import resolve_model_path
+from engine.worker.forward_batch import ForwardBatch, ForwardOutput
+from engine.worker.update_group import WEIGHT_OP_TIMEOUT_S
+from engine.worker.weight_sources import DiskWeights, WeightSource, check_same_architecture
 
 log = logging.getLogger(__name__)
 
@@ -43,33 +47,6 @@ MASK_TOKEN_TEXT = "<|MASK|>"
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "do_sample", "random_seed",
                     "min_new_tokens", "stop_token_ids", "dllm_unmasking_strategy", "dllm_denoising_steps",
                     "dllm_confidence_threshold", "dllm_entropy_threshold")
-
-
-class LocalExecutor:
-    """Runs the model in this process (tp=1). Ray's tensor-parallel executor has the same surface."""
-
-    def __init__(self, spec: ModelSpec, config: EngineConfig):
-        if config.tp != 1:
-            raise ValueError(f"tp={config.tp}: the in-process engine runs tp=1; serve with "
-                             "deployments.app:build_app for tensor parallelism over Ray")
-        self.runner = ModelRunner(spec, config)
-
-    @property
-    def num_pages(self) -> int:
-        return self.runner.num_pages
-
-    def set_dllm_block_length(self, block_length: int | None) -> None:
-        self.runner.set_dllm_block_length(block_length)
-
-    def execute(self, batch: ForwardBatch) -> ForwardOutput:
-        return self.runner.execute(batch)
-
-    def run_on_ranks(self, method: str, *args, timeout_s: float | None = None) -> list:
-        """`ModelRunner.<method>(*args)` on every rank (here the only one); the results in rank order."""
-        return [getattr(self.runner, method)(*args)]
-
-    def shutdown(self) -> None:
-        pass
 
 
 @dataclass
@@ -140,9 +117,11 @@ class LLMEngine:
             self.decoding = AutoregressiveDecoding()
         self.executor = (executor_factory or LocalExecutor)(spec, config)
         self.executor.set_dllm_block_length(self.block_length)
-        self.kv = KVBlockManager(self.executor.num_pages, config.kv_block_size,
+        self.kv = KVPageManager(self.executor.num_pages, config.kv_block_size,
                                  config.enable_prefix_caching, self.block_length)
         self.scheduler = Scheduler(config, self.kv, self.decoding)
+        self.limits = ModelLimits(spec.vocab_size, config.max_model_len, config.kv_block_size, self.kv.num_pages,
+                                  self.block_length, config.logprobs_mode)
         self.seqs: dict[str, Sequence] = {}
         self.outputs: dict[str, OutputBuilder] = {}
         self.stats = EngineStats()
@@ -160,7 +139,7 @@ class LLMEngine:
         if params.n != 1:
             raise RequestError(f"n={params.n}: the engine runs one sample per request; expand the request with "
                                "GenerationConfig.samples() (the offline pipeline and the servers do)", "n")
-        prompt_ids = validate_request(self, prompt, params)
+        prompt_ids = process_input(self.tokenizer, self.limits, prompt, params)
         unmasking = self.unmasking_settings(params) if self.is_dllm else None
         stop_ids = set(params.stop_token_ids or [])
         if not params.ignore_eos:
@@ -232,6 +211,81 @@ class LLMEngine:
     @property
     def num_free_pages(self) -> int:
         return self.kv.num_free_pages
+
+    def retract_all(self) -> int:
+        """Give back every running request's KV pages; they wait, keeping their tokens. Returns how many."""
+        return self.scheduler.retract_all()
+
+    def load(self) -> dict[str, int]:
+        """What the replica holds now: requests running and waiting, KV pages, preemptions, prefix hits."""
+        return {
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "kv_pages_total": self.kv.num_pages,
+            "kv_pages_free": self.kv.num_free_pages,
+            "preemptions": self.scheduler.num_preemptions,
+            "prefix_hit_tokens": self.kv.prefix_hit_tokens,
+        } | self.executor.describe()
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+
+    # ---- memory and the trainer's update group, on every rank ---------------------------------
+    def release_memory(self, tags: list[str]) -> None:
+        """Free the weights and/or the KV cache on every rank. Releasing the KV cache first retracts
+        the running requests and flushes the prefix cache."""
+        if "kv_cache" in tags:
+            self.retract_all()
+            self.flush_cache()
+        self.executor.run_on_ranks("release_memory", tags)
+
+    def resume_memory(self, tags: list[str]) -> None:
+        self.executor.run_on_ranks("resume_memory", tags, timeout_s=WEIGHT_OP_TIMEOUT_S)
+
+    def init_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                          group_name: str, backend: str) -> None:
+        """Every rank joins the trainer's group as `rank_offset` + its tensor-parallel rank."""
+        self.executor.run_on_ranks("init_update_group", master_address, master_port, rank_offset, world_size,
+                                   group_name, backend, timeout_s=WEIGHT_OP_TIMEOUT_S)
+
+    def destroy_update_group(self, group_name: str) -> None:
+        self.executor.run_on_ranks("destroy_update_group", group_name)
+
+    # ---- weight updates (two phases over every rank; see engine.worker.weight_staging) -----------
+    def stage_weights(self, source: WeightSource) -> None:
+        """Phase one: every rank stages its slices of `source`. Raises WeightUpdateError when any rank
+        refuses; every rank has then discarded what it staged (nothing changed)."""
+        if isinstance(source, DiskWeights):
+            check_same_architecture(self.spec, load_model_spec(source.path))
+        try:
+            self.executor.run_on_ranks("stage_weights", source, timeout_s=WEIGHT_OP_TIMEOUT_S)
+        except Exception as e:
+            if getattr(e, "fatal", False):
+                raise
+            self.discard_weights()
+            if isinstance(e, WeightUpdateError):
+                raise
+            raise WeightUpdateError(f"weight update failed while staging ({type(e).__name__}: {e})") from e
+
+    def commit_weights(self, weight_version: str | None = None) -> str:
+        """Phase two: every rank swaps its staged slices in; the prefix cache is flushed and the new
+        weights named. Returns the new `weight_version`: the given one, else the number of updates
+        applied so far ("1", "2", ...)."""
+        self.executor.run_on_ranks("commit_weights")
+        self.flush_cache()
+        self.stats.weight_updates += 1
+        self.weight_version = str(self.stats.weight_updates) if weight_version is None else str(weight_version)
+        return self.weight_version
+
+    def discard_weights(self) -> None:
+        """Phase two of a refused update: every rank drops what it staged."""
+        self.executor.run_on_ranks("discard_weights")
+
+    def update_weights(self, source: WeightSource, weight_version: str | None = None) -> str:
+        """Stage on every rank, then commit on every rank (or, refused, discard on every rank and raise
+        WeightUpdateError: nothing changed). Returns the new `weight_version`."""
+        self.stage_weights(source)
+        return self.commit_weights(weight_version)
 
     # ---- the step ----------------------------------------------------------------------------
     def step(self) -> list[OutputChunk]:

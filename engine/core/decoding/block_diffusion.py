@@ -3,7 +3,7 @@
 Positions are absolute from 0 and blocks are [kB, (k+1)B); the prompt's last partial block is
 completed by the first generated positions. Every generated position starts as the mask token.
 A step is one forward whose logits at the block's masked positions propose a token each; the
-request's unmasking rule (`engine.decoding.unmasking`) picks which of them to reveal. Revealed
+request's unmasking rule (`engine.core.decoding.unmasking`) picks which of them to reveal. Revealed
 tokens are never re-masked and are fed back as themselves.
 
 A sequence always feeds `[num_computed, current block end)`: its prompt prefill's last chunk is
@@ -18,9 +18,9 @@ reveals at least one token); a token's value is the counter of the step that rev
 
 from __future__ import annotations
 
-from engine.decoding.base import DecodingStrategy, PickedRows
-from engine.decoding.unmasking import NEEDS_ENTROPY, Candidate, choose_positions, tokens_this_step
-from engine.sequence import DLLMBlock, Sequence
+from engine.core.decoding.base import DecodingStrategy, PickedRows
+from engine.core.decoding.unmasking import NEEDS_ENTROPY, Candidate, choose_positions, tokens_this_step
+from engine.core.sequence import DLLMBlock, Sequence
 
 
 class BlockDiffusionDecoding(DecodingStrategy):

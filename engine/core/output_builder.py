@@ -8,7 +8,7 @@ and every field describes the same prefix of tokens. Work per chunk is proportio
 from __future__ import annotations
 
 from engine.carrier import OutputChunk, StepEvent
-from engine.sequence import Sequence
+from engine.core.sequence import Sequence
 
 
 class OutputBuilder:

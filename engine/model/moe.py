@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from engine.checkpoint import MoESpec
+from engine.model.checkpoint import MoESpec
 
 
 @dataclass

@@ -1,14 +1,14 @@
 """The model runner: owns one model shard and its KV cache, turns a ForwardBatch into logits.
 
-`ForwardBatch` and `ForwardOutput` are plain data so the same batch can be sent to every
-tensor-parallel worker. Only rows whose logits are used reach the LM head: `sample_rows`
+`ForwardBatch` and `ForwardOutput` (engine.worker.forward_batch) are plain data so the same batch
+can be sent to every tensor-parallel worker. Only rows whose logits are used reach the LM head: `sample_rows`
 (positions to sample or unmask) return full logits rows; `score_rows` (input-token scoring) are
 projected in chunks of `logprobs_chunk_rows` and reduced to (value, top-k) right away, so scoring
 never holds (tokens x vocab) logits.
 
 Between rollouts an RL trainer changes what the runner holds: weight updates arrive in two phases
 (`stage_weights` checks and copies this rank's slices aside, `commit_weights` swaps them in,
-`discard_weights` drops them; see engine.weight_sync), and `release_memory` / `resume_memory` free
+`discard_weights` drops them; see engine.worker.weight_staging), and `release_memory` / `resume_memory` free
 and restore the weights and the KV cache. Released weights come back from where they came from:
 the checkpoint directory last loaded in full, or, once tensors or a broadcast changed them, a copy
 of this rank's weights taken at release (host memory on CUDA; a safetensors file in a temporary
@@ -22,48 +22,22 @@ import dataclasses
 import gc
 import shutil
 import tempfile
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from configs import EngineConfig
-from engine.checkpoint import ModelSpec, iter_weights
-from engine.model import Qwen3ForCausalLM, TPContext
-from engine.weight_sync import (
-    DiskWeights,
-    WeightSource,
-    WeightUpdateError,
-    init_custom_process_group,
-    install_weights,
-    local_weights,
-    shape_template,
-    stage_weights,
-)
+from engine.errors import WeightUpdateError
+from engine.model.checkpoint import ModelSpec, iter_weights
+from engine.model.loading import load_weights
+from engine.model.qwen3 import Qwen3ForCausalLM, TPContext
+from engine.worker.forward_batch import ForwardBatch, ForwardOutput
+from engine.worker.update_group import init_custom_process_group
+from engine.worker.weight_sources import DiskWeights, WeightSource
+from engine.worker.weight_staging import install_weights, local_weights, shape_template, stage_weights
 from ops.attention import AttentionMetadata, make_attention_backend
 from ops.cpu_linear import convert_for_cpu
-
-
-@dataclass
-class ForwardBatch:
-    input_ids: list[int]
-    positions: list[int]
-    q_lens: list[int]
-    kv_lens: list[int]
-    slot_mapping: list[int]
-    page_tables: list[list[int]]
-    sample_rows: list[int] = field(default_factory=list)
-    score_rows: list[int] = field(default_factory=list)
-    score_targets: list[int] = field(default_factory=list)
-    score_top_k: int = 0
-
-
-@dataclass
-class ForwardOutput:
-    logits: torch.Tensor  # [len(sample_rows), vocab] float32
-    score_values: list[float] = field(default_factory=list)
-    score_top: list[list[tuple[float, int]]] | None = None
 
 
 def resolve_device(config: EngineConfig) -> torch.device:
@@ -97,7 +71,7 @@ def build_model(spec: ModelSpec, device: torch.device, dtype: torch.dtype, tp: T
     """The model shard in `dtype` on `device`, filled with this rank's slices read from the
     memory-mapped safetensors files of the checkpoint."""
     model = allocate_model(spec, device, dtype, tp)
-    model.load_weights(iter_weights(spec.path))
+    load_weights(model, iter_weights(spec.path))
     return model
 
 
@@ -176,7 +150,7 @@ class ModelRunner:
         return [torch.zeros(shape, dtype=self.dtype, device=self.device).unbind(0)
                 for _ in range(self.spec.num_hidden_layers)]
 
-    # ---- weight updates (two-phase; engine.weight_sync drives every rank) ----------------------
+    # ---- weight updates (two-phase; engine.worker.weight_staging drives every rank) ----------------------
     def stage_weights(self, source: WeightSource) -> None:
         """Check and copy aside this rank's slice of every tensor of `source`; raises
         WeightUpdateError (naming the tensor, and the rank under tensor parallelism) if refused."""

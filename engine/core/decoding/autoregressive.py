@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from engine.decoding.base import DecodingStrategy, PickedRows
-from engine.sequence import Sequence
+from engine.core.decoding.base import DecodingStrategy, PickedRows
+from engine.core.sequence import Sequence
 
 
 class AutoregressiveDecoding(DecodingStrategy):

@@ -1,4 +1,4 @@
-"""The offline API: `pipeline(path, engine_config=...)` runs the engine in this process, no Ray.
+"""The offline pipeline: `pipeline(model)` runs the engine in this process, lmdeploy-style.
 
 `pipe(prompts, gen_config)`: a str or a flat list of token ids is one prompt and gets one Response;
 a list of those is a batch and gets a list. `gen_config` is one GenerationConfig for every prompt, or
@@ -7,7 +7,7 @@ Responses for its prompt (`index` 0..n-1, sample i seeded `random_seed + i`), in
 single prompt then gets a list too.
 
 `update_weights_from_disk` / `update_weights_from_tensor` swap the weights between calls, as the
-serving engine does for an RL trainer (engine.weight_sync).
+serving engine does for an RL trainer (engine.worker.weight_staging).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from collections.abc import Iterator
 
 from configs import EngineConfig, GenerationConfig
 from engine.carrier import OutputChunk, Response
-from engine.engine import LLMEngine
-from engine.weight_sync import DiskWeights, tensor_source, update_weights
+from engine.core.llm_engine import LLMEngine
+from engine.worker.weight_sources import DiskWeights, tensor_source
 
 Prompt = str | list[int]
 
@@ -91,17 +91,17 @@ class Pipeline:
     def update_weights_from_disk(self, model_path: str, weight_version: str | None = None) -> str:
         """Swap in every tensor of a checkpoint of the same architecture (all or nothing; raises
         WeightUpdateError naming what does not fit). Returns the new weight_version."""
-        return update_weights(self.engine, DiskWeights(str(model_path)), weight_version)
+        return self.engine.update_weights(DiskWeights(str(model_path)), weight_version)
 
     def update_weights_from_tensor(self, named_tensors, weight_version: str | None = None,
                                    load_format: str | None = None) -> str:
         """Swap in full tensors by checkpoint name (or SGLang's `flattened_bucket` payload)."""
-        return update_weights(self.engine, tensor_source(named_tensors, load_format), weight_version)
+        return self.engine.update_weights(tensor_source(named_tensors, load_format), weight_version)
 
     def close(self) -> None:
         for rid in list(self.engine.seqs):
             self.engine.abort(rid)
-        self.engine.executor.shutdown()
+        self.engine.shutdown()
 
     def __enter__(self) -> Pipeline:
         return self

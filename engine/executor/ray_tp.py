@@ -31,9 +31,10 @@ from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from configs import EngineConfig
-from engine.checkpoint import ModelSpec
-from engine.model import TPContext
-from engine.runner import ForwardBatch, ForwardOutput, ModelRunner, resolve_device
+from engine.model.checkpoint import ModelSpec
+from engine.model.qwen3 import TPContext
+from engine.worker.forward_batch import ForwardBatch, ForwardOutput
+from engine.worker.runner import ModelRunner, resolve_device
 
 log = logging.getLogger(__name__)
 

@@ -8,8 +8,8 @@ the chunking; the runner reduces each row to (value, top-k) in bounded chunks.
 
 from __future__ import annotations
 
-from engine.runner import ForwardBatch, ForwardOutput
-from engine.scheduler import ScheduledSeq
+from engine.core.scheduler import ScheduledSeq
+from engine.worker.forward_batch import ForwardBatch, ForwardOutput
 
 
 def _owed(it: ScheduledSeq) -> tuple[int, int]:

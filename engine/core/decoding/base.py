@@ -12,7 +12,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
-from engine.sequence import Sequence
+from engine.core.sequence import Sequence
 
 
 @dataclass

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.decoding import DecodingStrategy
-from engine.runner import ForwardBatch
-from engine.scheduler import ScheduledSeq
-from engine.scoring import add_score_rows
-from engine.sequence import Sequence
+from engine.core.decoding import DecodingStrategy
+from engine.core.scheduler import ScheduledSeq
+from engine.core.scoring import add_score_rows
+from engine.core.sequence import Sequence
+from engine.worker.forward_batch import ForwardBatch
 
 
 @dataclass

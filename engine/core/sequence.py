@@ -8,11 +8,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from configs import GenerationConfig
-from engine.kv_cache import PageTable
+from engine.kv.page_manager import PageTable
 
 if TYPE_CHECKING:
-    from engine.decoding.unmasking import UnmaskingSettings
-    from engine.stopping import StopChecker
+    from engine.core.decoding.unmasking import UnmaskingSettings
+    from engine.core.stopping import StopChecker
 
 
 class SeqStatus(enum.Enum):

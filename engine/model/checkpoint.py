@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from engine.errors import CheckpointError
+
 SUPPORTED_MODEL_TYPES = {"qwen3": "AR", "sdar": "DLLM", "qwen3_moe": "AR", "sdar_moe": "DLLM"}
 _MOE_MODEL_TYPES = ("qwen3_moe", "sdar_moe")
 _FLOAT_DTYPES = ("float32", "bfloat16", "float16")
@@ -29,10 +31,6 @@ WeightSlice = Any
 
 def weight_shape(weight: WeightSlice) -> tuple[int, ...]:
     return tuple(weight.shape) if isinstance(weight, torch.Tensor) else tuple(weight.get_shape())
-
-
-class CheckpointError(ValueError):
-    """The checkpoint directory is missing something or holds something we cannot serve."""
 
 
 @dataclass(frozen=True)

@@ -2,26 +2,25 @@
 (block-causal), tensor-parallel ready.
 
 Parameter names equal the checkpoint's tensor names except for routed experts (stacked per layer,
-see engine/moe.py), so loading is a name lookup plus, under tensor parallelism, a slice:
+see engine/model/moe.py), so loading (engine/model/loading.py) is a name lookup plus, under tensor parallelism, a slice:
 column-parallel projections (q/k/v, gate/up) split their output rows by head / by channel,
 row-parallel ones (o, down) split their input columns and all-reduce, the embedding and LM head
 split the vocabulary, norms and the MoE router are replicated. Each rank reads only its own slice
-of each tensor (`load_weights` takes lazy safetensors slices), and the model is built on the `meta`
+of each tensor (loading takes lazy safetensors slices), and the model is built on the `meta`
 device and materialised once in the serving dtype (`materialize`), so no float32 random init ever runs.
 """
 
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from engine.checkpoint import CheckpointError, ModelSpec, RopeScaling, WeightSlice, weight_shape
-from engine.moe import MoEStats, SparseMoeBlock
+from engine.model.checkpoint import ModelSpec, RopeScaling
+from engine.model.moe import MoEStats, SparseMoeBlock
 from ops.attention import AttentionBackend, AttentionMetadata
 from ops.layers import apply_rope, rms_norm, silu_and_mul
 
@@ -178,13 +177,10 @@ class RotaryEmbedding:
         return cos.to(dtype), sin.to(dtype)
 
 
-_EXPERT_TENSOR = re.compile(r"^(model\.layers\.\d+\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-
-
 class Qwen3ForCausalLM(nn.Module):
     """`forward` returns final hidden states; `logits` projects only the rows asked for.
 
-    Build it under `torch.device("meta")`, then `materialize(device, dtype)` and `load_weights`."""
+    Build it under `torch.device("meta")`, then `materialize(device, dtype)` and `engine.model.loading.load_weights`."""
 
     def __init__(self, spec: ModelSpec, tp: TPContext | None = None):
         super().__init__()
@@ -202,7 +198,7 @@ class Qwen3ForCausalLM(nn.Module):
 
     def materialize(self, device: torch.device, dtype: torch.dtype) -> Qwen3ForCausalLM:
         """Allocate every parameter (uninitialised) in `dtype` on `device`; tie the LM head if asked.
-        Untouched allocations cost no resident memory until `load_weights` writes them."""
+        Untouched allocations cost no resident memory until loading writes them."""
         self.to(dtype=dtype).to_empty(device=device)
         if self.spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -227,93 +223,3 @@ class Qwen3ForCausalLM(nn.Module):
         """Full-vocabulary float32 logits for the given hidden rows [R, hidden] -> [R, vocab]."""
         local = self.lm_head(hidden)
         return self.tp.all_gather_last_dim(local)[:, : self.spec.vocab_size].float()
-
-    # ---- loading -------------------------------------------------------------------------
-    _COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
-    _ROW = ("o_proj", "down_proj")
-
-    def checkpoint_names(self) -> list[str]:
-        """Every tensor name the checkpoint must hold for this model (per-expert names for routed layers)."""
-        names = []
-        for name, param in self.named_parameters(remove_duplicate=False):
-            prefix, _, leaf = name.rpartition(".")
-            if leaf in ("w13", "w2"):
-                projs = ("gate_proj", "up_proj") if leaf == "w13" else ("down_proj",)
-                names += [f"{prefix}.experts.{e}.{p}.weight" for e in range(param.shape[0]) for p in projs]
-            elif not (name == "lm_head.weight" and self.spec.tie_word_embeddings):
-                names.append(name)
-        return names
-
-    def _kind(self, name: str) -> str:
-        parts = name.split(".")
-        if name.endswith(("embed_tokens.weight", "lm_head.weight")):
-            return "vocab"
-        if len(parts) >= 2 and parts[-2] in self._COLUMN:
-            return "column"
-        if len(parts) >= 2 and parts[-2] in self._ROW and parts[-1] == "weight":
-            return "row"
-        return "replicated"
-
-    def _full_shape(self, kind: str, local: tuple[int, ...]) -> tuple[int, ...]:
-        n = self.tp.size
-        if kind == "vocab":
-            return (self.spec.vocab_size, *local[1:])
-        if kind == "column":
-            return (local[0] * n, *local[1:])
-        if kind == "row":
-            return (local[0], local[1] * n)
-        return local
-
-    def _read_shard(self, kind: str, weight: WeightSlice, local: tuple[int, ...]) -> torch.Tensor:
-        """Read only this rank's part of a full checkpoint tensor (`weight` may be a lazy slice)."""
-        r = self.tp.rank
-        if self.tp.size == 1 or kind == "replicated":
-            return weight[...]
-        if kind == "vocab":  # the last rank's rows past the vocabulary are zero padding
-            lo = min(r * local[0], self.spec.vocab_size)
-            rows = weight[lo : min(lo + local[0], self.spec.vocab_size)]
-            return torch.cat([rows, rows.new_zeros(local[0] - rows.shape[0], *local[1:])])
-        if kind == "column":
-            return weight[r * local[0] : (r + 1) * local[0]]
-        return weight[:, r * local[1] : (r + 1) * local[1]]
-
-    def _destination(self, name: str, params: dict[str, nn.Parameter]) -> tuple[torch.Tensor, str] | None:
-        """(the tensor this checkpoint tensor fills, how it is split), or None if it is no part of us."""
-        expert = _EXPERT_TENSOR.match(name)
-        if expert is None:
-            return (params[name], self._kind(name)) if name in params else None
-        prefix, e, proj = expert.group(1), int(expert.group(2)), expert.group(3)
-        stacked = params.get(f"{prefix}.{'w2' if proj == 'down_proj' else 'w13'}")
-        if stacked is None or e >= stacked.shape[0]:
-            return None
-        if proj == "down_proj":
-            return stacked[e], "row"
-        inter = stacked.shape[1] // 2
-        return (stacked[e, :inter] if proj == "gate_proj" else stacked[e, inter:]), "column"
-
-    def load_weights(self, weights) -> None:
-        """Copy (name, tensor or lazy safetensors slice) pairs in, reading only this rank's slice of
-        each. Every tensor `checkpoint_names` lists must come; unknown names are refused."""
-        params = dict(self.named_parameters(remove_duplicate=False))
-        seen: set[str] = set()
-        for name, weight in weights:
-            target = self._destination(name, params)
-            if (name.startswith("lm_head") and self.spec.tie_word_embeddings) or "rotary_emb" in name:
-                continue  # tied: the embedding is the LM head; rotary tables are computed, not loaded
-            if target is None:
-                raise CheckpointError(f"checkpoint tensor {name!r} is not part of a {self.spec.model_type} model")
-            dest, kind = target
-            want = self._full_shape(kind, tuple(dest.shape))
-            shape = weight_shape(weight)
-            if shape != want:
-                raise CheckpointError(
-                    f"tensor {name!r} has shape {shape}, but config.json implies "
-                    f"{want}; is config.json from this checkpoint?"
-                )
-            with torch.no_grad():
-                dest.copy_(self._read_shard(kind, weight, tuple(dest.shape)))
-            seen.add(name)
-        missing = [n for n in self.checkpoint_names() if n not in seen]
-        if missing:
-            raise CheckpointError(f"checkpoint lacks tensors: {', '.join(missing[:5])}"
-                                  + (" ..." if len(missing) > 5 else ""))

@@ -35,7 +35,7 @@ class PageTable:
     epoch: int = 0  # the cache epoch its first page was taken in; only the current epoch publishes
 
 
-class KVBlockManager:
+class KVPageManager:
     def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool,
                  dllm_block_length: int | None = None):
         self.page_size = page_size

@@ -1,0 +1,1 @@
+"""The paged KV cache's bookkeeping on the host: pages, page tables, the prefix cache."""

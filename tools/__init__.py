@@ -1,0 +1,1 @@
+"""Helpers outside the runtime: tiny checkpoints in the real on-disk format for tests and benches."""
