@@ -6,7 +6,7 @@ order:
 
 1. a stop id (after `min_new_tokens` tokens) ends the output *with* that token: finish "stop",
    `matched` = the id; its text is left out unless `include_stop_str_in_output`;
-2. else the token's text is appended (incremental detokenisation), and a stop string that the new
+2. else the token's text is appended (engine.core.detokenizer), and a stop string that the new
    text completes (after `min_new_tokens` tokens) ends the output with that token: finish "stop",
    `matched` = the string; the text ends where the string starts (or after it, with
    `include_stop_str_in_output`);
@@ -15,21 +15,16 @@ order:
 So the output always ends at the token that completes the first stop, and `token_ids`, `text`,
 `step_map`, logprobs and `finish_reason` all describe the same prefix. The engine, the output
 builder and the servers all read the decision from here. Work per token is constant: the decoder
-is incremental (tokenizers' `DecodeStream`) and a stop string is searched for only in the text the
-new token added, plus the `len(word) - 1` characters before it.
+is incremental and a stop string is searched for only in the text the new token added, plus the
+`len(word) - 1` characters before it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tokenizers.decoders import DecodeStream
-
 from configs import GenerationConfig
-
-# Tokens of left context decoded with a tail when the stream is flushed (sentencepiece-style
-# tokenizers drop a leading space at the start of a decode).
-_FLUSH_CONTEXT = 4
+from engine.core.detokenizer import IncrementalDetokenizer
 
 
 @dataclass(frozen=True)
@@ -40,44 +35,41 @@ class StopDecision:
 
 
 class StopChecker:
-    """Incremental detokeniser + stop rule for one request."""
+    """The stop rule for one request, over the text its detokenizer builds."""
 
     def __init__(self, tokenizer, params: GenerationConfig, stop_ids: frozenset[int]):
-        self._tokenizer = tokenizer
-        self._backend = tokenizer.backend_tokenizer
         self._params = params
         self._stop_ids = stop_ids
         self._words = list(params.stop_words or [])
-        self._stream = DecodeStream(skip_special_tokens=params.skip_special_tokens)
-        self._ids: list[int] = []  # every token consumed
-        self._pending = 0  # trailing consumed tokens whose text the stream still holds back
-        self.text = ""  # text of the consumed tokens (without a stop id's text, unless asked)
+        self._detok = IncrementalDetokenizer(tokenizer, params.skip_special_tokens)
+        self._num_consumed = 0
         self.text_end: int | None = None  # where the output text ends, once decided
         self.decision: StopDecision | None = None
         self.hold_back = max((len(w) for w in self._words), default=1) - 1
 
     @property
     def num_consumed(self) -> int:
-        return len(self._ids)
+        return self._num_consumed
+
+    @property
+    def text(self) -> str:
+        """Text of the consumed tokens (without a stop id's text, unless asked)."""
+        return self._detok.text
 
     def consume(self, token_id: int) -> StopDecision | None:
         """Read the next final token; returns the decision once the output ends (then stop calling)."""
         assert self.decision is None, "the output already ended"
         p = self._params
-        g = len(self._ids)
+        g = self._num_consumed
+        self._num_consumed += 1
         may_stop = g >= p.min_new_tokens
         if may_stop and token_id in self._stop_ids:
             if p.include_stop_str_in_output:
-                self._ids.append(token_id)
-                self._append(token_id)
-                self._flush()
-            else:
-                self._flush()
-                self._ids.append(token_id)
+                self._detok.add(token_id)
+            self._detok.flush()
             return self._decide(g + 1, "stop", token_id, len(self.text))
-        self._ids.append(token_id)
         old_len = len(self.text)
-        self._append(token_id)
+        self._detok.add(token_id)
         if may_stop and self._words:
             hit = self._find_word(old_len)
             if hit is not None:
@@ -85,13 +77,13 @@ class StopChecker:
                 end = start + (len(word) if p.include_stop_str_in_output else 0)
                 return self._decide(g + 1, "stop", word, end)
         if g + 1 >= p.max_new_tokens:
-            self._flush()
+            self._detok.flush()
             return self._decide(g + 1, "length", None, len(self.text))
         return None
 
     def end_from_outside(self) -> None:
         """The request ends without a stop (abort / error): its text is everything consumed."""
-        self._flush()
+        self._detok.flush()
         self.text_end = len(self.text)
 
     def visible_end(self) -> int:
@@ -106,26 +98,6 @@ class StopChecker:
         self.text_end = text_end
         self.decision = StopDecision(n, reason, matched)
         return self.decision
-
-    def _append(self, token_id: int) -> None:
-        piece = self._stream.step(self._backend, token_id)
-        if piece is None:  # an incomplete UTF-8 sequence: the stream waits for its next bytes
-            self._pending += 1
-        else:
-            self._pending = 0
-            self.text += piece
-
-    def _flush(self) -> None:
-        """Decode what the stream still holds back (the output ends inside a UTF-8 sequence)."""
-        if not self._pending:
-            return
-        tail = self._ids[-self._pending :]
-        context = self._ids[-self._pending - _FLUSH_CONTEXT : -self._pending]
-        skip = self._params.skip_special_tokens
-        before = self._tokenizer.decode(context, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
-        both = self._tokenizer.decode(context + tail, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
-        self.text += both[len(before):]
-        self._pending = 0
 
     def _find_word(self, old_len: int) -> tuple[int, str] | None:
         """The stop string the text added after `old_len` completes (earliest start wins)."""
