@@ -23,7 +23,7 @@ import torch
 
 from bench import hf_baselines as hf
 from bench.measure import PeakRSS, mm_peak_gflops, rss_bytes, run_engine
-from bench.models import BenchShape, mask_id_of, stop_ids_of, write_bench_models
+from bench.models import TOY_SHAPE, BenchShape, mask_id_of, stop_ids_of, write_bench_models
 from bench.moe import bench_moe
 from bench.report import append_report
 from bench.serving import bench_serving
@@ -40,9 +40,23 @@ def log(*args) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}]", *args, file=sys.stderr, flush=True)
 
 
-def plan(quick: bool) -> dict:
-    """Workload c serves `waves * c` requests with c in flight (c = 1: `sequential_requests` of them)."""
-    if quick:
+def plan(mode: str) -> dict:
+    """Workload c serves `waves * c` requests with c in flight (c = 1: `sequential_requests` of them).
+    `mode`: full | quick | toy (every part at toy size in seconds, for the test suite)."""
+    if mode == "toy":
+        return {
+            "shape": TOY_SHAPE,
+            "traffic": Traffic(8, (4, 12), (4, 8)),
+            "concurrency": [1, 4],
+            "waves": 1,
+            "sequential_requests": 1,
+            "hf_dllm_requests": 1,
+            "fusion_off_at": [4],
+            "serve_concurrency": 4,
+            "scoring": (2, 64),
+            "memory_tokens": 128,
+        }
+    if mode == "quick":
         return {
             "shape": BenchShape(num_hidden_layers=2),
             "traffic": Traffic(64, (16, 128), (16, 48)),
@@ -316,8 +330,9 @@ def bench_scoring(path: Path, p: dict, peak: float, hf_budget_gb: float) -> dict
 
 
 # ---- Ray Serve HTTP vs in-process -------------------------------------------------------------
-def bench_serve(path: Path, p: dict) -> dict:
-    """The DLLM workload at `serve_concurrency` through Ray Serve HTTP and in-process (wall clock)."""
+def bench_serve(path: Path, p: dict, base_url: str | None = None) -> dict:
+    """The DLLM workload at `serve_concurrency` through Ray Serve HTTP and in-process (wall clock);
+    `base_url`: a running Serve instance to use instead of a throwaway local cluster."""
     c = p["serve_concurrency"]
     n = num_requests(p, c)
     avoid = stop_ids_of(path) | {mask_id_of(path)}
@@ -326,7 +341,7 @@ def bench_serve(path: Path, p: dict) -> dict:
                                               avoid)
     log(f"serve: dllm concurrency={c} requests={n}, in-process then over Ray Serve HTTP")
     return bench_serving(path, _engine_config(), p["shape"], prompts[:n], budgets[:n],
-                         (warm_prompts[:c], warm_budgets[:c]), c)
+                         (warm_prompts[:c], warm_budgets[:c]), c, base_url)
 
 
 def bench_memory(path: Path, tokens: int, threads: int) -> dict:
@@ -357,7 +372,10 @@ def bench_memory(path: Path, tokens: int, threads: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
-    ap.add_argument("--quick", action="store_true", help="smaller model and workloads (a few minutes)")
+    size = ap.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="smaller model and workloads (a few minutes)")
+    size.add_argument("--toy", action="store_true",
+                      help="toy model and workloads (seconds; checks that every part runs, figures meaningless)")
     ap.add_argument("--only", nargs="*", choices=PARTS, default=None)
     ap.add_argument("--docs", default=str(Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"),
                     help="markdown file to append the results to ('' = do not write)")
@@ -369,15 +387,16 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads > 0:
         torch.set_num_threads(args.threads)
-    p = plan(args.quick)
+    mode = "toy" if args.toy else "quick" if args.quick else "full"
+    p = plan(mode)
     only = set(args.only or PARTS)
     t_start = time.perf_counter()
     peak0 = mm_peak_gflops()
     log(f"torch.mm peak {peak0:.1f} GFLOP/s; threads {torch.get_num_threads()}")
     result: dict = {
         "date": time.strftime("%Y-%m-%d"),
-        "mode": "quick" if args.quick else "full",
-        "command": "python -m bench" + (" --quick" if args.quick else "")
+        "mode": mode,
+        "command": "python -m bench" + ("" if mode == "full" else f" --{mode}")
         + (f" --threads {args.threads}" if args.threads != 1 else ""),
         "machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
                     "platform": platform.platform(), "torch": torch.__version__,
@@ -405,7 +424,7 @@ def main() -> None:
             result["serve"] = bench_serve(paths["sdar"], p)
         if "moe" in only:
             log("moe: SDAR-MoE block diffusion, engine vs the SDAR HF loop")
-            result["moe"] = bench_moe(root / "moe", args.quick)
+            result["moe"] = bench_moe(root / "moe", mode)
     peak1 = mm_peak_gflops()
     result["mm_peak_gflops"] = {"start": round(peak0, 1), "end": round(peak1, 1)}
     result["machine"]["load_avg_end"] = os.getloadavg()[0]

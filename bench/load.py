@@ -88,10 +88,11 @@ def make_jobs(n: int = 256, seed: int = 0, score_share: float = 0.25, max_tokens
     return jobs
 
 
-def _merge(deltas: list[dict[str, Any]]) -> dict[str, Any]:
-    from deployments.schemas import merge_generate_deltas
+def _merge(chunks: list[dict[str, Any]]) -> dict[str, Any]:
+    """A /generate stream's cumulative chunks (SGLang's default) as the unary body."""
+    from deployments.sglang.serving import fold_cumulative_chunks
 
-    return merge_generate_deltas(deltas)
+    return fold_cumulative_chunks(chunks)
 
 
 async def _one(client: httpx.AsyncClient, url: str, job: Job, t0: float) -> Result:
@@ -197,7 +198,7 @@ def check(results: list[Result]) -> list[str]:
         if j.kind == "score":
             n = j.body["logprob_start_len"]
             rows = mi["input_token_logprobs"] or []
-            if [t for _, t in rows] != ids_in[n + 1:]:
+            if [row[1] for row in rows] != ids_in[n + 1:]:
                 problems.append(f"{tag}: scoring rows do not name input_ids[{n + 1}:]: not its response")
             if r.body["output_ids"] or (mi["finish_reason"] or {}).get("type") != "length":
                 problems.append(f"{tag}: scoring generated tokens or did not finish: {mi['finish_reason']}")

@@ -19,12 +19,13 @@ def _free_port() -> int:
 
 @contextlib.contextmanager
 def local_serve(num_cpus: int) -> Iterator[str]:
-    """Start Ray (`num_cpus` logical CPUs) and Serve; yield the proxy's base URL; shut both down."""
+    """Start a new Ray cluster (`num_cpus` logical CPUs; never one a `ray start` left on this machine) and
+    Serve; yield the proxy's base URL; shut both down."""
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
     from ray import serve
 
-    ray.init(num_cpus=num_cpus, include_dashboard=False, logging_level="warning", log_to_driver=False)
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, logging_level="warning", log_to_driver=False)
     try:
         port = _free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config=QUIET)

@@ -13,6 +13,7 @@ import gc
 import json
 import resource
 import time
+from pathlib import Path
 
 
 def _vm_hwm() -> int | None:
@@ -61,7 +62,8 @@ def main() -> None:
     from bench.measure import rss_bytes
     from bench.workloads import scoring_inputs
 
-    seq = scoring_inputs(1, args.tokens, 151_936, set(), seed=7)[0]
+    vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
+    seq = scoring_inputs(1, args.tokens, vocab, set(), seed=7)[0]
     if args.which == "engine":
         from engine import EngineConfig, GenerationConfig, pipeline
 

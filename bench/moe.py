@@ -1,4 +1,4 @@
-"""`python -m bench.moe [--quick]`: block diffusion on an SDAR-MoE model, the engine against the SDAR
+"""`python -m bench.moe [--quick | --toy]`: block diffusion on an SDAR-MoE model, the engine against the SDAR
 Hugging Face loop (`hf_baselines.sdar_generate` on `Qwen3MoeForCausalLM`) on the same weights.
 
 The bench model: 8 layers, 16 experts, top 4, every layer routed, the real 151,936 vocabulary,
@@ -27,21 +27,26 @@ from tools.tiny_checkpoint import write_tiny_checkpoint
 MOE_SHAPE = dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
                  intermediate_size=1536, vocab_size=VOCAB, num_experts=16, num_experts_per_tok=4,
                  moe_intermediate_size=384, norm_topk_prob=True)
+TOY_MOE_SHAPE = dict(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                     intermediate_size=128, vocab_size=384, num_experts=4, num_experts_per_tok=2,
+                     moe_intermediate_size=32, norm_topk_prob=True)
+# mode -> (shape, concurrent requests, max_new_tokens, HF sample, longest prompt)
+SIZES = {"full": (MOE_SHAPE, 32, 64, 4, 128), "quick": (MOE_SHAPE, 32, 32, 2, 48), "toy": (TOY_MOE_SHAPE, 4, 8, 1, 24)}
 BLOCK, STRATEGY, THRESHOLD = 4, "low_confidence_dynamic", 0.85
 
 
-def prompts_for(n: int, quick: bool) -> list[list[int]]:
+def prompts_for(n: int, longest: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(7)
-    lengths = torch.randint(16, 48 if quick else 128, (n,), generator=g).tolist()
+    lengths = torch.randint(16, longest, (n,), generator=g).tolist()
     return [torch.randint(0, 320, (k,), generator=g).tolist() for k in lengths]
 
 
-def bench_moe(root: Path, quick: bool, concurrency: int = 32) -> dict:
+def bench_moe(root: Path, mode: str) -> dict:
+    """`mode`: full | quick | toy (SIZES)."""
+    shape, concurrency, new_tokens, hf_sample, longest = SIZES[mode]
     path = write_tiny_checkpoint(root / "sdar_moe", model_type="sdar_moe", logit_scale=DLLM_LOGIT_SCALE,
-                                 block_size=BLOCK, seed=1, **MOE_SHAPE)
-    new_tokens = 32 if quick else 64
-    hf_sample = 2 if quick else 4
-    prompts = prompts_for(concurrency, quick)
+                                 block_size=BLOCK, seed=1, **shape)
+    prompts = prompts_for(concurrency, longest)
     cfg = EngineConfig(num_kv_blocks=1024, kv_block_size=16, max_batch_size=concurrency, dllm_block_length=BLOCK,
                        dllm_unmasking_strategy=STRATEGY, dllm_confidence_threshold=THRESHOLD)
     gen = GenerationConfig(max_new_tokens=new_tokens)
@@ -67,12 +72,12 @@ def bench_moe(root: Path, quick: bool, concurrency: int = 32) -> dict:
         hf_tokens += len(tokens)
         identical &= tokens == out.token_ids
 
-    h, inter, k, e = (MOE_SHAPE[n] for n in ("hidden_size", "moe_intermediate_size", "num_experts_per_tok",
-                                              "num_experts"))
+    h, inter, k, e = (shape[n] for n in ("hidden_size", "moe_intermediate_size", "num_experts_per_tok",
+                                          "num_experts"))
     per_row = 2 * 3 * h * inter  # gate, up and down GEMMs of one token through one expert
     engine_tps, hf_tps = engine_tokens / engine_s, hf_tokens / hf_s
     return {
-        "model": MOE_SHAPE, "concurrency": concurrency, "max_new_tokens": new_tokens,
+        "model": shape, "concurrency": concurrency, "max_new_tokens": new_tokens,
         "engine": {"requests": len(prompts), "tokens": engine_tokens, "seconds": round(engine_s, 2),
                    "tokens_per_s": round(engine_tps, 1)},
         "hf_sdar_loop": {"requests": hf_sample, "tokens": hf_tokens, "seconds": round(hf_s, 2),
@@ -89,14 +94,17 @@ def bench_moe(root: Path, quick: bool, concurrency: int = 32) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(prog="python -m bench.moe", description=__doc__)
-    ap.add_argument("--quick", action="store_true", help="shorter prompts and outputs, a 2-request HF sample")
+    size = ap.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="shorter prompts and outputs, a 2-request HF sample")
+    size.add_argument("--toy", action="store_true", help="a toy model (seconds; figures meaningless)")
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    mode = "toy" if args.toy else "quick" if args.quick else "full"
     with tempfile.TemporaryDirectory(prefix="bench-moe-") as tmp:
         t = time.perf_counter()
-        result = bench_moe(Path(tmp), args.quick)
-    result["command"] = "python -m bench.moe" + (" --quick" if args.quick else "")
+        result = bench_moe(Path(tmp), mode)
+    result["command"] = "python -m bench.moe" + ("" if mode == "full" else f" --{mode}")
     result["wall_seconds"] = round(time.perf_counter() - t, 1)
     print(json.dumps(result, indent=1))
     print("done", file=sys.stderr)

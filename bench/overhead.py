@@ -68,7 +68,7 @@ class _ForwardClock:
 
 def _calls_per_seq_step(engine, steps: int) -> float:
     """Python function calls per sequence per step over the next `steps` steps."""
-    running = len(engine.core.scheduler.running)
+    running = len(engine.scheduler.running)
     profile = cProfile.Profile()
     profile.enable()
     for _ in range(steps):
@@ -95,7 +95,7 @@ def measure(path: Path, output_len: int, concurrency: int, stop_words: list[str]
                 overheads += [float("nan")] * CALLS_AT
                 continue
             forward0, t0 = clock.seconds, time.thread_time()
-            running = len(engine.core.scheduler.running) + len(engine.core.scheduler.waiting)
+            running = len(engine.scheduler.running) + len(engine.scheduler.waiting)
             engine.step()
             seconds = (time.thread_time() - t0) - (clock.seconds - forward0)
             overheads.append(seconds / running if running == concurrency else float("nan"))

@@ -2,7 +2,7 @@
 
 8 shared system prompts x 64 requests each (a system prompt of `--system-tokens` token ids, then a
 16-token user part of its own), shuffled, streamed over loopback HTTP with at most `--concurrency`
-in flight, to 4 EngineServer replicas of a tiny Qwen3 with prefix caching. Each router gets a
+in flight, to `--replicas` (4) EngineServer replicas of a tiny Qwen3 with prefix caching. Each router gets a
 fresh application (cold caches). Reported per router: the prefix-cache hit rate (prompt tokens
 served from cached pages / prompt tokens, summed over the replicas' engine stats), requests per
 second (wall clock, first send to last byte), how the requests spread over the replicas, and how
@@ -59,13 +59,13 @@ def _totals(app: str) -> list[dict[str, Any]]:
 
 
 def run_router(base_url: str, ckpt: Path, router: str, jobs: list[list[int]], concurrency: int,
-               max_tokens: int) -> dict[str, Any]:
+               max_tokens: int, replicas: int = 4) -> dict[str, Any]:
     from ray import serve
 
     from deployments.app import build_app
 
     app = f"bench_{router}"
-    serve.run(build_app({"model": str(ckpt), "engine": ENGINE, "num_replicas": 4, "request_router": router,
+    serve.run(build_app({"model": str(ckpt), "engine": ENGINE, "num_replicas": replicas, "request_router": router,
                          "ray_actor_options": {"num_cpus": 1}}),
               name=app, route_prefix=f"/{app}", logging_config=QUIET)
     try:
@@ -89,13 +89,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=4)
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--replicas", type=int, default=4)
     a = p.parse_args(argv)
     from tools.tiny_checkpoint import write_tiny_checkpoint
 
     jobs = workload(a.prompts, a.per_prompt, a.system_tokens, a.seed)
     with tempfile.TemporaryDirectory() as tmp, local_serve(num_cpus=8) as base_url:
         ckpt = write_tiny_checkpoint(Path(tmp) / "qwen3", model_type="qwen3")
-        results = [run_router(base_url, ckpt, router, jobs, a.concurrency, a.max_tokens)
+        results = [run_router(base_url, ckpt, router, jobs, a.concurrency, a.max_tokens, a.replicas)
                    for router in ("prefix_aware", "power_of_two")]
     print(json.dumps({"args": vars(a), "results": results}, indent=1))
     return 0 if all(r["failed"] == 0 for r in results) else 1

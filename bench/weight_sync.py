@@ -5,7 +5,7 @@ tensor). Each figure is the wall time of the AsyncEngine call: stage and validat
 swap (on CPU: repack the oneDNN weights), flush the prefix cache. After each update the engine
 answers like a fresh engine on those weights (a short greedy generation is compared).
 
-    python -m bench.weight_sync [--layers 20] [--repeats 2] [--workdir DIR]
+    python -m bench.weight_sync [--layers 20] [--repeats 2] [--workdir DIR] [--toy]
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from engine.model.checkpoint import iter_weights
 from tools.tiny_checkpoint import write_tiny_checkpoint
 
 SHAPE = dict(hidden_size=1024, num_attention_heads=8, num_key_value_heads=4, head_dim=128, intermediate_size=3072)
+TOY_SHAPE = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128)
 PROMPT = [5, 9, 13, 22, 7, 8]
 GREEDY = GenerationConfig(max_new_tokens=8, ignore_eos=True)
 
@@ -45,7 +46,7 @@ class Trainer:
                 [list(t.shape) for _, t in self.tensors])
 
     def join(self, port: int, world_size: int, group_name: str) -> None:
-        from engine.worker.weight_staging import init_custom_process_group
+        from engine.worker.update_group import init_custom_process_group
 
         self.group = init_custom_process_group("gloo", f"tcp://127.0.0.1:{port}", world_size, 0, group_name)
 
@@ -57,10 +58,10 @@ class Trainer:
         torch.distributed.destroy_process_group(self.group)
 
 
-def checkpoint(root: Path, name: str, seed: int, layers: int) -> Path:
-    path = root / f"{name}-{layers}l"
+def checkpoint(root: Path, name: str, seed: int, layers: int, shape: dict[str, int]) -> Path:
+    path = root / f"{name}-{layers}l-{shape['hidden_size']}h"
     if not (path / "model.safetensors").is_file():
-        write_tiny_checkpoint(path, model_type="qwen3", seed=seed, num_hidden_layers=layers, **SHAPE)
+        write_tiny_checkpoint(path, model_type="qwen3", seed=seed, num_hidden_layers=layers, **shape)
     return path
 
 
@@ -74,17 +75,11 @@ def timed(fn) -> float:
     return time.perf_counter() - t
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--layers", type=int, default=20, help="decoder layers (20: ~1 GB of float32 weights)")
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--workdir", default=None, help="where the two checkpoints are written (kept for reruns)")
-    args = parser.parse_args()
-    root = Path(args.workdir or tempfile.mkdtemp(prefix="bench-weight-sync-"))
-    a, b = checkpoint(root, "a", 1, args.layers), checkpoint(root, "b", 2, args.layers)
+def measure(root: Path, layers: int, repeats: int, shape: dict[str, int]) -> tuple[int, dict[str, list[float]]]:
+    """(bytes of safetensors, seconds of each update path per repeat), on the Ray cluster this driver
+    is connected to."""
+    a, b = checkpoint(root, "a", 1, layers, shape), checkpoint(root, "b", 2, layers, shape)
     size = sum(f.stat().st_size for f in a.glob("*.safetensors"))
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(num_cpus=4, include_dashboard=False, logging_level="warning", log_to_driver=False)
     from engine.executor.ray_tp import RayTPExecutor
 
     config = EngineConfig(tp=2, max_model_len=256, num_kv_blocks=64, kv_block_size=16)
@@ -108,7 +103,7 @@ def main() -> None:
                  "tensor": (lambda: asyncio.run(eng.update_weights_from_tensor(in_memory)), "a"),
                  "broadcast": (broadcast, "b")}
         seconds: dict[str, list[float]] = {k: [] for k in paths}
-        for _ in range(args.repeats):
+        for _ in range(repeats):
             for name, (push, lands_on) in paths.items():
                 seconds[name].append(timed(push))
                 got = asyncio.run(greedy(eng))
@@ -119,6 +114,23 @@ def main() -> None:
         ray.get(trainer.leave.remote())
     finally:
         eng.shutdown()
+        ray.kill(trainer)
+    return size, seconds
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=int, default=20, help="decoder layers (20: ~1 GB of float32 weights)")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--workdir", default=None, help="where the two checkpoints are written (kept for reruns)")
+    parser.add_argument("--toy", action="store_true", help="a toy-width model (seconds; figures meaningless)")
+    args = parser.parse_args(argv)
+    root = Path(args.workdir or tempfile.mkdtemp(prefix="bench-weight-sync-"))
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="warning", log_to_driver=False)
+    try:
+        size, seconds = measure(root, args.layers, args.repeats, TOY_SHAPE if args.toy else SHAPE)
+    finally:
         ray.shutdown()
     print(f"model: {args.layers} layers, {size / 1e9:.2f} GB float32 safetensors; engine tp=2 (Ray TP executor, "
           f"gloo), {os.cpu_count()} cores")

@@ -59,7 +59,13 @@ class EngineConfig(BaseModel):
     logprobs_chunk_rows: int = Field(
         256, ge=1, description="rows per LM-head chunk when scoring: bounds logits memory"
     )
-    attention_backend: Literal["auto", "torch", "flash"] = "auto"
+    attention_backend: Literal["auto", "torch", "flash", "flex"] = Field(
+        "auto", description="auto = the fastest that can run here: flash, then compiled flex (CUDA), then torch"
+    )
+    cuda_graphs: bool = Field(
+        True, description="replay CUDA graphs for denoising and decode steps (CUDA, one GPU, the flash attention "
+        "backend; prefill chunks and scoring run eagerly)"
+    )
     seed: int = Field(0, description="seed of the model's random init before loading (not of sampling)")
     dllm_mask_token_id: int | None = Field(
         None, ge=0, description="mask token of a block-diffusion model whose checkpoint names none"

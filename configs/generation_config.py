@@ -6,10 +6,26 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from configs.limits import MAX_N, MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY
+from configs.trajectory import DllmTrajectory
+
 UnmaskingStrategy = Literal["low_confidence_dynamic", "low_confidence_static", "sequential", "entropy_bounded"]
 
 
-class GenerationConfig(BaseModel):
+class DllmOverrides(BaseModel):
+    """Block-diffusion settings a request may override (None = the engine's setting); the same
+    fields, with the same bounds, in `GenerationConfig` and in every HTTP request model."""
+
+    dllm_unmasking_strategy: UnmaskingStrategy | None = None
+    dllm_denoising_steps: int | None = Field(None, ge=1)
+    dllm_confidence_threshold: float | None = Field(None, ge=0.0, le=1.0)
+    dllm_entropy_threshold: float | None = Field(None, gt=0.0)
+    dllm_block_length: int | None = Field(
+        None, ge=1, description="must equal the model's block length if given (it cannot change per request)"
+    )
+
+
+class GenerationConfig(DllmOverrides):
     """What one request asks for. Invalid values raise ValueError naming the field."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -21,7 +37,7 @@ class GenerationConfig(BaseModel):
     top_p: float = 1.0
     top_k: int = Field(0, ge=0, description="0 = disabled")
     min_p: float = Field(0.0, ge=0.0, le=1.0)
-    repetition_penalty: float = Field(1.0, ge=0.01, le=100.0)
+    repetition_penalty: float = Field(1.0, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
     random_seed: int | None = None
     stop_words: list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -31,18 +47,13 @@ class GenerationConfig(BaseModel):
     logprobs: int | None = Field(None, ge=0, description="None = none; k = chosen + top-k")
     logprob_start_len: int = Field(-1, ge=-1)
     return_step_trace: bool = False
-    # block diffusion, per request (None = the engine's setting)
-    dllm_unmasking_strategy: UnmaskingStrategy | None = None
-    dllm_denoising_steps: int | None = Field(None, ge=1)
-    dllm_confidence_threshold: float | None = Field(None, ge=0.0, le=1.0)
-    dllm_entropy_threshold: float | None = Field(None, gt=0.0)
-    dllm_block_length: int | None = Field(
-        None, ge=1, description="must equal the model's block length if given (it cannot change per request)"
-    )
     # RL rollouts
-    n: int = Field(1, ge=1, le=64, description="samples per prompt")
+    n: int = Field(1, ge=1, le=MAX_N, description="samples per prompt")
     return_block_step_map: bool = False
     return_dllm_replay: bool = False
+    dllm_trajectory: DllmTrajectory | None = Field(
+        None, description="score this rollout instead of generating (block diffusion; max_new_tokens=0)"
+    )
 
     @field_validator("top_p")
     @classmethod
@@ -67,7 +78,8 @@ class GenerationConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> GenerationConfig:
-        if self.min_new_tokens > self.max_new_tokens:
+        # a trajectory is scored under the min_new_tokens it was generated with
+        if self.min_new_tokens > self.max_new_tokens and self.dllm_trajectory is None:
             raise ValueError("min_new_tokens must not exceed max_new_tokens")
         return self
 

@@ -1,8 +1,14 @@
 """Ray Serve deployment of blockserve (HTTP API in docs/api.md, Ray usage in docs/deploy.md).
 
-- `schemas`: HTTP/handle request models, conversion to GenerationConfig, response builders.
+- `app`: `build_app(args)`, the application builder named in serve_config.yaml; `cli`: `blockserve serve`.
 - `engine_server`: the EngineServer deployment (one per data-parallel replica) owning an AsyncEngine.
-- `tp_executor`: the tensor-parallel executor (rank 0 in-process, ranks 1..tp-1 as Ray actors).
-- `ingress`: the HTTP ingress (FastAPI via `@serve.ingress`) and the handle API.
-- `app`: `build_app(args)`, the application builder named in serve_config.yaml.
+- `ingress`: the HTTP ingress (FastAPI via `@serve.ingress`) and the handle API, assembled from:
+  - `sglang/`: SGLang's `/generate` (`protocol` request models, `serving` conversion and response
+    builders, `routes`); `openai/`: `/v1/completions`, `/v1/chat/completions`, `/v1/models`, likewise;
+  - `rl/`: the RL control routes (`protocol` payloads, `control` the cross-replica two-phase commit,
+    `routes` one table for HTTP routes and handle methods); `admin`: /health, /metrics, OpenAPI;
+  - `generation`: what the generation endpoints share; `engine_client`: calling the EngineServer
+    replicas; `http`: error responses, API key, body limit, admission, SSE; `tokens`: the tokenizer.
+- `errors`: ApiError and request validation; `wire`: the ingress <-> EngineServer request type.
+- `router`: the prefix-aware request router; `placement`: placement-group checks; `metrics`.
 """

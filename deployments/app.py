@@ -20,6 +20,7 @@ autoscaling knobs below).
         "tp_timeout_s": 60, "stall_timeout_s": 60,   # a TP forward / an engine loop stuck this long fails
         "health_check_period_s": 5, "health_check_timeout_s": 30,   # Serve's health check of EngineServer
         "debug_hooks": False,                # True: EngineServer.debug_stall (handle only; for fault drills)
+        "incremental_streaming_output": False,   # /generate streams deltas (SGLang's flag), not cumulative chunks
         "ingress": {"max_batch_size": 16, "batch_wait_timeout_s": 0.005, "api_key": None,
                     "max_body_bytes": 8388608, "max_concurrent_requests": None, "max_queued_requests": None,
                     "retry_after_s": 1, "max_ongoing_requests": 1024, "num_replicas": 1,
@@ -37,7 +38,8 @@ from ray.serve import Application
 
 from configs import EngineConfig
 from deployments.engine_server import EngineServer
-from deployments.ingress import DEFAULT_MAX_BODY_BYTES, RETRY_AFTER_S, Ingress
+from deployments.http import DEFAULT_MAX_BODY_BYTES, RETRY_AFTER_S
+from deployments.ingress import Ingress
 from deployments.placement import Group, Strategy, actor_resources, bundle_of, check_fits, cluster_nodes
 from engine.model.source import resolve_model_path
 
@@ -90,6 +92,8 @@ class AppArgs(BaseModel):
     health_check_period_s: float = Field(5.0, gt=0.0)
     health_check_timeout_s: float = Field(30.0, gt=0.0)
     debug_hooks: bool = False
+    # SGLang's --incremental-streaming-output: /generate streams deltas instead of cumulative chunks
+    incremental_streaming_output: bool = False
     ingress: IngressArgs = Field(default_factory=IngressArgs)
 
 
@@ -183,7 +187,6 @@ def build_app(args: dict[str, Any]) -> Application:
     ing = parsed.ingress
     return Ingress.options(**ingress_options(ing)).bind(
         server, model, served_model_name=parsed.served_model_name or PurePath(parsed.model).name,
-        max_model_len=config.max_model_len,
         max_batch_size=ing.max_batch_size, batch_wait_timeout_s=ing.batch_wait_timeout_s, api_key=ing.api_key,
         max_body_bytes=ing.max_body_bytes, max_concurrent_requests=ing.max_concurrent_requests,
-        retry_after_s=ing.retry_after_s)
+        retry_after_s=ing.retry_after_s, incremental_streaming_output=parsed.incremental_streaming_output)

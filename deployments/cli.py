@@ -5,12 +5,16 @@ It builds the application serve_config.yaml describes (`deployments.app:build_ap
 or a Hugging Face model id. `--config FILE` reads app args from YAML (the presets in configs/, or the
 `args` of an application in a Serve config); flags override it. Every EngineConfig field is a flag in
 kebab-case (`--max-model-len 1024`, `--logprobs-mode raw_logprobs`, `--no-enable-prefix-caching`).
-The Ray cluster is the one RAY_ADDRESS names, else a new local one.
+The Ray cluster is the one RAY_ADDRESS names, else a new local one. Once the application answers, it
+prints one line with its URL and the Ray cluster's address (what RAY_ADDRESS must be for a Serve handle
+client); an application that cannot be built or placed ends the command with the reason, exit status 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import time
 import typing
 from pathlib import Path
 from typing import Any
@@ -62,6 +66,15 @@ def build_parser() -> argparse.ArgumentParser:
                        help="data-parallel engine replicas")
     serve.add_argument("--api-key", dest="ingress.api_key", default=argparse.SUPPRESS,
                        help="require 'Authorization: Bearer KEY' on every route but /health")
+    place = serve.add_argument_group("placement (docs/deploy.md)")
+    place.add_argument("--num-cpus", dest="ray_actor_options.num_cpus", type=float, default=argparse.SUPPRESS,
+                       help="CPUs each engine rank reserves (ray_actor_options.num_cpus; default 1)")
+    place.add_argument("--num-gpus", dest="ray_actor_options.num_gpus", type=float, default=argparse.SUPPRESS,
+                       help="GPUs each engine rank reserves (ray_actor_options.num_gpus; default 1 on a cluster "
+                       "with GPUs, else 0)")
+    place.add_argument("--placement-strategy", dest="placement_strategy", choices=["STRICT_PACK", "PACK"],
+                       default=argparse.SUPPRESS,
+                       help="tp > 1: STRICT_PACK (default) keeps a replica's ranks on one node, PACK may span nodes")
     _add_engine_flags(serve)
     return parser
 
@@ -84,27 +97,39 @@ def app_args(ns: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit("blockserve serve: give MODEL (a checkpoint directory or a Hugging Face id) or --config")
     for key, value in vars(ns).items():
         section, _, name = key.partition(".")
-        if section in ("engine", "ingress"):
+        if section in ("engine", "ingress", "ray_actor_options"):
             if section == "engine" and isinstance(value, str) and value.lower() in NONE_WORDS:
                 value = None
-            args.setdefault(section, {})[name] = value
-        elif key in ("served_model_name", "num_replicas"):
+            args[section] = {**(args.get(section) or {}), name: value}
+        elif key in ("served_model_name", "num_replicas", "placement_strategy"):
             args[key] = value
     return args
 
 
 def serve(args: dict[str, Any], host: str, port: int) -> None:
-    """Run the app on the cluster RAY_ADDRESS names (else a new local one) until Ctrl-C."""
+    """Run the app on the cluster RAY_ADDRESS names (else a new local one) until Ctrl-C. An app that
+    cannot be built (bad args, a model not found, resources no node offers) exits with the reason."""
     import ray
     from ray import serve as ray_serve
 
     from deployments.app import build_app
 
-    ray.init()
-    app = build_app(args)
+    # "local": without RAY_ADDRESS a new cluster, never one that a `ray start` left on this machine
+    ray.init(address=None if os.environ.get("RAY_ADDRESS") else "local")
+    try:
+        app = build_app(args)
+    except (ValueError, FileNotFoundError) as e:  # PlacementError is a ValueError
+        raise SystemExit(f"blockserve serve: {e}") from None
     ray_serve.start(http_options={"host": host, "port": port})
     try:
-        ray_serve.run(app, name=APP_NAME, route_prefix="/", blocking=True)
+        ray_serve.run(app, name=APP_NAME, route_prefix="/")
+        # A Serve instance already running on the cluster keeps its own host and port: ask it.
+        http = ray_serve.context._get_global_client().http_config
+        address = ray.get_runtime_context().gcs_address
+        print(f"blockserve: application {APP_NAME!r} ready at http://{http.host}:{http.port} on the Ray cluster at "
+              f"{address} (RAY_ADDRESS={address} for Serve handles). Ctrl-C stops it.", flush=True)
+        while True:
+            time.sleep(3600)
     except KeyboardInterrupt:
         ray_serve.delete(APP_NAME)
 

@@ -1,6 +1,6 @@
 """EngineServer: one data-parallel replica owning an AsyncEngine (and, for tp > 1, its TP workers).
 
-It speaks the internal protocol the ingress uses: requests are `schemas.EngineRequest` dicts, results
+It speaks the internal protocol the ingress uses (`deployments.wire`): requests are `EngineRequest` dicts, results
 are *result dicts* (`OutputChunk.to_dict()` deltas, or the folded `Response.to_dict()`; the final one
 carries the engine's `matched`), and refusals are error items `ApiError.to_item()` (plain data:
 nothing to unpickle on the caller's side). Cancelling a stream (the caller stops iterating, a client
@@ -25,21 +25,25 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import logging
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
 from ray import serve
 
 from configs import EngineConfig
+from deployments.errors import ApiError, request_error, validation_error
 from deployments.metrics import RequestMetrics
-from deployments.schemas import ApiError, EngineRequest, request_error, validation_error
+from deployments.wire import EngineRequest
 from engine.async_engine import AsyncEngine
 from engine.carrier import OutputChunk, Response
 from engine.errors import EngineDeadError, EngineHeldError, RequestError
-from engine.worker.weight_sources import DiskWeights, WeightSource, broadcast_source, tensor_source
+from engine.worker.update_group import WEIGHT_OP_TIMEOUT_S
+from engine.worker.weight_sources import WeightSource, broadcast_source, disk_source, tensor_source
 
 log = logging.getLogger(__name__)
 
@@ -69,11 +73,12 @@ def weight_source(kind: str, payload: dict[str, Any]) -> WeightSource:
     """The engine's weight source for an update by `kind` ("disk", "tensor" or "distributed") from
     the fields of its SGLang payload."""
     if kind == "disk":
-        return DiskWeights(str(payload["model_path"]))
+        return disk_source(str(payload["model_path"]), payload.get("load_format"))
     if kind == "tensor":
         return tensor_source(payload["named_tensors"], payload.get("load_format"))
     if kind == "distributed":
-        return broadcast_source(payload["names"], payload["dtypes"], payload["shapes"], payload["group_name"])
+        return broadcast_source(payload["names"], payload["dtypes"], payload["shapes"], payload["group_name"],
+                                payload.get("load_format"))
     raise ValueError(f"unknown weight source {kind!r}")
 
 
@@ -99,12 +104,14 @@ class EngineServer:
                                         worker_options=tp_worker_options or None)
         self.engine = AsyncEngine(model, config, factory, stall_timeout_s=stall_timeout_s,
                                   hold_timeout_s=hold_timeout_s)
+        self.model_path = model
         self.replica = _replica_id()
         self.debug_hooks = debug_hooks
         self.metrics = RequestMetrics()
         self.rank = _replica_rank()
         self._staged: dict[str, str] = {}  # update id (the ingress's) -> the engine's staging token
         self._fail_next_stage: str | None = None  # debug hook: refuse the next stage with this message
+        self._live: set[str] = set()  # the ids of the requests in flight here (for abort_request by rid)
         log.info("EngineServer %s ready: %s (%s), tp=%d", self.replica, model, self.engine.spec.model_type,
                  config.tp)
 
@@ -121,6 +128,7 @@ class EngineServer:
         timer = self.metrics.timer()
         stream = self.engine.generate(req.prompt, params, req.request_id)
         started = False
+        self._live.add(req.request_id)
         try:
             async for chunk in stream:
                 started = True
@@ -146,6 +154,7 @@ class EngineServer:
                 acc.add(chunk)
                 yield chunk, acc
         finally:
+            self._live.discard(req.request_id)
             await stream.aclose()
 
     async def generate_stream(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
@@ -172,6 +181,17 @@ class EngineServer:
         """Run a batch of unary requests concurrently (they share engine steps)."""
         return list(await asyncio.gather(*(self.generate(r) for r in requests)))
 
+    async def abort_request(self, rid: str = "", abort_all: bool = False) -> dict[str, Any]:
+        """SGLang's /abort_request on this replica: every request in flight (`abort_all`), or those
+        of `rid` (its samples and batch entries too: `rid-i`, `rid_i`). They end with finish_reason
+        "abort" and what they generated so far."""
+        if abort_all:
+            return await self.engine.abort_all()
+        ids = [r for r in self._live if r == rid or r.startswith((f"{rid}-", f"{rid}_"))] if rid else []
+        for request_id in ids:
+            self.engine.abort(request_id)
+        return {"success": True, "message": f"aborted {len(ids)} requests", "requests": len(ids)}
+
     # ---- RL control (the ingress broadcasts each call to every replica) -----------------------
     def _answer(self, result: dict[str, Any]) -> dict[str, Any]:
         return result | {"replica": self.replica, "rank": self.rank}
@@ -186,12 +206,16 @@ class EngineServer:
             return self._answer(_refusal(e))
 
     async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
-                                        world_size: int, group_name: str, backend: str) -> dict[str, Any]:
-        """Join the trainer's group: this replica's TP ranks are `rank_offset + rank * tp + tp_rank`."""
+                                        world_size: int, group_name: str, backend: str,
+                                        timeout_s: float | None = None) -> dict[str, Any]:
+        """Join the trainer's group: this replica's TP ranks are `rank_offset + rank * tp + tp_rank`.
+        A group that has not met within `timeout_s` (None: the engine's default) fails naming who
+        did not join."""
         first = rank_offset + self.rank * self.engine.config.tp
+        timeout = {} if timeout_s is None else {"timeout_s": timeout_s}
         try:
             answer = await self.engine.init_weights_update_group(master_address, master_port, first, world_size,
-                                                                 group_name, backend)
+                                                                 group_name, backend, **timeout)
         except Exception as e:  # noqa: BLE001 - reported to the ingress
             answer = _refusal(e)
         return self._answer(answer | {"ranks": list(range(first, first + self.engine.config.tp))})
@@ -210,12 +234,15 @@ class EngineServer:
         except Exception as e:  # noqa: BLE001 - reported to the ingress, which discards everywhere
             return self._answer(_refusal(e))
 
-    async def commit_weights(self, update_id: str, weight_version: str | None) -> dict[str, Any]:
+    async def commit_weights(self, update_id: str, weight_version: str | None,
+                             abort_all_requests: bool = False) -> dict[str, Any]:
+        """Phase two: serve the staged weights (`weight_version` None keeps the version). Requests in
+        flight finish on the old weights first and new ones wait, unless `abort_all_requests`."""
         token = self._staged.pop(update_id, None)
         if token is None:
             return self._answer({"success": False, "message": f"no weights staged for update {update_id!r}"})
         try:
-            return self._answer(await self.engine.commit_weights(token, weight_version))
+            return self._answer(await self.engine.commit_weights(token, weight_version, abort_all_requests))
         except Exception as e:  # noqa: BLE001 - reported to the ingress
             return self._answer(_refusal(e))
 
@@ -231,6 +258,18 @@ class EngineServer:
         return self.engine.stats() | {"replica": self.replica, "rank": self.rank,
                                              "model_type": self.engine.spec.model_type,
                                              "tp": cfg.tp, "max_model_len": cfg.max_model_len}
+
+    def model_info(self) -> dict[str, Any]:
+        """What the ingress needs to know of the model and the engine (it loads no model code itself)."""
+        cfg, spec = self.engine.config, self.engine.spec
+        try:
+            architectures = json.loads((Path(self.model_path) / "config.json").read_text()).get("architectures")
+        except (OSError, ValueError):
+            architectures = None
+        return {"model_path": self.model_path, "model_type": spec.model_type, "architectures": architectures,
+                "is_dllm": self.engine.is_dllm, "max_model_len": cfg.max_model_len, "tp": cfg.tp,
+                "max_total_num_tokens": self.engine.stats()["kv_pages_total"] * cfg.kv_block_size,
+                "engine": cfg.model_dump(mode="json"), "weight_op_timeout_s": WEIGHT_OP_TIMEOUT_S}
 
     def metric_families(self) -> dict[str, Any]:
         """This replica's request histograms (prometheus_client families) for the ingress's /metrics."""

@@ -100,12 +100,13 @@ def _explain(group: Group, piece: Mapping[str, float], free: list[dict[str, floa
     best = min(free, key=lambda n: sum(missing(n).values())) if free else {}
     gap = missing(best)
     largest = max(nodes, key=lambda n: sum(n.get(k, 0.0) for k in piece), default={})
-    hint = (" (set placement_strategy: PACK to let a tensor-parallel group span nodes)"
-            if group.together and len(group.bundles) > 1 else "")
+    hint = (" (placement_strategy: PACK, `blockserve serve --placement-strategy PACK`, lets a tensor-parallel "
+            "group span nodes)" if group.together and len(group.bundles) > 1 else "")
     return (f"cannot place {group.name}: it needs {_fmt(piece)} {where}, and with the rest of the application "
             f"placed the best node is missing {_fmt(gap)}; the largest node has "
             f"{_fmt({k: largest.get(k, 0.0) for k in piece})} of those, the cluster has {len(nodes)} node(s)"
-            f"{hint}. Lower ray_actor_options / tp_worker_actor_options, or add nodes with these resources.")
+            f"{hint}. Lower ray_actor_options / tp_worker_actor_options (`blockserve serve --num-cpus N --num-gpus "
+            f"N`: every rank), or add nodes with these resources.")
 
 
 def _overall(groups: list[Group], nodes: list[dict[str, float]]) -> str:

@@ -16,6 +16,14 @@ while *serving*: not paused and nothing released. Requests that arrive otherwise
 with `hold_timeout_s` set, one that has waited that long without being served ends with
 `EngineHeldError` (the server answers 503 with Retry-After). A control operation may run far longer
 than a forward (a broadcast waits for the trainer): the stall check gives it `WEIGHT_OP_TIMEOUT_S`.
+
+A weight update that arrives while requests are generating (not paused) waits, as in SGLang: the
+requests in flight finish on the old weights, requests that arrive meanwhile are held, and the update
+runs once nothing is in flight, before the held requests start. No request is ever generated partly
+by two weight versions. Commands are tagged for this: `admit` (a new request: held while an update
+waits), `update` (waits for the requests in flight), `aborting_update` (an update with
+`abort_all_requests`: ends every request in flight first, then runs) and `op` (everything else: runs
+at once).
 """
 
 from __future__ import annotations
@@ -33,10 +41,13 @@ from configs import EngineConfig, GenerationConfig
 from engine.carrier import OutputChunk
 from engine.core.llm_engine import LLMEngine
 from engine.errors import EngineDeadError, EngineHeldError
-from engine.rl_control import RLControlMixin
+from engine.rl_control import CommandKind, RLControlMixin
 from engine.worker.update_group import WEIGHT_OP_TIMEOUT_S
 
 log = logging.getLogger(__name__)
+
+_Command = tuple[Callable[[], Any], concurrent.futures.Future]
+
 
 class AsyncEngine(RLControlMixin):
     def __init__(self, model_path: str, config: EngineConfig | None = None, executor_factory=None,
@@ -44,7 +55,9 @@ class AsyncEngine(RLControlMixin):
         self.engine = LLMEngine(model_path, config, executor_factory)
         self.stall_timeout_s = stall_timeout_s
         self.hold_timeout_s = hold_timeout_s
-        self._commands: queue.Queue[tuple[Callable[[], Any], concurrent.futures.Future]] = queue.Queue()
+        self._commands: queue.Queue[tuple[Callable[[], Any], concurrent.futures.Future, CommandKind]] = queue.Queue()
+        self._waiting_updates: list[_Command] = []  # updates waiting for the requests in flight to finish
+        self._held_admissions: list[_Command] = []  # new requests held until those updates are done
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._running = True
         self._heartbeat = time.monotonic()
@@ -75,40 +88,70 @@ class AsyncEngine(RLControlMixin):
         return self.engine.is_dllm
 
     # ---- the loop thread --------------------------------------------------------------------
-    def _call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+    def _call(self, fn: Callable[[], Any], kind: CommandKind = "op") -> concurrent.futures.Future:
         if not self._running or not self._thread.is_alive():
             raise EngineDeadError(f"the engine loop is not running: {self._fatal!r}")
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.put((fn, fut))
+        self._commands.put((fn, fut, kind))
         if not self._running:  # the loop died while we queued: nobody else will answer it
             self._fail_pending()
         return fut
 
     def _fail_pending(self) -> None:
-        """Answer every queued command with EngineDeadError (the loop is gone)."""
+        """Answer every queued, waiting or held command with EngineDeadError (the loop is gone)."""
+        futures = [fut for _, fut in self._waiting_updates + self._held_admissions]
+        self._waiting_updates, self._held_admissions = [], []
         while True:
             try:
-                _, fut = self._commands.get_nowait()
+                futures.append(self._commands.get_nowait()[1])
             except queue.Empty:
-                return
+                break
+        for fut in futures:
             if fut.set_running_or_notify_cancel():
                 fut.set_exception(EngineDeadError(f"the engine loop is not running: {self._fatal!r}"))
 
     def _run_commands(self, block: bool) -> None:
         try:
-            fn, fut = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+            command = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
         except queue.Empty:
             return
         while True:
-            if fut.set_running_or_notify_cancel():  # False: the caller was cancelled first; skip it
-                try:
-                    fut.set_result(fn())
-                except BaseException as e:  # noqa: BLE001 - handed to the caller
-                    fut.set_exception(e)
+            fn, fut, kind = command
+            if kind == "aborting_update":
+                self._abort_everything()
+            if kind in ("update", "aborting_update") and (self._waiting_updates or self._busy()):
+                self._waiting_updates.append((fn, fut))  # runs once the requests in flight finished
+            elif kind == "admit" and self._waiting_updates:
+                self._held_admissions.append((fn, fut))  # starts after the waiting updates
+            else:
+                self._execute(fn, fut)
             try:
-                fn, fut = self._commands.get_nowait()
+                command = self._commands.get_nowait()
             except queue.Empty:
                 return
+
+    @staticmethod
+    def _execute(fn: Callable[[], Any], fut: concurrent.futures.Future) -> None:
+        if fut.set_running_or_notify_cancel():  # False: the caller was cancelled first; skip it
+            try:
+                fut.set_result(fn())
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                fut.set_exception(e)
+
+    def _run_waiting_updates(self) -> None:
+        """Once no request is in flight (or generation stopped), run the updates that waited, in
+        order, then admit the requests held meanwhile."""
+        if not self._waiting_updates or self._busy():
+            return
+        updates, self._waiting_updates = self._waiting_updates, []
+        for fn, fut in updates:
+            self._execute(fn, fut)
+        self._admit_held()
+
+    def _admit_held(self) -> None:
+        held, self._held_admissions = self._held_admissions, []
+        for fn, fut in held:
+            self._execute(fn, fut)
 
     @property
     def serving(self) -> bool:
@@ -125,7 +168,8 @@ class AsyncEngine(RLControlMixin):
         try:
             while self._running:
                 self._heartbeat = time.monotonic()
-                self._run_commands(block=not self._busy())
+                self._run_commands(block=not self._busy() and not self._waiting_updates)
+                self._run_waiting_updates()
                 if not self.serving:
                     self._refuse_held()
                 if not self._running or not self._busy():
@@ -199,7 +243,7 @@ class AsyncEngine(RLControlMixin):
                 self._held[rid] = time.monotonic()
             return rid
 
-        added = self._call(add)
+        added = self._call(add, "admit")
         try:
             rid = await asyncio.wrap_future(added)
         except asyncio.CancelledError:  # cancelled while the add was in flight: abort it if it ran
@@ -219,6 +263,24 @@ class AsyncEngine(RLControlMixin):
         finally:
             if not finished:
                 self.abort(rid)
+
+    def _abort_everything(self) -> int:
+        """End every request now with finish_reason "abort" and its partial output, the ones held for
+        a waiting update included (admitted, then ended). Returns how many ended."""
+        self._admit_held()
+        aborted = 0
+        for rid in list(self.engine.seqs):
+            chunk = self.engine.abort(rid)
+            if chunk is not None:
+                self._deliver(chunk)
+                aborted += 1
+        return aborted
+
+    async def abort_all(self) -> dict[str, Any]:
+        """End every request in flight now (finish_reason "abort", with its partial output), as
+        SGLang's `/abort_request {"abort_all": true}`."""
+        aborted = await asyncio.wrap_future(self._call(self._abort_everything))
+        return {"success": True, "message": f"aborted {aborted} requests", "requests": aborted}
 
     def abort(self, request_id: str) -> None:
         def do_abort() -> None:

@@ -55,6 +55,7 @@ class _CarrierFields:
     dllm_replay_step_maps: list[int] | None = None
     dllm_stop_length: int | None = None
     queue_time_s: float | None = None  # first chunk only: seconds from add_request to first admission
+    entropy: list[float] | None = None  # per token (trajectory scoring, on request): entropy in nats
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -86,6 +87,7 @@ class Response(_CarrierFields):
         self.input_top_logprobs = _extend(self.input_top_logprobs, chunk.input_top_logprobs)
         self.step_trace = _extend(self.step_trace, chunk.step_trace)
         self.block_step_map = _extend(self.block_step_map, chunk.block_step_map)
+        self.entropy = _extend(self.entropy, chunk.entropy)
         for name in ("finish_reason", "matched", "error", "num_steps", "weight_version", "dllm_replay_token_ids",
                      "dllm_replay_step_maps", "dllm_stop_length", "queue_time_s"):
             value = getattr(chunk, name)

@@ -6,6 +6,11 @@ thread between two steps, on every tensor-parallel rank or none, and answers
 4xx). Weight updates are two-phase (stage everywhere, then commit or discard everywhere), so a
 deployment can update all of its replicas or none (`stage_weights` / `commit_weights` /
 `discard_weights`); pausing and releasing memory stop the step loop until undone.
+
+As in SGLang: an update (one-shot, or the commit of a staged one) made while requests generate waits
+for them to finish on the old weights and holds new requests until it is done, unless
+`abort_all_requests` ends the requests in flight first; staging overlaps generation. An update
+that names no `weight_version` leaves it as it was.
 """
 
 from __future__ import annotations
@@ -14,16 +19,23 @@ import asyncio
 import time
 import uuid
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from engine.errors import WeightUpdateError
 from engine.worker.runner import MEMORY_TAGS
-from engine.worker.weight_sources import DiskWeights, WeightSource, broadcast_source, tensor_source
+from engine.worker.update_group import GROUP_JOIN_TIMEOUT_S
+from engine.worker.weight_sources import WeightSource, broadcast_source, disk_source, tensor_source
 
 if TYPE_CHECKING:
     from engine.core.llm_engine import LLMEngine
 
+# How the loop treats a command (engine.async_engine): `admit` a new request (held while an update
+# waits), `update` (waits for the requests in flight), `aborting_update` (ends them first), `op` (at once)
+CommandKind = Literal["op", "admit", "update", "aborting_update"]
+
 PAUSE_MODES = ("abort", "retract", "in_place")
+# SGLang's memory tags; `cuda_graph` names nothing here (no CUDA graphs are captured)
+SGLANG_MEMORY_TAGS = (*MEMORY_TAGS, "cuda_graph")
 
 
 class RLControlMixin:
@@ -36,8 +48,9 @@ class RLControlMixin:
     _control_since: float | None
     _staged: str | None
 
-    async def _control(self, fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-        """Run a control operation on the loop thread, between two steps."""
+    async def _control(self, fn: Callable[[], dict[str, Any]], kind: CommandKind = "op") -> dict[str, Any]:
+        """Run a control operation on the loop thread, between two steps (an update once no request
+        is in flight; see engine.async_engine)."""
         def run() -> dict[str, Any]:
             self._control_since = time.monotonic()
             try:
@@ -45,7 +58,10 @@ class RLControlMixin:
             finally:
                 self._control_since = None
 
-        return await asyncio.wrap_future(self._call(run))
+        return await asyncio.wrap_future(self._call(run, kind))
+
+    async def _update(self, fn: Callable[[], dict[str, Any]], abort_all_requests: bool) -> dict[str, Any]:
+        return await self._control(fn, "aborting_update" if abort_all_requests else "update")
 
     def _check_weights_live(self) -> None:
         if "weights" in self._released:
@@ -77,8 +93,11 @@ class RLControlMixin:
 
         return (await self._control(stage))["token"]
 
-    async def commit_weights(self, token: str, weight_version: str | None = None) -> dict[str, Any]:
-        """Serve the weights staged under `token` from the next step on (the prefix cache is flushed)."""
+    async def commit_weights(self, token: str, weight_version: str | None = None,
+                             abort_all_requests: bool = False) -> dict[str, Any]:
+        """Serve the weights staged under `token` once the requests in flight finished (or, with
+        `abort_all_requests`, ended now); requests arriving meanwhile wait for it. The prefix cache
+        is flushed."""
         def commit() -> dict[str, Any]:
             if token != self._staged:
                 raise WeightUpdateError(f"no weights staged under token {token!r} (staged: {self._staged!r})")
@@ -87,7 +106,7 @@ class RLControlMixin:
             version = self.engine.commit_weights(weight_version)
             return {"message": f"weights updated to version {version!r}", "weight_version": version}
 
-        return await self._control(commit)
+        return await self._update(commit, abort_all_requests)
 
     async def discard_weights(self, token: str) -> dict[str, Any]:
         """Drop the weights staged under `token` (a no-op when they are already gone)."""
@@ -99,35 +118,48 @@ class RLControlMixin:
 
         return await self._control(discard)
 
-    async def update_weights_from_disk(self, model_path: str, weight_version: str | None = None) -> dict[str, Any]:
+    # One-shot updates: every one waits for the requests in flight (or ends them first with
+    # `abort_all_requests`), holds new ones until done, and keeps `weight_version` when given none.
+    async def update_weights_from_disk(self, model_path: str, weight_version: str | None = None,
+                                       abort_all_requests: bool = False,
+                                       load_format: str | None = None) -> dict[str, Any]:
         """Load every tensor of a checkpoint directory of the same architecture. Raises
-        WeightUpdateError (nothing changed) naming the config field or tensor that does not fit."""
-        return await self._control(lambda: self._updated(DiskWeights(str(model_path)), weight_version))
+        WeightUpdateError (nothing changed) naming the config field or tensor that does not fit, or
+        a `load_format` other than None, "auto" or "safetensors"."""
+        source = disk_source(model_path, load_format)
+        return await self._update(lambda: self._updated(source, weight_version), abort_all_requests)
 
     async def update_weights_from_tensor(self, named_tensors: Any, weight_version: str | None = None,
-                                         load_format: str | None = None) -> dict[str, Any]:
+                                         load_format: str | None = None,
+                                         abort_all_requests: bool = False) -> dict[str, Any]:
         """Full tensors by checkpoint name ((name, tensor) pairs), or SGLang's `flattened_bucket`
         payload with `load_format="flattened_bucket"`; any subset of the model's tensors."""
         source = tensor_source(named_tensors, load_format)
-        return await self._control(lambda: self._updated(source, weight_version))
+        return await self._update(lambda: self._updated(source, weight_version), abort_all_requests)
 
-    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
-                                        world_size: int, group_name: str, backend: str = "gloo") -> dict[str, Any]:
+    async def init_weights_update_group(self, master_address: str, master_port: int | str, rank_offset: int | str,
+                                        world_size: int | str, group_name: str, backend: str = "gloo",
+                                        timeout_s: float = GROUP_JOIN_TIMEOUT_S) -> dict[str, Any]:
         """Every rank joins the trainer's group (the trainer is rank 0) as `rank_offset` + its
-        tensor-parallel rank; returns once the whole group has met."""
+        tensor-parallel rank; returns once the whole group has met. A group that has not met within
+        `timeout_s` raises WeightUpdateError naming who did not join (nothing is left joined)."""
         def join() -> dict[str, Any]:
             self.engine.init_update_group(master_address, int(master_port), int(rank_offset), int(world_size),
-                                          group_name, backend)
+                                          group_name, backend, float(timeout_s))
             return {"message": f"joined weight update group {group_name!r}"}
 
         return await self._control(join)
 
     async def update_weights_from_distributed(self, names: list[str], dtypes: list, shapes: list,
-                                              group_name: str, weight_version: str | None = None) -> dict[str, Any]:
-        """Receive one full tensor per name, broadcast in `names` order by the trainer (rank 0 of
-        `group_name`); every tensor is received even when the update is refused."""
-        source = broadcast_source(names, dtypes, shapes, group_name)
-        return await self._control(lambda: self._updated(source, weight_version))
+                                              group_name: str, weight_version: str | None = None,
+                                              load_format: str | None = None,
+                                              abort_all_requests: bool = False) -> dict[str, Any]:
+        """Receive the tensors the trainer (rank 0 of `group_name`) broadcasts: one per name in
+        `names` order, or with `load_format="flattened_bucket"` one broadcast of SGLang's flattened
+        bucket (every tensor's bytes in `names` order). Every byte is received even when the update
+        is refused; an unknown `load_format` is refused before anything is received."""
+        source = broadcast_source(names, dtypes, shapes, group_name, load_format)
+        return await self._update(lambda: self._updated(source, weight_version), abort_all_requests)
 
     async def destroy_weights_update_group(self, group_name: str) -> dict[str, Any]:
         def destroy() -> dict[str, Any]:
@@ -155,11 +187,7 @@ class RLControlMixin:
         def pause() -> dict[str, Any]:
             affected = 0
             if mode == "abort":
-                for rid in list(self.engine.seqs):
-                    chunk = self.engine.abort(rid)
-                    if chunk is not None:
-                        self._deliver(chunk)
-                        affected += 1
+                affected = self._abort_everything()
             elif mode == "retract":
                 affected = self.engine.retract_all()
             self._paused = mode
@@ -181,35 +209,39 @@ class RLControlMixin:
             self._held.clear()
 
     @staticmethod
-    def _tags(tags: list[str] | None) -> list[str]:
-        tags = list(MEMORY_TAGS) if tags is None else list(tags)
-        unknown = [t for t in tags if t not in MEMORY_TAGS]
+    def _tags(tags: list[str] | None) -> tuple[list[str], str]:
+        """SGLang's tags (None or [] = all) -> (the tags this engine frees, a note for the message)."""
+        named = list(tags) if tags else list(SGLANG_MEMORY_TAGS)
+        unknown = [t for t in named if t not in SGLANG_MEMORY_TAGS]
         if unknown:
-            raise ValueError(f"memory tags {unknown}: known tags are {', '.join(MEMORY_TAGS)}")
-        return tags
+            raise ValueError(f"memory tags {unknown}: known tags are {', '.join(SGLANG_MEMORY_TAGS)}")
+        note = "; cuda_graph: nothing to do (this engine captures no CUDA graphs)" if "cuda_graph" in named else ""
+        return [t for t in MEMORY_TAGS if t in named], note
 
     async def release_memory_occupation(self, tags: list[str] | None = None) -> dict[str, Any]:
-        """Free the weights and/or the KV cache on every rank; generation stops until both are back.
-        Releasing the KV cache retracts the running requests and flushes the prefix cache."""
-        tags = self._tags(tags)
+        """Free the weights and/or the KV cache on every rank (SGLang's tags; None or [] = all);
+        generation stops until both are back. Releasing the KV cache retracts the running requests
+        and flushes the prefix cache."""
+        tags, note = self._tags(tags)
 
         def release() -> dict[str, Any]:
             todo = [t for t in tags if t not in self._released]
             self.engine.release_memory(todo)
             self._released |= set(todo)
-            return {"message": f"released {todo}", "released": sorted(self._released)}
+            return {"message": f"released {todo}{note}", "released": sorted(self._released)}
 
         return await self._control(release)
 
     async def resume_memory_occupation(self, tags: list[str] | None = None) -> dict[str, Any]:
-        """Restore what `release_memory_occupation` freed: the weights exactly as they were."""
-        tags = self._tags(tags)
+        """Restore what `release_memory_occupation` freed (SGLang's tags; None or [] = all): the
+        weights exactly as they were."""
+        tags, note = self._tags(tags)
 
         def resume() -> dict[str, Any]:
             todo = [t for t in tags if t in self._released]
             self.engine.resume_memory(todo)
             self._released -= set(todo)
             self._serve_held()
-            return {"message": f"resumed {todo}", "released": sorted(self._released)}
+            return {"message": f"resumed {todo}{note}", "released": sorted(self._released)}
 
         return await self._control(resume)

@@ -7,8 +7,10 @@ each with logical CPUs and custom resources that force where replicas go. Prints
 - tp: a tp=2 group whose bundles need resource `tp` (one unit on A, one on B): STRICT_PACK is refused
   at build time with the missing resources named; PACK places rank 0 and rank 1 on different nodes.
 - loss: two replicas on nodes C and D (resource `loss`; node E joins with a spare unit); streams in
-  flight on both, then node C is removed without warning. Every request is answered (lost = 0); the
-  ones on C end with an explicit error; new requests succeed once Serve replaced the replica on E.
+  flight on both, generation paused in place (so what the loss hits is known whenever it lands), then
+  node C is removed without warning and generation continues. Every request is answered (lost = 0);
+  the ones C held end with an explicit error, all others complete; new requests succeed once Serve
+  replaced the replica on E.
 - unschedulable: an app whose engine replica needs a resource that exists (so it passes the build-time
   check) but that another actor holds: Serve cannot place the replica, and HTTP requests get 503 with
   Retry-After at once instead of waiting for it.
@@ -130,6 +132,26 @@ async def _stream(client: httpx.AsyncClient, url: str, prompt: str, ended: dict[
     return "error" if events[-1]["meta_info"]["finish_reason"]["type"] == "error" else "ok"
 
 
+def _freeze_with_work_on_every_replica(handle, ended: dict[int, float], total: int) -> dict[str, int]:
+    """Pause generation in place (nothing steps, nothing finishes) at a moment when every replica holds
+    requests, and every request is either finished or inside an engine: replica id -> requests it holds.
+    Frozen, what the node loss will hit is known exactly, whenever the kill lands."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if all(s["running"] > 0 for s in handle.engine_stats.remote().result()):
+            paused = handle.pause_generation.remote({"mode": "in_place"}).result()
+            assert paused["success"], paused
+            settle = time.monotonic() + 3  # the last chunks of requests that just finished reach their clients
+            while time.monotonic() < settle:
+                held = {s["replica"]: s["running"] + s["waiting"] for s in handle.engine_stats.remote().result()}
+                if all(held.values()) and sum(held.values()) + len(ended) == total:
+                    return held
+                time.sleep(0.2)
+            handle.continue_generation.remote().result()
+        time.sleep(0.2)
+    raise TimeoutError("the replicas never held requests at the same time")
+
+
 def loss(url: str, ckpt: str, nodes: dict[str, str], cluster, victim) -> dict[str, Any]:
     """Replicas on C and D; once they run, node E joins with a spare `loss` unit for the replacement."""
     from ray import serve
@@ -148,25 +170,24 @@ def loss(url: str, ckpt: str, nodes: dict[str, str], cluster, victim) -> dict[st
         async with httpx.AsyncClient(timeout=60) as client:
             tasks = [asyncio.ensure_future(_stream(client, app, PROMPTS[i % len(PROMPTS)], ended, i))
                      for i in range(12)]
-            deadline = time.monotonic() + 60
-            while True:  # both replicas have requests running
-                stats = await asyncio.to_thread(lambda: handle.engine_stats.remote().result())
-                if all(s["running"] > 0 for s in stats) or time.monotonic() > deadline:
-                    break
-                await asyncio.sleep(0.2)
-            running = {placed.get(s["replica"], "?"): s["running"] for s in stats}
+            held = await asyncio.to_thread(_freeze_with_work_on_every_replica, handle, ended, len(tasks))
             await asyncio.to_thread(cluster.remove_node, victim, False)
             killed_at = time.monotonic()
+            # The live replica steps again; the dead one's part of the broadcast fails (an answer, not a raise).
+            resumed = asyncio.ensure_future(asyncio.to_thread(lambda: handle.continue_generation.remote().result()))
             outcomes = await asyncio.gather(*tasks)
+            await resumed
         after_kill = [ended[i] - killed_at for i, o in enumerate(outcomes) if o == "error"]
-        return {"running_at_kill": running, "ok": outcomes.count("ok"), "failed": outcomes.count("error"),
-                "lost": outcomes.count("lost"), "max_error_s_after_kill": round(max(after_kill, default=0.0), 2)}
+        return {"held_at_kill": {placed.get(r, "?"): n for r, n in held.items()}, "requests": len(outcomes),
+                "ok": outcomes.count("ok"), "failed": outcomes.count("error"), "lost": outcomes.count("lost"),
+                "max_error_s_after_kill": round(max(after_kill, default=0.0), 2)}
 
     result = asyncio.run(drill())
     deadline, recovered = time.monotonic() + 120, False
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline:  # until Serve replaced C's replica (C's actor may still read ALIVE)
         r = httpx.post(app + "/generate", json={"prompt": "after", "max_tokens": 8}, timeout=60)
-        if r.status_code == 200 and len(_replica_nodes("loss")) == 2:
+        after = [nodes.get(n, "?") for n in _replica_nodes("loss").values()]
+        if r.status_code == 200 and len(after) == 2 and "C" not in after:
             recovered = all(_generate(app, p).get("output_ids") for p in PROMPTS)
             break
         time.sleep(1)

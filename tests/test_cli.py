@@ -60,7 +60,7 @@ def test_config_reference_is_current():
 
 HEAD = """
 import sys, time, ray
-ctx = ray.init(num_cpus=4, include_dashboard=False, logging_level="error")
+ctx = ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="error")
 print("ADDRESS " + ctx.address_info["address"], flush=True)
 while True:
     time.sleep(1)
@@ -106,7 +106,7 @@ def test_blockserve_serve_scores_over_http_on_the_cluster_ray_address_names():
         r = httpx.post(url + "/generate", json=body, timeout=60)
         assert r.status_code == 200, r.text
         rows = r.json()["meta_info"]["input_token_logprobs"]
-        assert [t for _, t in rows] == prompt_ids[1:] and all(v <= 0 for v, _ in rows)
+        assert [t for _, t, _ in rows] == prompt_ids[1:] and all(v <= 0 for v, _, _ in rows)  # SGLang triples
         models = httpx.get(url + "/v1/models", timeout=60).json()["data"]
         assert [m["id"] for m in models] == ["qwen3-tiny"] and models[0]["max_model_len"] == 1024
     finally:

@@ -24,6 +24,7 @@ Scoring rows are left out: they read values back to the host (`tolist`), which f
 from __future__ import annotations
 
 import ctypes
+import functools
 import shutil
 import subprocess
 from pathlib import Path
@@ -34,6 +35,8 @@ from test_flash_kernels import KERNELS
 from torch import nn
 from torch._subclasses import fake_tensor
 from torch._subclasses.fake_tensor import FakeTensorDeviceMismatchError, FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 from torch.utils.cpp_extension import include_paths
 
 from configs import EngineConfig
@@ -42,7 +45,14 @@ from engine.model.qwen3 import Qwen3ForCausalLM
 from engine.worker.forward_batch import ForwardBatch
 from engine.worker.runner import ModelRunner
 from ops import flash_kernel
-from ops.attention import AttentionMetadata, FlashAttention, TorchAttention, make_attention_backend, write_kv
+from ops.attention import (
+    AttentionMetadata,
+    FlashAttention,
+    FlexAttention,
+    TorchAttention,
+    make_attention_backend,
+    write_kv,
+)
 
 CUDA = torch.device("cuda", 0)
 BF16 = torch.bfloat16
@@ -53,7 +63,7 @@ BATCHES = {
     "ar": ([(0, 21), (16, 8), (40, 1), (3, 1)], None),
     "dllm": ([(0, 32), (28, 8), (40, 4), (16, 4)], 4),
 }
-BACKENDS = ["torch", "flash-bundled", "flash-wheel"]
+BACKENDS = ["torch", "flash-bundled", "flash-wheel", "flex"]
 
 
 _FAKE_CUDA_GUARD = r"""
@@ -121,6 +131,11 @@ def backend_for(name: str, monkeypatch, head_dim: int = DIM):
     """The backend `make_attention_backend` picks for CUDA bf16 (flash through a kernel substitute)."""
     if name == "torch":
         return make_attention_backend("torch", CUDA, BF16, PAGE, head_dim)
+    if name == "flex":  # eager: the compiled kernel needs triton and a real GPU
+        # eager FlexAttention still goes through dynamo, which turns a softmax scale that changed since
+        # an earlier test into a tensor read back with .item(): fake tensors have no value to read
+        torch._dynamo.reset()
+        return FlexAttention(compiled=False)
     monkeypatch.setattr(flash_kernel, "INSTALLED", KERNELS[name.removeprefix("flash-")])
     backend = make_attention_backend("flash", CUDA, BF16, PAGE, head_dim)
     assert isinstance(backend, FlashAttention)
@@ -168,7 +183,9 @@ def attention_inputs(shapes, block_length, meta_device=CUDA):
                              positions=torch.tensor(lists["positions"], device=meta_device),
                              slot_mapping=torch.tensor(lists["slot_mapping"], device=meta_device),
                              page_tables=torch.tensor(lists["page_tables"], device=meta_device),
-                             page_size=PAGE, dllm_block_length=block_length)
+                             page_size=PAGE, dllm_block_length=block_length,
+                             page_table_lists=[t[: -(-kv // PAGE)] for t, kv in zip(lists["page_tables"],
+                                                                                      lists["kv_lens"], strict=True)])
     qkv = (torch.empty(total, HEADS, DIM, device=CUDA, dtype=BF16),
            torch.empty(total, KV_HEADS, DIM, device=CUDA, dtype=BF16),
            torch.empty(total, KV_HEADS, DIM, device=CUDA, dtype=BF16))
@@ -283,3 +300,102 @@ def test_runner_with_a_host_kv_cache_is_refused(cpu_runners, fake_cuda, monkeypa
         runner.set_dllm_block_length(None)
         with pytest.raises(RuntimeError, match="device"):  # the paged KV write meets the host cache
             runner.execute(batch)
+
+
+# ---- no host transfer inside the model's forward -----------------------------------------------------------------
+class TransferRecorder(TorchDispatchMode):
+    """Every op that moves data between the host and the (fake) CUDA device: an op with a host tensor
+    among its inputs and a CUDA tensor among its outputs (an upload, e.g. `torch.tensor(list,
+    device="cuda")`), the reverse (a download), or a CUDA value read by the host (`.item()`,
+    `.tolist()`: `_local_scalar_dense`). Each would make the host wait for the device on a GPU.
+    FlexAttention's operator passes through too (its inputs and outputs are checked like any op's), and
+    the mode lets dynamo trace eager FlexAttention's wrapper (the ops it runs still come through here)."""
+
+    supports_higher_order_operators = True
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
+    def __init__(self):
+        super().__init__()
+        self.transfers: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if func is torch.ops.aten._local_scalar_dense.default and inputs[0].device.type == "cuda":
+            self.transfers.append(f"{func}: a device value read by the host")
+        out = func(*args, **kwargs)
+        outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        devices_in, devices_out = {t.device.type for t in inputs}, {t.device.type for t in outputs}
+        if "cpu" in devices_in and "cuda" in devices_out:
+            self.transfers.append(f"{func}: host -> device")
+        if "cuda" in devices_in and "cpu" in devices_out:
+            self.transfers.append(f"{func}: device -> host")
+        return out
+
+
+def record_forward_transfers(runner: ModelRunner, monkeypatch) -> TransferRecorder:
+    """Record the transfers of every later `runner.model.forward` (only those: the runner's own upload
+    before it is the step's one copy)."""
+    recorder, forward = TransferRecorder(), runner.model.forward
+
+    def recorded(*args, **kwargs):
+        with recorder:
+            return forward(*args, **kwargs)
+
+    monkeypatch.setattr(runner.model, "forward", recorded)
+    return recorder
+
+
+def test_transfer_recorder_sees_uploads_and_reads(fake_mode):
+    recorder = TransferRecorder()
+    with recorder:
+        x = torch.tensor([1, 2, 3], device=CUDA)
+        (x + 1).cpu()
+        with pytest.raises(RuntimeError):  # fake tensors hold no value; the read is recorded first
+            x.sum().item()
+    assert recorder.transfers == ["aten._to_copy.default: host -> device", "aten._to_copy.default: device -> host",
+                                  "aten._local_scalar_dense.default: a device value read by the host"]
+
+
+@pytest.mark.parametrize("backend_name", BACKENDS)
+@pytest.mark.parametrize("paradigm", ["dllm", "ar"])
+def test_runner_forward_makes_no_host_transfer(cpu_runners, fake_cuda, monkeypatch, backend_name, paradigm):
+    """The step's metadata goes up in one copy before `model.forward`; inside it (embedding, attention
+    with its metadata prepared beforehand, every layer) nothing crosses between host and device."""
+    runner = cpu_runners[paradigm]
+    batch, num_pages = forward_batch(paradigm)
+    with fake_cuda():
+        rehome_on_fake_cuda(runner, backend_for(backend_name, monkeypatch, runner.spec.head_dim), num_pages)
+        runner.set_dllm_block_length(4 if paradigm == "dllm" else None)
+        runner.execute(batch)  # the first forward moves the rotary frequencies to the device, once
+        recorder = record_forward_transfers(runner, monkeypatch)
+        uploads = runner.uploader.uploads
+        runner.execute(batch)
+    assert recorder.transfers == []
+    assert runner.uploader.uploads == uploads + 1, "one host->device copy per step"
+
+
+def test_attention_prepared_inside_the_forward_is_caught(cpu_runners, fake_cuda, monkeypatch):
+    """The check fails where it should: the reference backend prepared inside `model.forward` (as
+    before the runner prepared it) uploads its bucket metadata there."""
+    runner = cpu_runners["ar"]
+    batch, num_pages = forward_batch("ar")
+    with fake_cuda():
+        rehome_on_fake_cuda(runner, backend_for("torch", monkeypatch), num_pages)
+        runner.set_dllm_block_length(None)
+        runner.execute(batch)
+        recorder = record_forward_transfers(runner, monkeypatch)
+        monkeypatch.setattr(runner.backend, "prepare", lambda meta: None)  # the model prepares instead
+        monkeypatch.setattr(runner.model, "forward", functools.partial(prepare_then, runner.model.forward,
+                                                                         TorchAttention()))
+        runner.execute(batch)
+    assert recorder.transfers and all("host -> device" in t for t in recorder.transfers)
+
+
+def prepare_then(forward, backend, input_ids, positions, kv_caches, meta, _):
+    """`forward` with `backend` prepared inside it, as the model does for a caller that did not."""
+    meta.extra = None
+    return forward(input_ids, positions, kv_caches, meta, backend)

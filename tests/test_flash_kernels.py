@@ -24,9 +24,16 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor
 
-from ops import flash_kernel
-from ops.attention import FlashAttention, TorchAttention, make_attention_backend
-from ops.flash_kernel import FlashKernel, find_flash_kernel, flash_unmet, key_lengths_argument
+from ops import attention, flash_kernel
+from ops.attention import FlashAttention, FlexAttention, TorchAttention, make_attention_backend
+from ops.flash_kernel import (
+    TORCH_PAGE_MULTIPLE,
+    FlashKernel,
+    aten_flash_varlen,
+    find_flash_kernel,
+    flash_unmet,
+    key_lengths_argument,
+)
 
 
 class KernelCheckError(RuntimeError):
@@ -307,6 +314,8 @@ def test_auto_picks_flash_when_every_condition_holds(monkeypatch, caplog):
 ])
 def test_auto_falls_back_to_torch_and_says_why(monkeypatch, caplog, device, dtype, page, head_dim, reason):
     monkeypatch.setattr(flash_kernel, "INSTALLED", WHEEL)
+    monkeypatch.setattr(flash_kernel, "TORCH_KERNEL", None)
+    monkeypatch.setattr(attention, "flex_unmet", lambda device: ["flex ruled out here"])
     with caplog.at_level(logging.INFO, logger="ops.attention"):
         backend = make_attention_backend("auto", device, dtype, page, head_dim)
     assert isinstance(backend, TorchAttention)
@@ -315,7 +324,9 @@ def test_auto_falls_back_to_torch_and_says_why(monkeypatch, caplog, device, dtyp
         make_attention_backend("flash", device, dtype, page, head_dim)
 
 
-def test_forced_flash_without_a_kernel_names_every_unmet_condition():
+def test_forced_flash_without_a_kernel_names_every_unmet_condition(monkeypatch):
+    monkeypatch.setattr(flash_kernel, "INSTALLED", None)
+    monkeypatch.setattr(flash_kernel, "TORCH_KERNEL", None)
     with pytest.raises(ValueError) as err:
         make_attention_backend("flash", torch.device("cpu"), torch.float32, 4, 512)
     text = str(err.value)
@@ -327,3 +338,76 @@ def test_forced_flash_without_a_kernel_names_every_unmet_condition():
 
 def test_torch_backend_is_always_available():
     assert isinstance(make_attention_backend("torch", CUDA, torch.float32, 4, 512), TorchAttention)
+
+
+# ---- torch's own flash kernel and FlexAttention in the choice --------------------------------------------------
+TORCH_OWN = FlashKernel(aten_flash_varlen, "substitute for torch.ops.aten._flash_attention_forward", "seqused_k",
+                        TORCH_PAGE_MULTIPLE)
+
+
+def test_torch_kernel_needs_pages_of_256_tokens(monkeypatch, caplog):
+    monkeypatch.setattr(flash_kernel, "INSTALLED", None)
+    monkeypatch.setattr(flash_kernel, "TORCH_KERNEL", TORCH_OWN)
+    monkeypatch.setattr(attention, "flex_unmet", lambda device: ["flex ruled out here"])
+    backend = make_attention_backend("auto", CUDA, torch.bfloat16, 256, 128)
+    assert isinstance(backend, FlashAttention) and backend.kernel is TORCH_OWN
+    with caplog.at_level(logging.INFO, logger="ops.attention"):
+        assert isinstance(make_attention_backend("auto", CUDA, torch.bfloat16, 16, 128), TorchAttention)
+    assert "kv_block_size is 16, the paged kernel needs a multiple of 256" in caplog.text
+
+
+def test_vllms_kernel_is_preferred_and_torchs_serves_where_it_cannot(monkeypatch):
+    monkeypatch.setattr(flash_kernel, "INSTALLED", BUNDLED)
+    monkeypatch.setattr(flash_kernel, "TORCH_KERNEL", TORCH_OWN)
+    assert make_attention_backend("flash", CUDA, torch.bfloat16, 256, 128).kernel is BUNDLED
+    monkeypatch.setattr(flash_kernel, "INSTALLED", FlashKernel(bundled_varlen_func, "a kernel wanting 512", "seqused_k",
+                                                               512))
+    assert make_attention_backend("flash", CUDA, torch.bfloat16, 256, 128).kernel is TORCH_OWN
+    with pytest.raises(ValueError) as err:
+        make_attention_backend("flash", CUDA, torch.bfloat16, 16, 128)
+    assert "a kernel wanting 512: kv_block_size is 16" in str(err.value)
+    assert "torch.ops.aten._flash_attention_forward: kv_block_size is 16" in str(err.value)
+
+
+def test_torch_kernel_wrapper_passes_cumulative_key_counts_too(monkeypatch):
+    """torch's operator shape-checks `cu_seqlens_k` even when `seqused_k` counts the keys."""
+    calls = []
+
+    def operator(q, k, v, cu_q, cu_k, max_q, max_k, dropout, causal, debug_mask, **kwargs):
+        calls.append((cu_q.tolist(), cu_k.tolist(), max_q, max_k, dropout, causal, debug_mask, kwargs))
+        return q * 2, None, None, None, None
+
+    monkeypatch.setattr(torch.ops.aten, "_flash_attention_forward", operator)
+    q = torch.ones(4, 2, 8)
+    seqused = torch.tensor([5, 17, 3], dtype=torch.int32)
+    out = aten_flash_varlen(q, q, q, cu_seqlens_q=torch.tensor([0, 1, 3, 4], dtype=torch.int32), seqused_k=seqused,
+                            block_table=torch.zeros(3, 2, dtype=torch.int32), max_seqlen_q=2, max_seqlen_k=17,
+                            softmax_scale=0.5, causal=True)
+    assert torch.equal(out, q * 2)
+    (cu_q, cu_k, max_q, max_k, dropout, causal, debug_mask, kwargs), = calls
+    assert (cu_q, cu_k, max_q, max_k, dropout, causal, debug_mask) == ([0, 1, 3, 4], [0, 5, 22, 25], 2, 17, 0.0,
+                                                                       True, False)
+    assert kwargs["scale"] == 0.5 and kwargs["seqused_k"] is seqused and kwargs["block_table"].shape == (3, 2)
+
+
+def test_auto_picks_compiled_flex_on_cuda_without_a_flash_kernel(monkeypatch, caplog):
+    monkeypatch.setattr(flash_kernel, "INSTALLED", None)
+    monkeypatch.setattr(flash_kernel, "TORCH_KERNEL", None)
+    monkeypatch.setattr(attention, "flex_unmet", lambda device: [])
+    monkeypatch.setattr(attention, "flex_attention", lambda *a, **k: None)  # nothing to compile here
+    monkeypatch.setattr(torch, "compile", lambda fn, **options: ("compiled", fn))
+    with caplog.at_level(logging.INFO, logger="ops.attention"):
+        backend = make_attention_backend("auto", CUDA, torch.bfloat16, 16, 128)
+    assert isinstance(backend, FlexAttention) and backend.compiled and backend.fn[0] == "compiled"
+    assert "attention backend: flex, compiled (flash not used: no flash kernel installed" in caplog.text
+
+
+def test_on_the_cpu_auto_is_torch_and_flex_is_eager(monkeypatch, caplog):
+    monkeypatch.setattr(flash_kernel, "INSTALLED", None)
+    monkeypatch.setattr(flash_kernel, "TORCH_KERNEL", None)
+    cpu = torch.device("cpu")
+    with caplog.at_level(logging.INFO, logger="ops.attention"):
+        assert isinstance(make_attention_backend("auto", cpu, torch.float32, 16, 128), TorchAttention)
+    assert "flex not used: device is cpu" in caplog.text
+    flex = make_attention_backend("flex", cpu, torch.float32, 16, 128)
+    assert isinstance(flex, FlexAttention) and not flex.compiled

@@ -105,7 +105,7 @@ class Compared(AttentionBackend):
 
     def prepare(self, meta: AttentionMetadata) -> None:
         self.forwards.append(list(zip(meta.q_lens, meta.kv_lens)))
-        self.flash_meta = dataclasses.replace(meta, extra=None)
+        self.flash_meta = dataclasses.replace(meta, extra=None, plan=None, planned=None)  # flash plans its own
         self.flash.prepare(self.flash_meta)
         self.reference.prepare(meta)
 

@@ -11,8 +11,11 @@ import torch
 from test_flash_kernels import KERNELS
 
 from bench import gpu_check
-from bench.models import BenchShape
+from bench.models import TOY_SHAPE, BenchShape
 from bench.workloads import Traffic
+from engine.model.checkpoint import load_model_spec
+from engine.worker import runner
+from ops.attention import FlashAttention, FlexAttention
 
 
 @pytest.fixture(scope="module")
@@ -20,18 +23,29 @@ def tiny(tmp_path_factory):
     return gpu_check.write_tiny_pair(tmp_path_factory.mktemp("gpu_check"))
 
 
-def test_skips_with_exit_0_without_cuda(capsys):
+def test_skips_with_exit_0_without_cuda_and_reports_the_machine(capsys):
     assert not torch.cuda.is_available()
     assert gpu_check.main([]) == 0
-    assert "no CUDA device" in json.loads(capsys.readouterr().out)["skipped"]
+    out = json.loads(capsys.readouterr().out)
+    assert "no CUDA device" in out["skipped"]
+    machine = out["machine"]
+    assert machine["torch"] == torch.__version__ and machine["gpu"] is None
+    assert machine["attention"]["torch_varlen_module"] and machine["attention"]["flex_attention"]
+    assert any("device is cpu" in r for r in machine["attention"]["flex_compiled_unmet"])
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_flash_part_agrees_through_each_kernel_shape(kernel):
-    out = gpu_check.compare_attention(KERNELS[kernel], torch.device("cpu"), torch.bfloat16, heads=4, kv_heads=2,
-                                      head_dim=16)
-    assert set(out) == {"ar", "dllm"}
-    assert all(part["ok"] for part in out.values()), out
+    out = gpu_check.compare_attention(FlashAttention(KERNELS[kernel]), torch.device("cpu"), torch.bfloat16, heads=4,
+                                      kv_heads=2, head_dim=16)
+    assert set(out) == {"ar", "dllm", "ran_as"} and out["ran_as"] == "flash"
+    assert out["ar"]["ok"] and out["dllm"]["ok"], out
+
+
+def test_flash_part_runs_flex_too():
+    out = gpu_check.compare_attention(FlexAttention(compiled=False), torch.device("cpu"), torch.bfloat16, heads=4,
+                                      kv_heads=2, head_dim=16)
+    assert out["ar"]["ok"] and out["dllm"]["ok"] and out["ran_as"] == "flex", out
 
 
 def test_greedy_part_finds_identical_outputs_for_identical_dtypes(tiny):
@@ -58,7 +72,52 @@ def test_throughput_part_against_the_sdar_loop(tmp_path):
     shape = BenchShape(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                        head_dim=16, intermediate_size=128, vocab_size=384)
     path = gpu_check.write_sdar(tmp_path, shape)
-    out = gpu_check.throughput(path, shape, "cpu", "float32", [1, 4], Traffic(8, (8, 20), (8, 16)), hf_requests=2)
+    out = gpu_check.throughput(path, shape, "cpu", "float32", [1, 4], Traffic(8, (8, 20), (8, 16)), hf_requests=2,
+                               profile_at_most=2)
     assert set(out["engine"]) == {"1", "4"}
-    assert all(e["output_tokens"] > 0 and e["tokens_per_s"] > 0 for e in out["engine"].values())
+    for e in out["engine"].values():
+        assert e["output_tokens"] > 0 and e["tokens_per_s"] > 0 and e["forwards"] > 0 and e["steps"] > 0
+        assert e["tokens_per_forward"] == e["output_tokens"] / e["forwards"]
+        assert e["forward_device_seconds"] is None and e["forward_share_of_step_time"] is None  # CPU: no events
+        assert e["cuda_graph_replays"] is None  # no graphs on the CPU
+        assert 0 < e["forward_host_seconds"] <= e["step_seconds"] <= e["seconds"]
+    assert out["profile"]["steps"] == 2 and out["profile"]["top_host_ops"]
     assert out["hf_sdar_loop"]["same_as_engine"] == 1.0, "greedy float32: the engine's outputs are the loop's"
+
+
+def test_throughput_part_stops_starting_runs_once_its_cap_is_spent(tmp_path):
+    path = gpu_check.write_sdar(tmp_path, TOY_SHAPE)
+    out = gpu_check.throughput(path, TOY_SHAPE, "cpu", "float32", [1, 4], Traffic(8, (8, 20), (8, 16)), hf_requests=1,
+                               max_seconds=0.0, profile_at_most=1)
+    assert out["engine"]["1"]["skipped"].startswith("the part's 0 s cap")
+
+
+# ---- weights drawn on the device: the SDAR-4B part and batch invariance, at toy size ------------------------
+def test_weights_on_device_are_seeded_and_never_pick_the_mask_or_padding(tmp_path):
+    path = gpu_check.write_config_only(tmp_path, TOY_SHAPE)
+    spec = load_model_spec(str(path))
+    assert (spec.hidden_size, spec.vocab_size) == (TOY_SHAPE.hidden_size, TOY_SHAPE.vocab_size)
+    load, models = runner.build_model, []
+    for _ in range(2):
+        with gpu_check.weights_on_device(seed=3):
+            models.append(runner.build_model(spec, torch.device("cpu"), torch.float32, None))
+    assert runner.build_model is load
+    a, b = ({name: p.detach() for name, p in m.named_parameters()} for m in models)
+    assert all(torch.equal(a[name], b[name]) for name in a)
+    assert not a["lm_head.weight"][spec.mask_token_id].any() and not a["lm_head.weight"][gpu_check.TOKENIZER_IDS:].any()
+    assert a["model.layers.0.mlp.up_proj.weight"].std() == pytest.approx(0.1, rel=0.2)
+
+
+def test_shape_part_at_toy_size(tmp_path):
+    path = gpu_check.write_config_only(tmp_path, TOY_SHAPE)
+    out = gpu_check.shape_throughput(path, TOY_SHAPE, "cpu", "float32", 4, Traffic(8, (8, 20), (8, 16)),
+                                     profile_steps_at_most=1)
+    assert out["requests"] == 4 and out["output_tokens"] > 0 and out["forwards"] > 0
+    assert out["profile"]["top_host_ops"]
+
+
+def test_batch_invariance_part_at_toy_size(tmp_path):
+    path = gpu_check.write_config_only(tmp_path, TOY_SHAPE)
+    out = gpu_check.batch_invariance(path, TOY_SHAPE, "cpu", "float32", 4, Traffic(8, (8, 20), (8, 16)))
+    assert out["tokens"] > 0 and out["same_tokens"] and out["same_step_map"]
+    assert out["first_differing_token"] is None and out["max_logprob_diff"] < 1e-4

@@ -120,8 +120,8 @@ def test_weights_from_tensors_come_back_exactly(ckpts):
         before = served(eng)
         release_resume_cycle(eng)  # no checkpoint holds these weights: a copy of them came back
         assert_same(served(eng), before)
-        with pytest.raises(ValueError, match="memory tags \\['cuda_graph'\\]"):
-            asyncio.run(eng.release_memory_occupation(["cuda_graph"]))
+        with pytest.raises(ValueError, match="memory tags \\['gpu'\\]"):
+            asyncio.run(eng.release_memory_occupation(["gpu"]))
     finally:
         eng.shutdown()
 

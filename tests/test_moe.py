@@ -171,7 +171,7 @@ def test_tp2_over_ray_equals_tp1(serve_cluster, dllm_moe):
             two = handle.generate.remote(body).result()
             assert two["output_ids"] == one.token_ids
             assert two["meta_info"]["step_map"] == one.step_map
-            got = [v for v, _ in two["meta_info"]["output_token_logprobs"]]
+            got = [row[0] for row in two["meta_info"]["output_token_logprobs"]]
             assert got == pytest.approx([e[t] for e, t in zip(one.logprobs, one.token_ids, strict=True)], abs=TOL)
     finally:
         serve.delete(app.name)

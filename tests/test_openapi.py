@@ -26,6 +26,15 @@ def test_openapi_schema_is_valid_and_names_the_request_models(served_apps):
     assert schemas["ErrorResponse"]["properties"].keys() == {"error"}
     docs = httpx.get(base + "/docs", timeout=TIMEOUT)
     assert docs.status_code == 200 and "swagger" in docs.text.lower()
+    assert "cdn" not in docs.text and "/sdar/openapi.json" in docs.text  # served here, under the app's prefix
+    for asset, kind in (("swagger-ui-bundle.js", "javascript"), ("swagger-ui.css", "css")):
+        assert f"/sdar/docs/static/{asset}" in docs.text
+        r = httpx.get(f"{base}/docs/static/{asset}", timeout=TIMEOUT)
+        assert r.status_code == 200 and kind in r.headers["content-type"] and len(r.content) > 1000
+    assert httpx.get(base + "/docs/static/..%2Fpyproject.toml", timeout=TIMEOUT).status_code == 404
+    for route in ("/generate", "/v1/completions", "/v1/chat/completions"):  # JSON, or SSE when streamed
+        assert set(spec["paths"][route]["post"]["responses"]["200"]["content"]) == {"application/json",
+                                                                                  "text/event-stream"}
     r = httpx.get(base + "/generate", timeout=TIMEOUT)
     assert r.status_code == 405 and r.headers["allow"] == "POST" and set(r.json()["error"]) == {
         "message", "type", "param"}

@@ -74,7 +74,7 @@ def test_hundred_cancelled_streams_return_every_page(served_apps):
         assert r.status_code == 200 and len(r.json()["output_ids"]) == 8, r.text
         with httpx.stream("POST", served_apps[a].url + "/generate", json={**body, "stream": True}, timeout=60) as s:
             events = sse_events(s.iter_lines())
-        assert events[-1] == "[DONE]" and sum(len(e["output_ids"]) for e in events[:-1]) == 8
+        assert events[-1] == "[DONE]" and len(events[-2]["output_ids"]) == 8  # the last chunk holds them all
         assert engine_totals(a)["kv_pages_free"] == start[a]["kv_pages_total"]
 
 

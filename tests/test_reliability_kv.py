@@ -11,7 +11,7 @@ import random
 import httpx
 from conftest import KV_ENGINE, engine_totals, sse_events, wait_idle
 
-from deployments.schemas import merge_generate_deltas
+from deployments.sglang.serving import fold_cumulative_chunks
 
 N = 16
 MAX_TOKENS = 24
@@ -38,7 +38,7 @@ async def run_all(url: str, reqs: list[dict]) -> list[dict]:
             assert r.status_code == 200, await r.aread()
             events = sse_events([line async for line in r.aiter_lines()])
         assert events[-1] == "[DONE]"
-        return merge_generate_deltas(events[:-1])
+        return fold_cumulative_chunks(events[:-1])
 
     async with httpx.AsyncClient(timeout=120) as client:
         return await asyncio.gather(*(one(client, b) for b in reqs))

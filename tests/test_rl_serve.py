@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +21,7 @@ from conftest import SERVE_ENGINE, deploy, sse_events, without_ids
 from ray import serve
 
 from configs import EngineConfig, GenerationConfig
-from deployments.schemas import merge_generate_deltas
+from deployments.sglang.serving import merge_generate_deltas
 from engine.offline import pipeline
 from tools.tiny_checkpoint import DLLM_TEST_LOGIT_SCALE, write_tiny_checkpoint
 
@@ -28,7 +29,7 @@ PROMPT = [5, 17, 200, 33, 9, 41]
 ROLLOUT = {"input_ids": PROMPT, "max_tokens": 12, "temperature": 0, "return_logprob": True}
 
 TRAINER = r"""
-import json, socket, sys
+import json, socket, sys, threading
 import httpx, ray, torch
 import torch.distributed as dist
 from ray import serve
@@ -67,8 +68,20 @@ for t in new.values():
     dist.broadcast(t, src=0, group=group)
 out["distributed"] = pushed.result()
 out["after_distributed"] = [r.result() for r in [h.generate.remote(body) for _ in range(4)]]
+
+# over HTTP, one flattened broadcast (SGLang's flattened_bucket: every tensor's bytes in `names` order)
+flat = {n: t.float() for n, t in load_file(disk + "/model.safetensors").items()}
+answer = {}
+posted = threading.Thread(target=lambda: answer.update(httpx.post(url + "/update_weights_from_distributed", json={
+    "names": list(flat), "dtypes": ["float32"] * len(flat), "shapes": [list(t.shape) for t in flat.values()],
+    "group_name": "g", "load_format": "flattened_bucket", "weight_version": "v-flat"}, timeout=300).json()))
+posted.start()
+dist.broadcast(torch.cat([t.flatten().view(torch.uint8) for t in flat.values()]), src=0, group=group)
+posted.join()
+out["flattened"] = answer
+out["after_flattened"] = [r.result() for r in [h.generate.remote(body) for _ in range(4)]]
 out["destroy"] = h.destroy_weights_update_group.remote({"group_name": "g"}).result()
-out["version"] = h.get_weight_version.remote().result()
+out["version"] = h.get_weight_version.remote({}).result()
 
 fields = json.loads(sys.argv[8])
 out["fields"] = h.generate.remote(fields).result()
@@ -87,8 +100,9 @@ def ckpts(tmp_path_factory) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def rl_app(serve_cluster, ckpts):
+    # streams deltas (SGLang's incremental_streaming_output): they concatenate to the unary body
     app = deploy(serve_cluster, "rl", Path(ckpts["old"]), dict(SERVE_ENGINE), num_replicas=2, debug_hooks=True,
-                 hold_timeout_s=3.0)
+                 hold_timeout_s=3.0, incremental_streaming_output=True)
     yield app
     serve.delete(app.name)
 
@@ -104,7 +118,8 @@ def _assert_rollout(body: dict, ref: dict, version: str) -> None:
     meta = body["meta_info"]
     assert body["output_ids"] == ref["ids"] and meta["step_map"] == ref["step_map"]
     rows = meta["output_token_logprobs"]
-    assert [t for _, t in rows] == ref["ids"] and [v for v, _ in rows] == pytest.approx(ref["logprobs"], abs=1e-5)
+    assert [t for _, t, _ in rows] == ref["ids"]
+    assert [v for v, _, _ in rows] == pytest.approx(ref["logprobs"], abs=1e-5)
     assert meta["weight_version"] == version
 
 
@@ -126,7 +141,7 @@ def test_trainer_updates_every_replica_by_disk_tensor_and_broadcast(serve_cluste
     out = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[len("RESULT "):])
     _assert_rollout(out["before"], _reference(ckpts["old"], ROLLOUT), "default")  # prefix cache warm from here on
     for path, ckpt, version in (("disk", "disk", "v-disk"), ("tensor", "tensor", "v-tensor"),
-                                ("distributed", "broadcast", "v-dist")):
+                                ("distributed", "broadcast", "v-dist"), ("flattened", "disk", "v-flat")):
         assert out[path]["success"] is True and out[path]["num_replicas"] == 2, out[path]
         assert out[path]["weight_version"] == version
         ref = _reference(ckpts[ckpt], ROLLOUT)
@@ -134,8 +149,8 @@ def test_trainer_updates_every_replica_by_disk_tensor_and_broadcast(serve_cluste
             _assert_rollout(body, ref, version)
     assert out["bad_world"]["success"] is False and out["bad_world"]["error"]["param"] == "world_size"
     assert out["init"]["ranks"] == [1, 2] and out["destroy"]["success"] is True
-    assert out["version"] == {"weight_version": "v-dist"}
-    assert sorted(s["weight_version"] for s in _stats(rl_app)) == ["v-dist", "v-dist"]
+    assert out["version"] == {"weight_version": "v-flat"}
+    assert sorted(s["weight_version"] for s in _stats(rl_app)) == ["v-flat", "v-flat"]
     # the same fields from another Ray job as over HTTP (unary, SSE deltas)
     http = httpx.post(rl_app.url + "/generate", json=FIELDS, timeout=120).json()
     assert without_ids(out["fields"]) == without_ids(http)
@@ -262,3 +277,39 @@ def test_new_fields_over_http_sse_openai_and_metrics(rl_app):
     counts = [float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
               if line.startswith("blockserve_request_queue_time_seconds_count")]
     assert counts and sum(counts) >= 3
+
+
+def test_trainer_payloads_with_sglang_types_and_semantics(rl_app, ckpts):
+    """What AReaL and verl send: a numeric weight_version (kept as its string), an update that names
+    none (the version stays), `abort_all_requests`, `master_port` as a string; memory tags as SGLang
+    (none or [] = all, `cuda_graph` accepted); a group nobody joins fails within its timeout naming who."""
+    url = rl_app.url
+    r = httpx.post(url + "/update_weights_from_disk", json={"model_path": ckpts["old"], "weight_version": 7,
+                                                             "abort_all_requests": True}, timeout=300).json()
+    assert r["success"] is True and r["weight_version"] == "7", r
+    r = httpx.post(url + "/update_weights_from_disk", json={"model_path": ckpts["old"]}, timeout=300).json()
+    assert r["success"] is True and r["weight_version"] == "7", r
+    assert httpx.get(url + "/get_weight_version").json() == {"weight_version": "7"}
+    assert httpx.get(url + "/get_model_info").json()["weight_version"] == "7"
+    # areal/engine/sglang_remote.py (inclusionAI/AReaL 4aef98d8), lines 261-268: the group payload
+    areal_group = {"master_address": "127.0.0.1", "master_port": "29500", "rank_offset": 1, "world_size": 2,
+                   "backend": "gloo", "group_name": "areal"}
+    r = httpx.post(url + "/init_weights_update_group", json=areal_group, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "world_size", r.text  # 2 replicas: world 3
+    r = httpx.post(url + "/update_weights_from_distributed", json={"names": ["x"], "dtypes": ["float32"],
+                                                                    "shapes": [[1]], "load_format": "bogus"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "load_format", r.text
+    for tags in ([], ["cuda_graph"], None, ["weights", "kv_cache", "cuda_graph"]):
+        for op in ("release_memory_occupation", "resume_memory_occupation"):
+            r = httpx.post(url + f"/{op}", json={"tags": tags}, timeout=120)
+            assert r.status_code == 200 and r.json()["success"] is True, (tags, op, r.text)
+    body = httpx.post(url + "/generate", json=ROLLOUT, timeout=120).json()
+    _assert_rollout(body, _reference(ckpts["old"], ROLLOUT), "7")
+    with socket.socket() as s:  # a port nobody listens on: no trainer hosts the group's store
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    lonely = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 3,
+              "backend": "gloo", "group_name": "lonely", "timeout_s": 3}
+    r = httpx.post(url + "/init_weights_update_group", json=lonely, timeout=300)
+    assert r.status_code == 400 and r.json()["success"] is False, r.text
+    assert "rank 0" in r.json()["message"] and "never connected" in r.json()["message"], r.text

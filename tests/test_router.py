@@ -10,7 +10,7 @@ from ray.serve._private.common import RequestMetadata
 from ray.serve._private.request_router.common import PendingRequest
 
 from deployments.router import chunk_hashes, request_keys
-from deployments.schemas import EngineRequest
+from deployments.wire import EngineRequest
 
 IDS = list(range(150_000, 150_040))  # ids above 2**16 occur in every Qwen3 vocabulary (151,936)
 

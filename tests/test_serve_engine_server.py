@@ -9,7 +9,7 @@ from conftest import SERVE_ENGINE
 
 from configs import GenerationConfig
 from deployments.engine_server import EngineServer
-from deployments.schemas import EngineRequest
+from deployments.wire import EngineRequest
 
 
 def request(i: int, **params) -> dict:

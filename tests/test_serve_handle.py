@@ -13,7 +13,7 @@ import httpx
 from conftest import sse_events, without_ids
 from ray import serve
 
-from deployments.schemas import merge_generate_deltas
+from deployments.sglang.serving import fold_cumulative_chunks
 
 DRIVER = r"""
 import json, sys
@@ -46,7 +46,7 @@ def test_handle_and_streaming_handle_from_another_driver(serve_cluster, served_a
     http = httpx.post(app.url + "/generate", json=body, timeout=120).json()
     assert without_ids(out["unary"]) == without_ids(http)
     assert len(out["deltas"]) > 1
-    assert without_ids(merge_generate_deltas(out["deltas"])) == without_ids(http)
+    assert without_ids(fold_cumulative_chunks(out["deltas"])) == without_ids(http)
     assert len(http["meta_info"]["step_map"]) == len(http["output_ids"]) == 16
     with httpx.stream("POST", app.url + "/generate", json={**body, "stream": True}, timeout=120) as r:
         sse = sse_events(r.iter_lines())[:-1]
@@ -80,7 +80,7 @@ def test_two_replicas_serve_concurrently(served_apps):
         async with client.stream("POST", app.url + "/generate", json={**body, "stream": True}) as r:
             events = sse_events([line async for line in r.aiter_lines()])
         assert events[-1] == "[DONE]"
-        return merge_generate_deltas(events[:-1])
+        return fold_cumulative_chunks(events[:-1])
 
     async def main() -> list[dict]:
         async with httpx.AsyncClient(timeout=120) as client:

@@ -10,7 +10,7 @@ from conftest import sse_events, without_ids
 from ray import serve
 
 from configs import EngineConfig, GenerationConfig
-from deployments.schemas import merge_generate_deltas
+from deployments.sglang.serving import fold_cumulative_chunks
 from engine.offline import pipeline
 
 TIMEOUT = 120
@@ -77,10 +77,15 @@ def test_generate_unary_and_sse_deltas_concatenate(served_apps, app, body):
 
     status, events = stream(url, {**body, "stream": True})
     assert status == 200
-    deltas = split_done(events)
-    assert len(deltas) > 1
-    assert all(d["meta_info"]["finish_reason"] is None for d in deltas[:-1])
-    assert without_ids(merge_generate_deltas(deltas)) == without_ids(unary)
+    chunks = split_done(events)
+    assert len(chunks) > 1
+    assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
+    # SGLang's cumulative chunks: each holds everything so far (the step trace: its own events)
+    for a, b in zip(chunks, chunks[1:]):
+        assert b["output_ids"][:len(a["output_ids"])] == a["output_ids"] and b["text"].startswith(a["text"])
+    assert without_ids(fold_cumulative_chunks(chunks)) == without_ids(unary)
+    if not body.get("return_step_trace"):
+        assert without_ids(chunks[-1]) == without_ids(unary)
 
 
 def _flat(url: str, body: dict) -> dict:
@@ -105,13 +110,13 @@ def _merged_by_index(events: list) -> dict[int, dict]:
     by_index: dict[int, list] = {}
     for d in split_done(events):
         by_index.setdefault(d.pop("index"), []).append(d)
-    return {i: without_ids(merge_generate_deltas(ds)) for i, ds in by_index.items()}
+    return {i: without_ids(fold_cumulative_chunks(ds)) for i, ds in by_index.items()}
 
 
 def test_sglang_native_bodies_equal_flat_ones(served_apps):
     """SGLang's native /generate body: one prompt answers the flat body; a batch (text or input_ids
     lists, per-prompt sampling_params) and n > 1 answer a list in order with `index`; streamed, the
-    deltas of each index concatenate to the same bodies."""
+    last (cumulative) chunk of each index is the same body."""
     url = served_apps["sdar"].url + "/generate"
     sp = {"max_new_tokens": 12, "temperature": 0.8, "seed": 7, "stop": ["zz"]}
     flat = {"max_tokens": 12, "temperature": 0.8, "seed": 7, "stop": ["zz"], "return_logprob": True,
@@ -161,9 +166,9 @@ def test_scoring_over_http_matches_in_process_engine(served_apps):
     assert unary["output_ids"] == [] and unary["text"] == "" and mi["completion_tokens"] == 0
     rows = mi["input_token_logprobs"]
     assert len(rows) == len(ids) - 4
-    assert [t for _, t in rows] == ids[4:] == [t for _, t in ref.input_token_logprobs]
-    assert [v for v, _ in rows] == pytest.approx([v for v, _ in ref.input_token_logprobs], abs=1e-5)
-    assert [[t for _, t in row] for row in mi["input_top_logprobs"]] == \
+    assert [t for _, t, _ in rows] == ids[4:] == [t for _, t in ref.input_token_logprobs]
+    assert [v for v, _, _ in rows] == pytest.approx([v for v, _ in ref.input_token_logprobs], abs=1e-5)
+    assert [[t for _, t, _ in row] for row in mi["input_top_logprobs"]] == \
         [[t for _, t in row] for row in ref.input_top_logprobs]
 
     status, events = stream(app.url + "/generate", {**body, "stream": True})

@@ -45,9 +45,9 @@ def test_tp2_matches_tp1(served_apps, tp2_app):
         assert two["meta_info"]["step_map"] == one["meta_info"]["step_map"]
         assert two["text"] == one["text"]
         if body.get("return_logprob"):
-            assert [t for _, t in two["meta_info"]["output_token_logprobs"]] == two["output_ids"]
-            assert [v for v, _ in two["meta_info"]["output_token_logprobs"]] == pytest.approx(
-                [v for v, _ in one["meta_info"]["output_token_logprobs"]], abs=1e-4)
+            assert [row[1] for row in two["meta_info"]["output_token_logprobs"]] == two["output_ids"]
+            assert [row[0] for row in two["meta_info"]["output_token_logprobs"]] == pytest.approx(
+                [row[0] for row in one["meta_info"]["output_token_logprobs"]], abs=1e-4)
 
 
 def test_api_key_enforced_on_every_route_but_health(tp2_app):

@@ -9,6 +9,7 @@ from engine.core.decoding import DecodingStrategy
 from engine.core.scheduler import ScheduledSeq
 from engine.core.scoring import add_score_rows
 from engine.core.sequence import Sequence
+from engine.core.trajectory import add_view_rows
 from engine.worker.forward_batch import ForwardBatch
 
 
@@ -26,6 +27,9 @@ def build_batch(items: list[ScheduledSeq], decoding: DecodingStrategy, page_size
     batch = ForwardBatch([], [], [], [], [], [])
     slices: list[SampleSlice] = []
     for it in items:
+        if it.views is not None:
+            add_view_rows(batch, it, page_size)
+            continue
         seq, base = it.seq, len(batch.input_ids)
         pages = seq.table.pages
         batch.input_ids += seq.tokens[it.start : it.end]

@@ -47,8 +47,31 @@ def _tokenize(tokenizer: Any, limits: ModelLimits, prompt: str | list[int]) -> l
     return list(prompt)
 
 
+def _check_trajectory(limits: ModelLimits, prompt: str | list[int], params: GenerationConfig) -> None:
+    """The request-level rules of a trajectory (the trajectory's own values are `plan_trajectory`'s)."""
+    if not limits.is_dllm:
+        raise RequestError("dllm_trajectory scores block-diffusion rollouts and this model is autoregressive: "
+                           "score an AR rollout with logprob_start_len (input-token logprobs over prompt + "
+                           "output, max_new_tokens=0)", "dllm_trajectory")
+    if isinstance(prompt, str):
+        raise RequestError("trajectory scoring needs the rollout's prompt as token ids (input_ids), not text: "
+                           "positions and blocks are counted in tokens", "input_ids")
+    if params.max_new_tokens != 0:
+        raise RequestError(f"max_new_tokens={params.max_new_tokens}: a dllm_trajectory request scores and "
+                           "generates nothing; set max_new_tokens=0", "max_new_tokens")
+    if params.logprob_start_len >= 0:
+        raise RequestError("logprob_start_len does not apply to a dllm_trajectory request (block-diffusion "
+                           "models have no input-token logprobs); leave it at -1", "logprob_start_len")
+    if params.logprobs is None:
+        raise RequestError("trajectory scoring returns logprobs: set logprobs >= 0 (return_logprob=true over "
+                           "HTTP)", "logprobs")
+
+
 def _check_scoring(limits: ModelLimits, prompt: str | list[int], ids: list[int], p: GenerationConfig) -> None:
     """max_new_tokens=0 is a scoring request; logprob_start_len >= 0 asks for rows."""
+    if p.dllm_trajectory is not None:
+        _check_trajectory(limits, prompt, p)
+        return
     scoring = p.max_new_tokens == 0
     if not scoring and p.logprob_start_len < 0:
         return

@@ -31,13 +31,15 @@ from engine.core.scheduler import ScheduledSeq, Scheduler
 from engine.core.scoring import take_score_rows
 from engine.core.sequence import SeqStatus, Sequence
 from engine.core.stopping import StopChecker
+from engine.core.trajectory import TrajectoryOutput, scoring_done, take_view_rows
+from engine.core.trajectory_plan import context_tokens, plan_trajectory
 from engine.errors import RequestError, WeightUpdateError
 from engine.executor.local import LocalExecutor
 from engine.kv.page_manager import KVPageManager
 from engine.model.checkpoint import ModelSpec, load_model_spec, load_tokenizer
 from engine.model.source import resolve_model_path
 from engine.worker.forward_batch import ForwardBatch, ForwardOutput
-from engine.worker.update_group import WEIGHT_OP_TIMEOUT_S
+from engine.worker.update_group import GROUP_JOIN_TIMEOUT_S, WEIGHT_OP_TIMEOUT_S
 from engine.worker.weight_sources import DiskWeights, WeightSource, check_same_architecture
 
 log = logging.getLogger(__name__)
@@ -145,17 +147,23 @@ class LLMEngine:
         if not params.ignore_eos:
             stop_ids |= self.spec.eos_token_ids
         stop_ids = frozenset(stop_ids)
+        trajectory = plan_trajectory(prompt_ids, params, self.limits, self.mask_id, stop_ids) \
+            if params.dllm_trajectory is not None else None
         # unseeded requests draw a fresh seed: distinct on every replica and after every restart
         seed = params.random_seed if params.random_seed is not None else secrets.randbits(63)
         seq = Sequence(
             request_id=request_id, prompt_ids=prompt_ids, params=params, stop_ids=stop_ids,
             stop=StopChecker(self.tokenizer, params, stop_ids), seed=seed, arrival=next(self._ids),
-            tokens=list(prompt_ids), next_score_pos=max(params.logprob_start_len, 0), unmasking=unmasking,
-            penalty_ids=set(prompt_ids) - {self.mask_id},
+            tokens=list(prompt_ids) if trajectory is None else context_tokens(prompt_ids, params, trajectory),
+            next_score_pos=max(params.logprob_start_len, 0), unmasking=unmasking,
+            penalty_ids=set(prompt_ids) - {self.mask_id}, trajectory=trajectory,
         )
-        self.decoding.start(seq)
         self.seqs[request_id] = seq
-        self.outputs[request_id] = OutputBuilder(seq, self.is_dllm)
+        if trajectory is None:
+            self.decoding.start(seq)
+            self.outputs[request_id] = OutputBuilder(seq, self.is_dllm)
+        else:
+            self.outputs[request_id] = TrajectoryOutput(seq, self.tokenizer)
         self.scheduler.add(seq)
         self.stats.prompt_tokens += len(prompt_ids)
         return request_id
@@ -243,10 +251,18 @@ class LLMEngine:
         self.executor.run_on_ranks("resume_memory", tags, timeout_s=WEIGHT_OP_TIMEOUT_S)
 
     def init_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
-                          group_name: str, backend: str) -> None:
-        """Every rank joins the trainer's group as `rank_offset` + its tensor-parallel rank."""
-        self.executor.run_on_ranks("init_update_group", master_address, master_port, rank_offset, world_size,
-                                   group_name, backend, timeout_s=WEIGHT_OP_TIMEOUT_S)
+                          group_name: str, backend: str, timeout_s: float = GROUP_JOIN_TIMEOUT_S) -> None:
+        """Every rank joins the trainer's group as `rank_offset` + its tensor-parallel rank. A group
+        that does not form within `timeout_s` raises WeightUpdateError naming who did not join; the
+        ranks that had joined leave it again."""
+        try:
+            self.executor.run_on_ranks("init_update_group", master_address, master_port, rank_offset, world_size,
+                                       group_name, backend, timeout_s, timeout_s=timeout_s + 60.0)
+        except Exception as e:
+            if getattr(e, "fatal", False):
+                raise
+            self.executor.run_on_ranks("destroy_update_group", group_name, True)
+            raise
 
     def destroy_update_group(self, group_name: str) -> None:
         self.executor.run_on_ranks("destroy_update_group", group_name)
@@ -268,13 +284,14 @@ class LLMEngine:
             raise WeightUpdateError(f"weight update failed while staging ({type(e).__name__}: {e})") from e
 
     def commit_weights(self, weight_version: str | None = None) -> str:
-        """Phase two: every rank swaps its staged slices in; the prefix cache is flushed and the new
-        weights named. Returns the new `weight_version`: the given one, else the number of updates
-        applied so far ("1", "2", ...)."""
+        """Phase two: every rank swaps its staged slices in; the prefix cache is flushed. Returns the
+        `weight_version` now served: the given one, else the previous one unchanged (as SGLang; a
+        trainer sending one update per bucket names the version on the last)."""
         self.executor.run_on_ranks("commit_weights")
         self.flush_cache()
         self.stats.weight_updates += 1
-        self.weight_version = str(self.stats.weight_updates) if weight_version is None else str(weight_version)
+        if weight_version is not None:
+            self.weight_version = str(weight_version)
         return self.weight_version
 
     def discard_weights(self) -> None:
@@ -375,6 +392,7 @@ class LLMEngine:
 
     def _apply(self, fwd: _Forward) -> list[OutputChunk]:
         take_score_rows(fwd.items, fwd.batch, fwd.result, self.outputs)
+        take_view_rows(fwd.items, fwd.result, self.kv)
         for it in fwd.items:  # K/V final up to here
             seq = it.seq
             seq.num_computed = self.decoding.computed_after(seq, it.end, it.sample)
@@ -389,7 +407,7 @@ class LLMEngine:
                 chunks += self._fail_alone(sl.seq, e)
         for it in fwd.items:  # scoring-only requests end with their prefill
             seq = it.seq
-            if seq.params.max_new_tokens == 0 and seq.num_computed >= seq.prompt_len:
+            if seq.params.max_new_tokens == 0 and scoring_done(seq):
                 seq.finish("length", 0)
                 finished.add(seq.request_id)
         return chunks + self._emit(fwd.items, finished)

@@ -13,6 +13,11 @@ a step is re-run to isolate a failing request, and on CPU or GPU where the arith
 
 The filters always keep the most likely token: a top_p that underflows to 0, or min_p = 1, leaves
 greedy decoding rather than an empty distribution.
+
+The batch is processed at once (on the CPU a few rows at a time, for the cache), every setting a
+per-row column (greedy rows: temperature 1 and every filter off), with the same per-row arithmetic as
+one group at a time: a row's values are identical to what it would get alone. Top-k takes one `topk`
+of the batch's largest k, never a sort; top-p sorts only the rows that ask for it.
 """
 
 from __future__ import annotations
@@ -65,52 +70,6 @@ class Picked:
     processed: torch.Tensor | None
 
 
-def _penalize(logits: torch.Tensor, group: RowGroup) -> torch.Tensor:
-    """Repetition penalty and stop-id suppression, written over `logits` (index lists filtered on the
-    host: no data-dependent shapes on the device)."""
-    p = group.params
-    vocab = logits.shape[-1]
-    if p.repetition_penalty != 1.0 and group.penalty_ids:
-        ids = torch.tensor([i for i in group.penalty_ids if i < vocab], device=logits.device)
-        picked = logits[:, ids]
-        logits[:, ids] = torch.where(picked > 0, picked / p.repetition_penalty, picked * p.repetition_penalty)
-    stop_ids = [i for i in group.stop_ids if i < vocab]
-    if any(group.suppress) and stop_ids:
-        rows = torch.tensor(group.suppress, device=logits.device)
-        columns = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
-        columns[torch.tensor(stop_ids, device=logits.device)] = True
-        logits.masked_fill_(rows[:, None] & columns[None, :], float("-inf"))
-    return logits
-
-
-def filter_for_sampling(logits: torch.Tensor, p: GenerationConfig) -> torch.Tensor:
-    """Temperature, then top-k, top-p and min-p as -inf masks on [R, V] float logits. The most
-    likely token always survives."""
-    logits = logits / p.temperature
-    if p.top_k > 0 and p.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, p.top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if p.top_p < 1.0:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        probs = sorted_logits.softmax(-1)
-        drop_sorted = (probs.cumsum(-1) - probs) >= p.top_p  # keep the smallest prefix reaching top_p
-        drop_sorted[:, 0] = False
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    if p.min_p > 0.0:
-        probs = logits.softmax(-1)
-        logits = logits.masked_fill(probs < p.min_p * probs.max(-1, keepdim=True).values, float("-inf"))
-    return logits
-
-
-def draw(probs: torch.Tensor, us: list[float]) -> torch.Tensor:
-    """Inverse-CDF sampling: row r takes the first token whose cumulative probability exceeds
-    us[r] times the row total (a token of probability 0 is never taken)."""
-    cdf = probs.double().cumsum(-1)
-    u = torch.tensor(us, dtype=torch.float64, device=probs.device)[:, None] * cdf[:, -1:]
-    return torch.searchsorted(cdf, u, right=True).clamp_(max=probs.shape[-1] - 1)[:, 0]
-
-
 def entropy(probs: torch.Tensor) -> torch.Tensor:
     """Shannon entropy in nats per row (0 * log 0 = 0)."""
     return torch.special.entr(probs).sum(-1)
@@ -123,6 +82,9 @@ def softmax_(x: torch.Tensor) -> torch.Tensor:
         return x.softmax(-1)
     with torch.inference_mode():
         return torch._softmax(x, -1, False, out=x)
+
+
+CPU_CHUNK_ROWS = 8  # rows per batched pass on the CPU
 
 
 def _is_plain_greedy(g: RowGroup) -> bool:
@@ -148,25 +110,157 @@ def pick_tokens(logits: torch.Tensor, groups: list[tuple[int, int, RowGroup]], n
         probs = softmax_(logits) if in_place else logits.softmax(-1)
         conf, tok = row_max(probs)
         return Picked(tok, conf, entropy(probs) if want_entropy else None, processed)
-    tokens, confidence, entropies = [], [], []
-    processed = torch.empty_like(logits) if keep_processed else None
+    tiled, at = True, 0  # groups cover the rows in order, one after the other
+    for first, count, _ in groups:
+        tiled, at = tiled and first == at, at + count
+    if logits.device.type != "cpu" or not tiled or at != logits.shape[0]:
+        return _pick_batch(logits, groups, want_entropy, keep_processed)
+    # On the CPU a few rows at a time: every pass over them stays in cache, where a batch-wide pass
+    # would stream rows x vocabulary floats through memory once per op (no launch overhead to save).
+    parts, start = [], 0
+    while start < len(groups):
+        end, rows = start, 0
+        while end < len(groups) and (rows == 0 or rows + groups[end][1] <= CPU_CHUNK_ROWS):
+            rows += groups[end][1]
+            end += 1
+        first = groups[start][0]
+        parts.append(_pick_batch(logits[first : first + rows], [(f - first, c, g) for f, c, g in groups[start:end]],
+                                 want_entropy, keep_processed))
+        start = end
+    fields = ("tokens", "confidence", "entropy", "processed")
+    return Picked(*(None if getattr(parts[0], f) is None else torch.cat([getattr(p, f) for p in parts])
+                    for f in fields))
+
+
+@dataclass
+class _BatchSettings:
+    """Per-row settings of a batch and its penalty / suppression entries, laid out on the host."""
+
+    rows: list[int]  # logits row of each output row, group after group
+    greedy: list[bool]
+    temperature: list[float]
+    top_k: list[int]  # 0 = off
+    top_p: list[float]  # 2.0 = off (a cumulative probability never reaches it)
+    min_p: list[float]  # 0.0 = off
+    uniforms: list[float]  # the row's random draw (0 for greedy rows)
+    want_entropy: list[bool]
+    penalty_rows: list[int]  # repetition penalty entries: (output row, token id, penalty)
+    penalty_ids: list[int]
+    penalty_values: list[float]
+    suppress_rows: list[int]  # stop ids set to -inf: (output row, token id)
+    suppress_ids: list[int]
+
+
+def _settings(groups: list[tuple[int, int, RowGroup]], vocab: int) -> _BatchSettings:
+    b = _BatchSettings([], [], [], [], [], [], [], [], [], [], [], [], [])
     for first, count, g in groups:
-        rows = _penalize(logits[first : first + count].clone(), g)
-        if not g.params.is_greedy:
-            rows = filter_for_sampling(rows, g.params)
-        if processed is not None:
-            processed[first : first + count] = rows
-        probs = rows.softmax(-1)
-        if g.params.is_greedy:
-            conf, tok = probs.max(-1)
-        else:
-            tok = draw(probs, uniforms(g.seed, g.first_draw, count))
-            conf = probs.gather(-1, tok[:, None])[:, 0]
-        tokens.append(tok)
-        confidence.append(conf)
-        entropies.append(entropy(probs) if g.want_entropy else torch.full_like(conf, float("nan")))
-    return Picked(torch.cat(tokens), torch.cat(confidence), torch.cat(entropies) if want_entropy else None,
-                  processed)
+        p, out = g.params, len(b.rows)
+        b.rows += range(first, first + count)
+        b.greedy += [p.is_greedy] * count
+        sampled = not p.is_greedy
+        b.temperature += [p.temperature if sampled else 1.0] * count
+        b.top_k += [p.top_k if sampled and 0 < p.top_k < vocab else 0] * count
+        b.top_p += [p.top_p if sampled and p.top_p < 1.0 else 2.0] * count
+        b.min_p += [p.min_p if sampled else 0.0] * count
+        b.uniforms += uniforms(g.seed, g.first_draw, count) if sampled else [0.0] * count
+        b.want_entropy += [g.want_entropy] * count
+        if p.repetition_penalty != 1.0 and g.penalty_ids:
+            ids = [i for i in g.penalty_ids if i < vocab]
+            for r in range(out, out + count):
+                b.penalty_rows += [r] * len(ids)
+                b.penalty_ids += ids
+            b.penalty_values += [p.repetition_penalty] * (len(ids) * count)
+        stop = [i for i in g.stop_ids if i < vocab]
+        for r, suppressed in enumerate(g.suppress, start=out):
+            if suppressed and stop:
+                b.suppress_rows += [r] * len(stop)
+                b.suppress_ids += stop
+    return b
+
+
+def _pick_batch(logits: torch.Tensor, groups: list[tuple[int, int, RowGroup]], want_entropy: bool,
+                keep_processed: bool) -> Picked:
+    """Every group at once: per-row settings as columns, the same per-row arithmetic as one group at a
+    time (penalty, temperature, top-k, top-p, min-p, softmax, greedy max or inverse-CDF draw), so a
+    row's results do not depend on what else is in the batch. Filters run on the sampled rows only, the
+    top-p sort on the rows asking for it only. The settings travel in two host->device copies
+    (integers, floats); no value comes back to the host."""
+    device, vocab = logits.device, logits.shape[-1]
+    b = _settings(groups, vocab)
+    n, n_pen, n_sup = len(b.rows), len(b.penalty_rows), len(b.suppress_rows)
+    sampled = [r for r, g in enumerate(b.greedy) if not g]
+    n_s = len(sampled)
+    top_p_rows = [i for i, r in enumerate(sampled) if b.top_p[r] < 1.0]  # positions among the sampled rows
+    ints = torch.tensor([*b.rows, *b.want_entropy, *b.penalty_rows, *b.penalty_ids, *b.suppress_rows,
+                         *b.suppress_ids, *sampled, *(b.top_k[r] for r in sampled), *top_p_rows],
+                        dtype=torch.long).to(device, non_blocking=True)
+    rows_i, want_h, pen_r, pen_i, sup_r, sup_i, sampled_i, top_k, top_p_i = ints.split(
+        [n, n, n_pen, n_pen, n_sup, n_sup, n_s, n_s, len(top_p_rows)])
+    floats = torch.tensor([*b.penalty_values, *(v for r in sampled for v in (b.temperature[r], b.top_p[r],
+                                                                            b.min_p[r], b.uniforms[r]))],
+                          dtype=torch.float64).to(device, non_blocking=True)
+    pen_v, per_sampled = floats.split([n_pen, 4 * n_s])
+    temperature, top_p, min_p, us = per_sampled.view(n_s, 4).unbind(1)
+    in_order = b.rows == list(range(logits.shape[0]))
+    x = logits.clone() if in_order else logits.index_select(0, rows_i)
+    if n_pen:
+        picked = x[pen_r, pen_i]
+        penalty = pen_v.float()
+        x[pen_r, pen_i] = torch.where(picked > 0, picked / penalty, picked * penalty)
+    if n_sup:
+        x[sup_r, sup_i] = float("-inf")
+    every_row = n_s == n
+    if sampled:
+        xs = x if every_row else x.index_select(0, sampled_i)
+        xs = _filter_rows(xs, temperature.float()[:, None], [b.top_k[r] for r in sampled], top_k,
+                          None if len(top_p_rows) == n_s else top_p_i, top_p.index_select(0, top_p_i),
+                          any(b.min_p[r] for r in sampled), min_p)
+        x = xs if every_row else x.index_copy_(0, sampled_i, xs)
+    probs = x.softmax(-1)
+    conf, tok = probs.max(-1)
+    if sampled:
+        drawn = draw(probs if every_row else probs.index_select(0, sampled_i), us)
+        tok = drawn if every_row else tok.index_copy_(0, sampled_i, drawn)
+        conf = probs.gather(-1, tok[:, None])[:, 0]
+    ent = None
+    if want_entropy:
+        ent = torch.where(want_h.bool(), entropy(probs), float("nan"))
+    processed = None
+    if keep_processed:  # laid out like the logits, as the rows they came from
+        processed = x if in_order else torch.zeros_like(logits).index_copy_(0, rows_i, x)
+    return Picked(tok, conf, ent, processed)
+
+
+def _filter_rows(x: torch.Tensor, temperature: torch.Tensor, top_k_list: list[int], top_k: torch.Tensor,
+                 top_p_rows: torch.Tensor | None, top_p: torch.Tensor, any_min_p: bool,
+                 min_p: torch.Tensor) -> torch.Tensor:
+    """`filter_for_sampling` on sampled rows, each with its own settings (0 / 2.0 / 0.0 = top-k / top-p /
+    min-p off): the k-th largest value from one `topk` of the largest k asked for; top-p sorts only
+    `top_p_rows` (None: every row), whose thresholds `top_p` lists."""
+    x = x / temperature
+    if any(top_k_list):
+        kth = torch.topk(x, max(top_k_list), dim=-1).values.gather(1, (top_k - 1).clamp(min=0)[:, None])
+        x = x.masked_fill(x < torch.where(top_k[:, None] > 0, kth, float("-inf")), float("-inf"))
+    if top_p.numel():
+        xp = x if top_p_rows is None else x.index_select(0, top_p_rows)
+        sorted_x, order = xp.sort(dim=-1, descending=True)
+        probs = sorted_x.softmax(-1)
+        drop_sorted = (probs.cumsum(-1) - probs) >= top_p.float()[:, None]
+        drop_sorted[:, 0] = False
+        xp = xp.masked_fill(torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted), float("-inf"))
+        x = xp if top_p_rows is None else x.index_copy_(0, top_p_rows, xp)
+    if any_min_p:
+        probs = x.softmax(-1)
+        x = x.masked_fill(probs < min_p.float()[:, None] * probs.max(-1, keepdim=True).values, float("-inf"))
+    return x
+
+
+def draw(probs: torch.Tensor, us: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling: row r takes the first token whose cumulative probability exceeds
+    us[r] (float64, on the probabilities' device) times the row total (a token of probability 0 is
+    never taken)."""
+    cdf = probs.double().cumsum(-1)
+    return torch.searchsorted(cdf, us[:, None] * cdf[:, -1:], right=True).clamp_(max=probs.shape[-1] - 1)[:, 0]
 
 
 def logprob_values(values: torch.Tensor, chosen: torch.Tensor, k: int, mode: str | None

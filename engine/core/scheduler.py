@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from configs import EngineConfig
 from engine.core.decoding import DecodingStrategy
 from engine.core.sequence import SeqStatus, Sequence
+from engine.core.trajectory_plan import View
 from engine.kv.page_manager import KVPageManager
 
 _UNLIMITED = 1 << 62
@@ -30,6 +31,13 @@ class ScheduledSeq:
     start: int  # first token fed in this forward
     end: int  # one past the last token fed
     sample: bool  # whether this forward's logits pick tokens for the sequence
+    views: list[View] | None = None  # trajectory scoring: the views this forward runs (start == end)
+    score_first: int = 0  # views: the first of their score rows in the batch
+
+    @property
+    def num_rows(self) -> int:
+        """Query rows this item adds to the forward."""
+        return self.end - self.start + sum(len(v.tokens) for v in self.views or ())
 
 
 class Scheduler:
@@ -53,6 +61,8 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.kv.free(seq.table)
+        if seq.trajectory is not None:
+            self.kv.free(seq.trajectory.scratch)
         key = tuple(seq.prompt_ids)
         if self._prefilling.get(key, (None,))[0] is seq:
             del self._prefilling[key]
@@ -70,8 +80,18 @@ class Scheduler:
         del self._prefilling[key]
         return False
 
+    def _feed_target(self, seq: Sequence) -> tuple[int, bool]:
+        if seq.trajectory is not None:  # its prefill is the context; the views come after
+            return seq.trajectory.context_len, False
+        return self.decoding.feed_target(seq)
+
+    def _cacheable(self, seq: Sequence) -> int:
+        if seq.trajectory is not None:  # its whole context is committed tokens
+            return seq.trajectory.context_len
+        return self.decoding.cacheable_prefix(seq)
+
     def _chunk_end(self, seq: Sequence, budget: int) -> int | None:
-        target, _ = self.decoding.feed_target(seq)
+        target, _ = self._feed_target(seq)
         start = seq.num_computed
         if target - start <= budget:
             return target
@@ -86,7 +106,7 @@ class Scheduler:
         i = 0
         while i < len(self.running):
             seq = self.running[i]
-            decoding = self.decoding.is_decoding(seq)
+            decoding = seq.trajectory is None and self.decoding.is_decoding(seq)
             item = self._try_schedule(seq, _UNLIMITED if decoding else budget, out, first=not out)
             if item is None:
                 if seq in self.running:  # could not place it this step; it keeps its pages
@@ -94,7 +114,7 @@ class Scheduler:
                 continue  # it was preempted: the list shifted
             out.append(item)
             if not decoding:
-                budget -= item.end - item.start
+                budget -= item.num_rows
             i += 1
         held: list[Sequence] = []
         while self.waiting and len(self.running) < self.config.max_batch_size and budget > 0:
@@ -102,7 +122,7 @@ class Scheduler:
             if self._waits_for_shared_prompt(seq):
                 held.append(self.waiting.popleft())
                 continue
-            cacheable = self.decoding.cacheable_prefix(seq)
+            cacheable = self._cacheable(seq)
             seq.num_computed = self.kv.match_prefix(seq.table, seq.tokens, cacheable)
             item = self._try_schedule(seq, budget, out, first=not out, admitting=True)
             if item is None:  # wait without sitting on cached pages others may need
@@ -115,7 +135,7 @@ class Scheduler:
                 seq.admitted_at = time.monotonic()
             self.running.append(seq)
             out.append(item)
-            budget -= item.end - item.start
+            budget -= item.num_rows
             if self.kv.enable_prefix_caching and seq.num_computed < cacheable:
                 self._prefilling.setdefault(tuple(seq.prompt_ids), (seq, cacheable))
         self.waiting.extendleft(reversed(held))
@@ -123,6 +143,8 @@ class Scheduler:
 
     def _try_schedule(self, seq: Sequence, budget: int, scheduled: list[ScheduledSeq],
                       first: bool, admitting: bool = False) -> ScheduledSeq | None:
+        if seq.trajectory is not None and seq.num_computed >= seq.trajectory.context_len:
+            return self._schedule_views(seq, budget, scheduled, first, admitting)
         end = self._chunk_end(seq, budget if not first else max(budget, self.decoding.chunk_alignment))
         if end is None:
             return None
@@ -134,8 +156,30 @@ class Scheduler:
             self._preempt(victims[-1] if victims else seq)
             if not victims:
                 return None
-        target, sample = self.decoding.feed_target(seq)
+        target, sample = self._feed_target(seq)
         return ScheduledSeq(seq, seq.num_computed, end, sample and end == target)
+
+    def _schedule_views(self, seq: Sequence, budget: int, scheduled: list[ScheduledSeq], first: bool,
+                        admitting: bool) -> ScheduledSeq | None:
+        """The next views of a trajectory whose context is computed: as many as the budget's rows
+        allow (at least one when the forward is empty) and whose scratch pages fit (fewer when they
+        do not; preempting the newest others when not even one does)."""
+        state = seq.trajectory
+        count = min(max(budget // self.decoding.chunk_alignment, int(first)), len(state.views) - state.next_view)
+        if count <= 0:
+            return None
+        while not state.reserve(self.kv, count):
+            if count > 1:
+                count //= 2
+                continue
+            if admitting:
+                return None
+            busy = {s.seq.request_id for s in scheduled}
+            victims = [s for s in self.running if s.request_id not in busy and s is not seq]
+            self._preempt(victims[-1] if victims else seq)
+            if not victims:
+                return None
+        return ScheduledSeq(seq, seq.num_computed, seq.num_computed, False, views=state.take(count))
 
     def retract_all(self) -> int:
         """Preempt every running sequence (newest first, so they wait in their running order ahead

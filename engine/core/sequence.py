@@ -13,6 +13,7 @@ from engine.kv.page_manager import PageTable
 if TYPE_CHECKING:
     from engine.core.decoding.unmasking import UnmaskingSettings
     from engine.core.stopping import StopChecker
+    from engine.core.trajectory_plan import TrajectoryState
 
 
 class SeqStatus(enum.Enum):
@@ -61,6 +62,7 @@ class Sequence:
     # scoring: next position whose logits row (scoring token position+1) is still owed
     next_score_pos: int = 0
     num_preemptions: int = 0
+    trajectory: TrajectoryState | None = None  # a trajectory to score instead of generating
     finish_reason: str | None = None
     num_output: int | None = None  # generated tokens to output, fixed once the request finishes
     matched: int | str | None = None  # the stop id or stop string that ended it

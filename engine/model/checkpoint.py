@@ -23,6 +23,8 @@ from engine.errors import CheckpointError
 SUPPORTED_MODEL_TYPES = {"qwen3": "AR", "sdar": "DLLM", "qwen3_moe": "AR", "sdar_moe": "DLLM"}
 _MOE_MODEL_TYPES = ("qwen3_moe", "sdar_moe")
 _FLOAT_DTYPES = ("float32", "bfloat16", "float16")
+# transformers' rotary base when a config names none (`Qwen3Config.default_theta`, Qwen3-MoE's too)
+DEFAULT_ROPE_THETA = 10_000.0
 
 
 # A full tensor or a safetensors slice: both index like a tensor (`x[a:b]`, `x[:, a:b]`, `x[...]`).
@@ -107,7 +109,7 @@ def _rope_fields(cfg: dict) -> tuple[float, RopeScaling | None]:
     `rope_theta`) or `rope_parameters` (transformers 5 style, theta inside). Unknown types are refused."""
     field_name = "rope_parameters" if cfg.get("rope_parameters") else "rope_scaling"
     params = dict(cfg.get(field_name) or {})
-    theta = float(cfg.get("rope_theta", params.get("rope_theta", 1e6)))
+    theta = float(cfg.get("rope_theta", params.get("rope_theta", DEFAULT_ROPE_THETA)))
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "default":
         return theta, None
@@ -154,7 +156,9 @@ def _refuse_sliding_window(cfg: dict) -> None:
 
 def _moe_fields(cfg: dict) -> MoESpec:
     # transformers 5 writes `num_local_experts`; published Qwen3-MoE configs say `num_experts`
-    num_experts = cfg["num_experts"] if "num_experts" in cfg else cfg.get("num_local_experts", cfg["num_experts"])
+    num_experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+    if num_experts is None:
+        raise CheckpointError("config.json lacks 'num_experts' (or transformers 5's 'num_local_experts')")
     top_k = cfg["num_experts_per_tok"]
     if not 1 <= top_k <= num_experts:
         raise CheckpointError(f"config.json num_experts_per_tok={top_k} must be between 1 and "

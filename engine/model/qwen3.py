@@ -214,7 +214,8 @@ class Qwen3ForCausalLM(nn.Module):
     ) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
-        backend.prepare(meta)
+        if meta.extra is None:  # the model runner prepares before the forward; other callers may not
+            backend.prepare(meta)
         for layer, kv in zip(self.model.layers, kv_caches):
             x = layer(x, cos, sin, kv, meta, backend)
         return self.model.norm(x)

@@ -1,13 +1,15 @@
 """What one forward takes and gives back: plain data, the same for every tensor-parallel rank.
 
-A leaf module (torch only for the logits' type) so the scheduler side can build batches without
-importing the runner.
+A leaf module (torch only for the logits' type, configs for the sampling parameters of scored rows)
+so the scheduler side can build batches without importing the runner.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+from configs import GenerationConfig
 
 if TYPE_CHECKING:
     import torch
@@ -25,6 +27,35 @@ class ForwardBatch:
     score_rows: list[int] = field(default_factory=list)
     score_targets: list[int] = field(default_factory=list)
     score_top_k: int = 0
+    # processing of scored rows into the sampler's distribution (processed logprobs modes)
+    score_penalties: list[RowPenalty] = field(default_factory=list)
+    score_filters: list[RowFilter] = field(default_factory=list)
+    score_entropy: bool = False  # also the entropy of each scored row's distribution
+    # K/V slots copied (every layer) before the forward: src -> dst
+    kv_copy_src: list[int] = field(default_factory=list)
+    kv_copy_dst: list[int] = field(default_factory=list)
+
+
+@dataclass
+class RowPenalty:
+    """Scored rows [first, first + len(suppress)) get the repetition penalty over `penalty_ids` and,
+    where `suppress` says so, the stop ids masked (as the sampler does before `min_new_tokens`)."""
+
+    first: int
+    repetition_penalty: float
+    penalty_ids: list[int]
+    suppress: list[bool]
+    stop_ids: list[int]
+
+
+@dataclass
+class RowFilter:
+    """Scored rows [first, first + count) are filtered for sampling under `params` (temperature,
+    top-k, top-p, min-p), after any penalty."""
+
+    first: int
+    count: int
+    params: GenerationConfig
 
 
 @dataclass
@@ -32,3 +63,4 @@ class ForwardOutput:
     logits: torch.Tensor  # [len(sample_rows), vocab] float32
     score_values: list[float] = field(default_factory=list)
     score_top: list[list[tuple[float, int]]] | None = None
+    score_entropy: list[float] | None = None

@@ -17,9 +17,11 @@ directory on CPU, where host memory is what is being freed).
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import dataclasses
 import gc
+import logging
 import shutil
 import tempfile
 from pathlib import Path
@@ -32,12 +34,17 @@ from engine.errors import WeightUpdateError
 from engine.model.checkpoint import ModelSpec, iter_weights
 from engine.model.loading import load_weights
 from engine.model.qwen3 import Qwen3ForCausalLM, TPContext
+from engine.worker.cuda_graphs import StepGraphs, cuda_capture, graph_entries, pad_batch
 from engine.worker.forward_batch import ForwardBatch, ForwardOutput
+from engine.worker.logits_processing import filter_for_sampling, penalize_
+from engine.worker.step_upload import StepUploader
 from engine.worker.update_group import init_custom_process_group
 from engine.worker.weight_sources import DiskWeights, WeightSource
 from engine.worker.weight_staging import install_weights, local_weights, shape_template, stage_weights
 from ops.attention import AttentionMetadata, make_attention_backend
 from ops.cpu_linear import convert_for_cpu
+
+log = logging.getLogger(__name__)
 
 
 def resolve_device(config: EngineConfig) -> torch.device:
@@ -57,7 +64,7 @@ def resolve_dtype(config: EngineConfig, device: torch.device, spec: ModelSpec | 
     return getattr(torch, config.dtype)
 
 
-MEMORY_TAGS = ("weights", "kv_cache")
+MEMORY_TAGS = ("weights", "kv_cache")  # what a runner can free and restore
 
 
 def allocate_model(spec: ModelSpec, device: torch.device, dtype: torch.dtype, tp: TPContext | None) -> Qwen3ForCausalLM:
@@ -131,12 +138,27 @@ class ModelRunner:
         torch.manual_seed(config.seed)
         self.model: Qwen3ForCausalLM | None = self._prepare(build_model(spec, self.device, self.dtype, tp))
         self.num_pages = num_kv_pages(spec, config, self.device, self.dtype)
+        self.graphs = self._step_graphs()
+        self.null_page = self.num_pages  # past the pages the engine hands out; allocated when graphs run
         self.kv_caches = self._allocate_kv()
         self.num_forwards = 0
+        self.uploader = StepUploader()  # each forward's metadata in one host->device copy
         self.update_groups: dict[str, object] = {}  # weight update groups joined, by name
         self._staged: tuple[dict[str, torch.Tensor], str | None] | None = None  # (slices, their checkpoint)
         self._origin: str | None = spec.path  # the checkpoint the live weights equal; None once changed
         self._backup: dict[str, torch.Tensor] | Path | None = None  # released weights no checkpoint holds
+
+    def _step_graphs(self) -> StepGraphs | None:
+        """CUDA graphs for denoising and decode steps where they run (engine.worker.cuda_graphs): switched
+        on, on CUDA, on one GPU, with the flash backend."""
+        if not (self.config.cuda_graphs and self.device.type == "cuda" and self.tp.size == 1
+                and self.backend.name == "flash"):
+            return None
+        # the longest sequence the cache is sized for (a DLLM block may run past max_model_len)
+        longest = (self.config.max_model_len or self.spec.max_position_embeddings) + 64
+        # up to two DLLM blocks per sequence: a commit fused with the next block's first step
+        return StepGraphs(2 * self.config.max_batch_size, -(-longest // self.config.kv_block_size), longest,
+                          cuda_capture(torch.cuda.graph_pool_handle()))
 
     def _prepare(self, model: Qwen3ForCausalLM) -> Qwen3ForCausalLM:
         """A loaded model ready to serve: on CPU every linear on oneDNN packed weights."""
@@ -146,7 +168,8 @@ class ModelRunner:
 
     def _allocate_kv(self) -> list[tuple[torch.Tensor, ...]]:
         kvh = self.spec.num_key_value_heads // self.tp.size
-        shape = (2, self.num_pages, self.config.kv_block_size, kvh, self.spec.head_dim)
+        pages = self.num_pages + (self.graphs is not None)  # the null page padded graph steps use
+        shape = (2, pages, self.config.kv_block_size, kvh, self.spec.head_dim)
         return [torch.zeros(shape, dtype=self.dtype, device=self.device).unbind(0)
                 for _ in range(self.spec.num_hidden_layers)]
 
@@ -179,17 +202,22 @@ class ModelRunner:
         return_freed_memory(self.device)
 
     def init_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
-                          group_name: str, backend: str) -> None:
-        """Join the trainer's weight update group as rank `rank_offset` + this tensor-parallel rank."""
+                          group_name: str, backend: str, timeout_s: float) -> None:
+        """Join the trainer's weight update group as rank `rank_offset` + this tensor-parallel rank;
+        WeightUpdateError naming who is missing when the group does not form within `timeout_s`."""
         if group_name in self.update_groups:
-            raise ValueError(f"weight update group {group_name!r} already exists; destroy it first")
+            raise WeightUpdateError(f"weight update group {group_name!r} already exists; destroy it first")
         self.update_groups[group_name] = init_custom_process_group(
-            backend, f"tcp://{master_address}:{master_port}", world_size, rank_offset + self.tp.rank, group_name)
+            backend, f"tcp://{master_address}:{master_port}", world_size, rank_offset + self.tp.rank, group_name,
+            join_timeout_s=timeout_s)
 
-    def destroy_update_group(self, group_name: str) -> None:
+    def destroy_update_group(self, group_name: str, missing_ok: bool = False) -> None:
         group = self.update_groups.pop(group_name, None)
         if group is None:
-            raise ValueError(f"no weight update group {group_name!r} (groups: {sorted(self.update_groups) or 'none'})")
+            if missing_ok:
+                return
+            raise WeightUpdateError(f"no weight update group {group_name!r} "
+                                    f"(groups: {sorted(self.update_groups) or 'none'})")
         torch.distributed.destroy_process_group(group)
 
     # ---- memory release ----------------------------------------------------------------------
@@ -201,6 +229,8 @@ class ModelRunner:
             self.model = None
         if "kv_cache" in tags:
             self.kv_caches = []
+        if self.graphs is not None:  # captured graphs hold the old tensors and their memory pool
+            self.graphs.clear()
         return_freed_memory(self.device)
 
     def resume_memory(self, tags: list[str]) -> None:
@@ -238,39 +268,122 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: ForwardBatch) -> ForwardOutput:
-        width = max(len(t) for t in batch.page_tables)
-        tables = self._tensor([t + [0] * (width - len(t)) for t in batch.page_tables])
-        tables = tables.view(len(batch.page_tables), width)
+        """One forward. Its metadata -- the batch's lists and the attention backend's plan -- goes to the
+        device in one copy and the attention metadata is prepared before the model runs, so nothing in
+        `model.forward` waits on the host. A denoising or decode step replays a CUDA graph where graphs
+        run, padded to the graph's number of entries (engine.worker.cuda_graphs)."""
+        page_size = self.config.kv_block_size
+        key = self._graph_key(batch)  # (entries, rows per entry) of the graph it replays, or None
+        fed = batch
+        if key is not None:
+            fed = pad_batch(batch, key[0] - sum(batch.q_lens) // key[1], key[1], self.null_page, page_size)
+        tables = fed.page_tables
+        plan = self.backend.plan(fed.q_lens, fed.kv_lens, tables, page_size, self.dllm_block_length)
+        width = self.graphs.table_width if key else max(len(t) for t in tables)
+        # a graph's page tables: a row per entry (every sequence has one or more), a fixed shape
+        table_rows = tables + [[]] * ((key[0] if key else 0) - len(tables))
+        step = self.uploader.upload({
+            "input_ids": fed.input_ids, "positions": fed.positions, "slot_mapping": fed.slot_mapping,
+            "page_tables": [p for t in table_rows for p in t + [0] * (width - len(t))],
+            "sample_rows": batch.sample_rows, **{f"plan.{name}": values for name, values in plan.arrays.items()},
+        }, self.device)
         meta = AttentionMetadata(
-            q_lens=batch.q_lens,
-            kv_lens=batch.kv_lens,
-            positions=self._tensor(batch.positions),
-            slot_mapping=self._tensor(batch.slot_mapping),
-            page_tables=tables,
-            page_size=self.config.kv_block_size,
+            q_lens=fed.q_lens,
+            kv_lens=fed.kv_lens,
+            positions=step["positions"],
+            slot_mapping=step["slot_mapping"],
+            page_tables=step["page_tables"].view(len(table_rows), width),
+            page_size=page_size,
             dllm_block_length=self.dllm_block_length,
+            page_table_lists=tables,
+            plan=plan,
+            planned={name: step[f"plan.{name}"] for name in plan.arrays},
         )
-        hidden = self.model(self._tensor(batch.input_ids), meta.positions, self.kv_caches, meta, self.backend)
+        if batch.kv_copy_src:
+            self._copy_kv(batch.kv_copy_src, batch.kv_copy_dst)
+        hidden = self._graph_forward(key, step, meta) if key else self._forward(step, meta)
         self.num_forwards += 1
-        logits = self.model.logits(hidden[self._tensor(batch.sample_rows)])
+        logits = self.model.logits(hidden[step["sample_rows"]])
         out = ForwardOutput(logits=logits)
         if batch.score_rows:
             self._score(hidden, batch, out)
         return out
 
+    def _forward(self, step: dict[str, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        """The attention metadata prepared, then the model: final hidden states of every fed row (what a
+        CUDA graph captures)."""
+        self.backend.prepare(meta)
+        return self.model(step["input_ids"], meta.positions, self.kv_caches, meta, self.backend)
+
+    def _graph_key(self, batch: ForwardBatch) -> tuple[int, int] | None:
+        """(entries bucket, rows per entry) when `batch` replays a CUDA graph, else None."""
+        if self.graphs is None or max(len(t) for t in batch.page_tables) > self.graphs.table_width:
+            return None
+        shape = graph_entries(batch, self.dllm_block_length)
+        if shape is None or shape[1] > self.config.kv_block_size:  # a dummy's rows must fit the null page
+            return None
+        size = self.graphs.bucket(shape[0])
+        return (size, shape[1]) if size else None
+
+    def _graph_forward(self, key: tuple[int, int], step: dict[str, torch.Tensor], meta: AttentionMetadata
+                       ) -> torch.Tensor:
+        """`_forward` through the step graphs; a capture that fails switches graphs off (logged) and the
+        step runs eagerly."""
+        inputs = {name: value for name, value in step.items() if name != "sample_rows"}
+        try:
+            return self.graphs.run(key, inputs, meta, self._forward, (self.model, self.kv_caches[0][0]))
+        except RuntimeError as e:
+            log.warning("CUDA graphs switched off: capturing %s failed: %s", key, e)
+            self.graphs = None
+            meta.extra = None
+            return self._forward(step, meta)
+
+    def _copy_kv(self, src: list[int], dst: list[int]) -> None:
+        """Copy the K/V of flat cache slots `src` to `dst` in every layer (a query group that shares a
+        sequence's pages gets its own copy of a page the group writes into)."""
+        src_t, dst_t = self._tensor(src), self._tensor(dst)
+        for cache in self.kv_caches:
+            for part in cache:
+                flat = part.view(-1, *part.shape[2:])
+                flat.index_copy_(0, dst_t, flat.index_select(0, src_t))
+
     def _score(self, hidden: torch.Tensor, batch: ForwardBatch, out: ForwardOutput) -> None:
-        raw = self.config.logprobs_mode == "raw_logits"
+        """Each scored row's value at its target (and the top-k, and the entropy on request), the LM
+        head run on `logprobs_chunk_rows` rows at a time. Rows with a penalty or a sampling filter are
+        first processed as the sampler would; `*_logits` modes report the (processed) logits, the
+        others their log_softmax."""
+        as_logits = self.config.logprobs_mode in ("raw_logits", "processed_logits")
         k = batch.score_top_k
         out.score_top = [] if k > 0 else None
+        out.score_entropy = [] if batch.score_entropy else None
+        penalty_starts = [p.first for p in batch.score_penalties]
+        filter_starts = [f.first for f in batch.score_filters]
         step = self.config.logprobs_chunk_rows
         for i in range(0, len(batch.score_rows), step):
             rows = self._tensor(batch.score_rows[i : i + step])
             values = self.model.logits(hidden[rows])
-            if not raw:
+            end = i + len(rows)
+            for p in batch.score_penalties[max(bisect.bisect_right(penalty_starts, i) - 1, 0):]:
+                if p.first >= end:
+                    break
+                lo, hi = max(p.first, i), min(p.first + len(p.suppress), end)
+                if lo < hi:
+                    penalize_(values[lo - i : hi - i], p.repetition_penalty, p.penalty_ids,
+                              p.suppress[lo - p.first : hi - p.first], p.stop_ids)
+            for f in batch.score_filters[max(bisect.bisect_right(filter_starts, i) - 1, 0):]:
+                if f.first >= end:
+                    break
+                lo, hi = max(f.first, i), min(f.first + f.count, end)
+                if lo < hi:
+                    values[lo - i : hi - i] = filter_for_sampling(values[lo - i : hi - i], f.params)
+            if not as_logits:
                 values = log_softmax_(values) if self.device.type == "cpu" else values.log_softmax(-1)
             targets = self._tensor(batch.score_targets[i : i + step])
             out.score_values += values.gather(1, targets[:, None])[:, 0].tolist()
             if k > 0:
                 top_v, top_i = values.topk(k, dim=-1)
                 out.score_top += [list(zip(v, t)) for v, t in zip(top_v.tolist(), top_i.tolist())]
+            if out.score_entropy is not None:
+                probs = values.softmax(-1) if as_logits else values.exp()
+                out.score_entropy += torch.special.entr(probs).sum(-1).tolist()
             del values

@@ -3,11 +3,13 @@
 A checkpoint directory (`DiskWeights`), full tensors by Hugging Face name (`TensorWeights`, also
 decoded from SGLang's `flattened_bucket` payload) or a torch.distributed broadcast from the trainer,
 rank 0 of a group every engine rank joined (`BroadcastWeights`). Each yields (name, full tensor or
-lazy slice) pairs; every rank reads its own slice of each (engine.worker.weight_staging).
+lazy slice) pairs; every rank reads its own slice of each (engine.worker.weight_staging). An
+unknown `load_format` is refused, never ignored.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, fields
 from typing import Any
@@ -45,24 +47,47 @@ class TensorWeights:
 
 @dataclass(frozen=True)
 class BroadcastWeights:
-    """Full tensors broadcast by rank 0 of the update group `group_name`, one per name, in order."""
+    """Full tensors broadcast by rank 0 of the update group `group_name`: one broadcast per name, in
+    order, or with `flattened` one broadcast of SGLang's FlattenedTensorBucket layout (every tensor's
+    bytes concatenated in `names` order, one uint8 buffer; a bucket of a single dtype sent as that
+    dtype has the same bytes)."""
 
     group_name: str
     names: list[str]
     dtypes: list[torch.dtype]
     shapes: list[tuple[int, ...]]
+    flattened: bool = False
     complete = False
+
+    def bucket_bytes(self) -> list[int]:
+        """The byte size of each tensor of a flattened bucket, in order."""
+        return [math.prod(shape) * dtype.itemsize for dtype, shape in zip(self.dtypes, self.shapes)]
 
     def named_weights(self, groups: dict[str, Any], device: torch.device) -> Iterator[tuple[str, WeightSlice]]:
         group = groups.get(self.group_name)
         if group is None:
             raise WeightUpdateError(f"no weight update group {self.group_name!r}: call init_weights_update_group "
                                     f"first (groups: {sorted(groups) or 'none'})")
+        # Buffers start as all-ones bytes (NaN in every float dtype): a trainer sending fewer bytes
+        # than announced (gloo fills what arrives and says nothing) leaves NaNs that staging refuses.
         where = device if dist.get_backend(group) == "nccl" else torch.device("cpu")
-        for name, dtype, shape in zip(self.names, self.dtypes, self.shapes):
-            buffer = torch.empty(shape, dtype=dtype, device=where)
-            dist.broadcast(buffer, src=0, group=group)
-            yield name, buffer
+        if not self.flattened:
+            for name, dtype, shape in zip(self.names, self.dtypes, self.shapes):
+                buffer = torch.full((math.prod(shape) * dtype.itemsize,), 255, dtype=torch.uint8, device=where)
+                buffer = buffer.view(dtype).reshape(shape)
+                dist.broadcast(buffer, src=0, group=group)
+                yield name, buffer
+            return
+        sizes = self.bucket_bytes()
+        bucket = torch.full((sum(sizes),), 255, dtype=torch.uint8, device=where)
+        dist.broadcast(bucket, src=0, group=group)
+        start = 0
+        for name, dtype, shape, size in zip(self.names, self.dtypes, self.shapes, sizes):
+            part = bucket[start : start + size]
+            if start % dtype.itemsize:  # a view must start on a multiple of its element size
+                part = part.clone()
+            yield name, part.view(dtype).reshape(shape)
+            start += size
 
 
 WeightSource = DiskWeights | TensorWeights | BroadcastWeights
@@ -78,12 +103,30 @@ def parse_dtype(value: str | torch.dtype, name: str) -> torch.dtype:
     return dtype
 
 
-def broadcast_source(names: list[str], dtypes: list, shapes: list, group_name: str) -> BroadcastWeights:
+def broadcast_source(names: list[str], dtypes: list, shapes: list, group_name: str,
+                     load_format: str | None = None) -> BroadcastWeights:
+    """The source for `update_weights_from_distributed`: one broadcast per name (`load_format` None),
+    or one flattened bucket (`"flattened_bucket"`). Everything that can be refused without receiving
+    is refused here, before the trainer's broadcast is touched."""
+    if load_format not in (None, "flattened_bucket"):
+        raise WeightUpdateError(f"load_format={load_format!r} is not supported for broadcasts "
+                                "(None: one broadcast per name, or 'flattened_bucket': one broadcast)")
     if not len(names) == len(dtypes) == len(shapes):
         raise WeightUpdateError(f"names, dtypes and shapes must have one entry per tensor: got {len(names)}, "
                                 f"{len(dtypes)} and {len(shapes)}")
-    return BroadcastWeights(group_name, list(names), [parse_dtype(d, n) for d, n in zip(dtypes, names)],
-                            [tuple(int(x) for x in s) for s in shapes])
+    if load_format == "flattened_bucket" and not names:
+        raise WeightUpdateError("names is empty: a flattened bucket holds at least one tensor")
+    parsed = []
+    for name, shape in zip(names, shapes):
+        try:
+            dims = tuple(int(x) for x in shape)
+        except (TypeError, ValueError) as e:
+            raise WeightUpdateError(f"tensor {name!r}: shape {shape!r} is not a list of integers") from e
+        if any(d < 0 for d in dims):
+            raise WeightUpdateError(f"tensor {name!r}: shape {list(dims)} has a negative dimension")
+        parsed.append(dims)
+    return BroadcastWeights(group_name, [str(n) for n in names], [parse_dtype(d, n) for d, n in zip(dtypes, names)],
+                            parsed, flattened=load_format == "flattened_bucket")
 
 
 def decode_flattened_bucket(payload: dict | list[dict]) -> list[tuple[str, torch.Tensor]]:
@@ -116,6 +159,15 @@ def decode_flattened_bucket(payload: dict | list[dict]) -> list[tuple[str, torch
                 raise WeightUpdateError(f"tensor {name!r}: bucket range [{start}, {end}) of a {flat.dtype} "
                                         f"buffer does not hold a {dtype} tensor of shape {list(shape)} ({e})") from e
     return out
+
+
+def disk_source(model_path: str, load_format: str | None = None) -> DiskWeights:
+    """The source for `update_weights_from_disk`: a checkpoint of safetensors files (SGLang's
+    `load_format` None, "auto" or "safetensors"; other formats are refused)."""
+    if load_format not in (None, "auto", "safetensors"):
+        raise WeightUpdateError(f"load_format={load_format!r} is not supported for checkpoints "
+                                "(None, 'auto' or 'safetensors': the weights are *.safetensors files)")
+    return DiskWeights(str(model_path))
 
 
 def tensor_source(named_tensors: Any, load_format: str | None) -> TensorWeights:

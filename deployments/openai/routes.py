@@ -1,0 +1,96 @@
+"""OpenAI's routes: /v1/completions, /v1/chat/completions (unary or SSE chunks), /v1/models."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from deployments.engine_client import EngineClient
+from deployments.errors import ApiError, parse
+from deployments.http import ERRORS, HttpServing, Route, generation_route, sse_response
+from deployments.openai.protocol import ChatCompletionRequest, CompletionRequest, StreamOptions
+from deployments.openai.serving import (
+    ChoiceFormatter,
+    OpenAIFormatter,
+    chat_to_engine,
+    completion_to_engine,
+)
+from deployments.tokens import TokenText
+from deployments.wire import EngineRequest, new_request_id
+
+
+class OpenAIRoutes(HttpServing, EngineClient):
+    """Needs `served_model_name`, `model_path`, `tokenizer`, `token_text` and `created` on the instance."""
+
+    served_model_name: str
+    model_path: str
+    tokenizer: Any
+    token_text: TokenText
+    created: int
+
+    ROUTES = (
+        generation_route("/v1/completions", "http_completions", "OpenAI completions (echo, logprobs, list prompts, "
+                         "n)", CompletionRequest),
+        generation_route("/v1/chat/completions", "http_chat", "OpenAI chat completions", ChatCompletionRequest),
+        Route("/v1/models", "http_models", ("GET",), dict(responses={401: ERRORS[401]}, summary="The served model")),
+    )
+
+    async def http_completions(self, request: Request) -> Response:
+        return await self._serve(request, "/v1/completions", self._completions_route, limited=True)
+
+    async def _completions_route(self, body: Any) -> Response:
+        req = parse(CompletionRequest, body)
+        is_dllm = (await self._engine_info())["is_dllm"] if req.echo else False
+        plan = completion_to_engine(req, self.served_model_name, self.tokenizer, is_dllm)
+        reqs = [r for _, group in plan for r in group]
+        echoes = [echo for echo, group in plan for _ in group]
+        choices = [ChoiceFormatter("completion", i, req.logprobs, self.token_text, echo)
+                   for i, echo in enumerate(echoes)]
+        return await self._openai("completion", reqs, choices, req.n, req.stream, req.stream_options)
+
+    async def http_chat(self, request: Request) -> Response:
+        return await self._serve(request, "/v1/chat/completions", self._chat_route, limited=True)
+
+    async def _chat_route(self, body: Any) -> Response:
+        req = parse(ChatCompletionRequest, body)
+        max_model_len = (await self._engine_info())["max_model_len"]
+        reqs = chat_to_engine(req, self.served_model_name, self.tokenizer, max_model_len)
+        k = (req.top_logprobs or 0) if req.logprobs else None
+        choices = [ChoiceFormatter("chat", i, k, self.token_text) for i in range(len(reqs))]
+        return await self._openai("chat", reqs, choices, req.n, req.stream, req.stream_options)
+
+    async def _openai(self, kind: Literal["completion", "chat"], reqs: list[EngineRequest],
+                      choices: list[ChoiceFormatter], n: int, stream: bool,
+                      stream_options: StreamOptions | None) -> Response:
+        fmt = OpenAIFormatter(kind, self.served_model_name, new_request_id("cmpl" if kind == "completion" else
+                                                                           "chatcmpl"),
+                              choices, n, include_usage=bool(stream_options and stream_options.include_usage))
+        if not stream:
+            return JSONResponse(fmt.full(await self._unaries(reqs)))
+        merged = await self._streams(reqs)
+
+        async def chunks() -> AsyncIterator[dict[str, Any]]:
+            try:
+                async for i, out in merged:
+                    for chunk in fmt.chunks(i, out):
+                        yield chunk
+            finally:
+                await merged.aclose()
+
+        return sse_response(chunks())
+
+    async def http_models(self, request: Request) -> Response:
+        async def models() -> Response:
+            try:
+                max_model_len = (await self._engine_info())["max_model_len"]
+            except ApiError:  # no engine replica yet: the list still answers
+                max_model_len = None
+            return JSONResponse({"object": "list", "data": [{
+                "id": self.served_model_name, "object": "model", "created": self.created, "owned_by": "blockserve",
+                "root": self.model_path, "max_model_len": max_model_len,
+                "weight_version": await self._weight_version()}]})
+
+        return await self._serve(request, "/v1/models", models, body=False)

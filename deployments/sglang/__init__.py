@@ -1,0 +1,1 @@
+"""SGLang's native `/generate`: request models, conversion and response builders, routes."""

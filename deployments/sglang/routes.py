@@ -1,0 +1,188 @@
+"""SGLang's routes: `/generate` with the handle methods `generate` / `generate_stream` (exactly the
+HTTP JSON, unary, and the SSE chunks, streamed), `/server_info`, `/model_info`, `/health_generate`
+and `/abort_request` (with the handle method `abort_request`)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from deployments.engine_client import EngineClient
+from deployments.errors import ApiError, parse
+from deployments.http import ERRORS, HttpServing, Route, generation_route, json_roundtrip, sse_response
+from deployments.sglang.protocol import AbortRequest, GenerateRequest, NativeGenerateRequest
+from deployments.sglang.serving import CumulativeStream, generate_body, generate_plan
+from deployments.tokens import TokenText
+
+
+def _indexed(body: dict[str, Any], index: int, as_list: bool) -> dict[str, Any]:
+    """A /generate body as an entry of a list answer (a batch or n > 1) carries its `index`."""
+    return body | {"index": index} if as_list else body
+
+
+def _streamed(body: Any, stream: bool) -> Any:
+    """A handle's body with `stream` set by the method called (a non-object is refused later)."""
+    return body | {"stream": stream} if isinstance(body, dict) else body
+
+
+class SGLangRoutes(HttpServing, EngineClient):
+    """Needs `served_model_name`, `version`, `token_text` and `incremental_streaming_output` on the
+    instance."""
+
+    served_model_name: str
+    version: str
+    token_text: TokenText
+    incremental_streaming_output: bool
+
+    ROUTES = (
+        generation_route("/generate", "http_generate", "Generate (SGLang-style: the flat body or SGLang's native "
+                         "one; SSE when stream)", GenerateRequest, NativeGenerateRequest),
+        *(Route(path, "http_server_info", ("GET",), dict(responses={401: ERRORS[401], 503: ERRORS[503]},
+                                                          summary="SGLang's server info (parallelism, limits)"))
+          for path in ("/server_info", "/get_server_info")),
+        *(Route(path, "http_model_info", ("GET",), dict(responses={401: ERRORS[401], 503: ERRORS[503]},
+                                                         summary="SGLang's model info (with weight_version)"))
+          for path in ("/model_info", "/get_model_info")),
+        Route("/health_generate", "http_health_generate", ("GET",), dict(
+            responses={503: ERRORS[503]}, summary="200 once the engine generates a token, else 503")),
+        # it ends other clients' requests: out of /openapi.json, like the RL control routes
+        Route("/abort_request", "http_abort_request", options=dict(
+            include_in_schema=False, summary="Abort a request by rid, or all (abort_all)")),
+    )
+
+    async def http_generate(self, request: Request) -> Response:
+        return await self._serve(request, "/generate", self._generate_route, limited=True)
+
+    async def _generate_route(self, body: Any) -> Response:
+        stream, answer = await self._generate(body)
+        return sse_response(answer) if stream else JSONResponse(answer)
+
+    async def _generate(self, body: Any) -> tuple[bool, Any]:
+        """Any /generate body (flat or SGLang-native): (streamed?, the answer JSON or an iterator of
+        chunk bodies). A batch or n > 1 answers a list in order, each entry with its `index`; streamed,
+        the chunks of all of them interleave, each with its `index`. Chunks are cumulative (SGLang's
+        default) or deltas (`incremental_streaming_output`)."""
+        plan = generate_plan(body)
+        reqs = [r for group in plan.groups for r in group]
+        params = [r.generation_config() for r in reqs]
+        token_text = self.token_text if plan.text_in_logprobs else None
+        if not plan.stream:
+            outs = await self._unaries(reqs)
+            bodies = [_indexed(generate_body(o, p, token_text), i, plan.as_list)
+                      for i, (o, p) in enumerate(zip(outs, params))]
+            return False, bodies if plan.as_list else bodies[0]
+        merged = await self._streams(reqs)
+        cumulative = None if self.incremental_streaming_output else [CumulativeStream() for _ in reqs]
+
+        async def chunks() -> AsyncIterator[dict[str, Any]]:
+            try:
+                async for i, out in merged:
+                    chunk = generate_body(out, params[i], token_text)
+                    if cumulative is not None:
+                        chunk = cumulative[i].chunk(chunk)
+                    yield _indexed(chunk, i, plan.as_list)
+            finally:
+                await merged.aclose()
+
+        return True, chunks()
+
+    # ---- SGLang's server routes --------------------------------------------------------------
+    async def http_server_info(self, request: Request) -> Response:
+        async def info() -> Response:
+            return JSONResponse(await self.server_info())
+
+        return await self._serve(request, request.url.path, info, body=False)
+
+    async def server_info(self) -> dict[str, Any]:
+        """SGLang's `/server_info`: its server-args names for what this deployment has. `dp_size` is
+        the number of engine replicas and `tp_size` each one's, so a trainer's broadcast group for
+        this URL has 1 + dp_size * tp_size ranks."""
+        info = await self._engine_info()
+        replicas = sum(isinstance(s, dict) for s in await self._broadcast("stats", return_exceptions=True))
+        engine = info["engine"]
+        return {
+            "model_path": info["model_path"], "tokenizer_path": info["model_path"],
+            "served_model_name": self.served_model_name, "is_generation": True,
+            "tp_size": info["tp"], "dp_size": replicas, "pp_size": 1, "ep_size": 1,
+            "context_length": info["max_model_len"], "max_total_num_tokens": info["max_total_num_tokens"],
+            "max_running_requests": engine["max_batch_size"], "chunked_prefill_size": engine["max_prefill_token_num"],
+            "page_size": engine["kv_block_size"], "disable_radix_cache": not engine["enable_prefix_caching"],
+            "skip_tokenizer_init": False, "incremental_streaming_output": self.incremental_streaming_output,
+            "weight_version": await self._weight_version(), "version": self.version,
+            "internal_states": [{"model_type": info["model_type"], "is_dllm": info["is_dllm"], "engine": engine}],
+        }
+
+    async def http_model_info(self, request: Request) -> Response:
+        async def info() -> Response:
+            engine = await self._engine_info()
+            return JSONResponse({
+                "model_path": engine["model_path"], "tokenizer_path": engine["model_path"], "is_generation": True,
+                "preferred_sampling_params": None, "weight_version": await self._weight_version(),
+                "has_image_understanding": False, "has_audio_understanding": False,
+                "model_type": engine["model_type"], "architectures": engine["architectures"]})
+
+        return await self._serve(request, request.url.path, info, body=False)
+
+    async def http_health_generate(self, request: Request) -> Response:
+        async def health() -> Response:
+            plan = generate_plan({"input_ids": [0], "max_tokens": 1, "temperature": 0})
+            await self._unaries([r for group in plan.groups for r in group])
+            return Response(status_code=200)
+
+        return await self._serve(request, "/health_generate", health, body=False)
+
+    async def http_abort_request(self, request: Request) -> Response:
+        async def abort(body: Any) -> Response:
+            return JSONResponse(await self.abort_request(body))
+
+        return await self._serve(request, "/abort_request", abort)
+
+    async def abort_request(self, body: dict[str, Any]) -> dict[str, Any]:
+        """`{"rid"}` or `{"abort_all": true}` on every engine replica: the requests end with
+        finish_reason "abort" and what they generated so far."""
+        req = parse(AbortRequest, body)
+        answers = await self._broadcast("abort_request", req.rid, req.abort_all, return_exceptions=True)
+        aborted = sum(a.get("requests", 0) for a in answers if isinstance(a, dict))
+        return {"success": True, "message": f"aborted {aborted} requests", "requests": aborted}
+
+    # ---- handle API (other Ray jobs) -------------------------------------------------------
+    async def generate(self, body: dict[str, Any]) -> dict[str, Any] | list[dict[str, Any]]:
+        """Same JSON as the HTTP unary /generate (a list for a batch or n > 1; the error JSON for
+        refusals, including `rate_limit_exceeded` when this ingress replica is at
+        max_concurrent_requests). `stream` in the body is ignored: use generate_stream."""
+        release = None
+        try:
+            release = self.slots.acquire()
+            _, answer = await self._generate(_streamed(json_roundtrip(body), False))
+            return answer
+        except ApiError as e:
+            return e.to_dict()
+        finally:
+            if release is not None:
+                release()
+            self.metrics.request("handle:generate", 0)
+
+    async def generate_stream(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """Same chunks as the SSE /generate stream (one error JSON for refusals)."""
+        self.metrics.request("handle:generate_stream", 0)
+        try:
+            release = self.slots.acquire()
+        except ApiError as e:
+            yield e.to_dict()
+            return
+        try:
+            try:
+                _, deltas = await self._generate(_streamed(json_roundtrip(body), True))
+            except ApiError as e:
+                yield e.to_dict()
+                return
+            try:
+                async for out in deltas:
+                    yield out
+            finally:
+                await deltas.aclose()
+        finally:
+            release()
