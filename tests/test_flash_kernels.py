@@ -315,7 +315,7 @@ def test_auto_picks_flash_when_every_condition_holds(monkeypatch, caplog):
 def test_auto_falls_back_to_torch_and_says_why(monkeypatch, caplog, device, dtype, page, head_dim, reason):
     monkeypatch.setattr(flash_kernel, "INSTALLED", WHEEL)
     monkeypatch.setattr(flash_kernel, "TORCH_KERNEL", None)
-    monkeypatch.setattr(attention, "flex_unmet", lambda device: ["flex ruled out here"])
+    monkeypatch.setattr(attention.selection, "flex_unmet", lambda device: ["flex ruled out here"])
     with caplog.at_level(logging.INFO, logger="ops.attention"):
         backend = make_attention_backend("auto", device, dtype, page, head_dim)
     assert isinstance(backend, TorchAttention)
@@ -348,7 +348,7 @@ TORCH_OWN = FlashKernel(aten_flash_varlen, "substitute for torch.ops.aten._flash
 def test_torch_kernel_needs_pages_of_256_tokens(monkeypatch, caplog):
     monkeypatch.setattr(flash_kernel, "INSTALLED", None)
     monkeypatch.setattr(flash_kernel, "TORCH_KERNEL", TORCH_OWN)
-    monkeypatch.setattr(attention, "flex_unmet", lambda device: ["flex ruled out here"])
+    monkeypatch.setattr(attention.selection, "flex_unmet", lambda device: ["flex ruled out here"])
     backend = make_attention_backend("auto", CUDA, torch.bfloat16, 256, 128)
     assert isinstance(backend, FlashAttention) and backend.kernel is TORCH_OWN
     with caplog.at_level(logging.INFO, logger="ops.attention"):
@@ -393,8 +393,8 @@ def test_torch_kernel_wrapper_passes_cumulative_key_counts_too(monkeypatch):
 def test_auto_picks_compiled_flex_on_cuda_without_a_flash_kernel(monkeypatch, caplog):
     monkeypatch.setattr(flash_kernel, "INSTALLED", None)
     monkeypatch.setattr(flash_kernel, "TORCH_KERNEL", None)
-    monkeypatch.setattr(attention, "flex_unmet", lambda device: [])
-    monkeypatch.setattr(attention, "flex_attention", lambda *a, **k: None)  # nothing to compile here
+    monkeypatch.setattr(attention.selection, "flex_unmet", lambda device: [])
+    monkeypatch.setattr(attention.flex, "flex_attention", lambda *a, **k: None)  # nothing to compile here
     monkeypatch.setattr(torch, "compile", lambda fn, **options: ("compiled", fn))
     with caplog.at_level(logging.INFO, logger="ops.attention"):
         backend = make_attention_backend("auto", CUDA, torch.bfloat16, 16, 128)

@@ -218,6 +218,6 @@ def test_repeated_kv_heads_instead_of_enable_gqa_give_the_same_result(monkeypatc
         assert q.shape[-3] == k.shape[-3], "torch 2.4 SDPA needs as many K/V heads as query heads"
         return sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale)
 
-    monkeypatch.setattr(attention, "SDPA_HAS_GQA", False)
+    monkeypatch.setattr(attention.torch_reference, "SDPA_HAS_GQA", False)
     monkeypatch.setattr(F, "scaled_dot_product_attention", sdpa_torch_2_4)
     run_case(mix, 4, block_length, seed=5)

@@ -25,6 +25,7 @@ from engine.core.batch import SampleSlice, build_batch
 from engine.core.decoding import AutoregressiveDecoding, BlockDiffusionDecoding, DecodingStrategy, PickedRows
 from engine.core.decoding.unmasking import UnmaskingSettings
 from engine.core.input_processing import ModelLimits, process_input
+from engine.core.model_settings import EngineStats, resolve_mask_token_id, resolve_max_model_len
 from engine.core.output_builder import OutputBuilder
 from engine.core.sampler import RowGroup, logprob_entries, pick_tokens
 from engine.core.scheduler import ScheduledSeq, Scheduler
@@ -36,7 +37,7 @@ from engine.core.trajectory_plan import context_tokens, plan_trajectory
 from engine.errors import RequestError, WeightUpdateError
 from engine.executor.local import LocalExecutor
 from engine.kv.page_manager import KVPageManager
-from engine.model.checkpoint import ModelSpec, load_model_spec, load_tokenizer
+from engine.model.checkpoint import load_model_spec, load_tokenizer
 from engine.model.source import resolve_model_path
 from engine.worker.forward_batch import ForwardBatch, ForwardOutput
 from engine.worker.update_group import GROUP_JOIN_TIMEOUT_S, WEIGHT_OP_TIMEOUT_S
@@ -44,25 +45,10 @@ from engine.worker.weight_sources import DiskWeights, WeightSource, check_same_a
 
 log = logging.getLogger(__name__)
 
-MASK_TOKEN_TEXT = "<|MASK|>"
 # Request fields that shape the sampling distribution (named when a request's step fails).
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "do_sample", "random_seed",
                     "min_new_tokens", "stop_token_ids", "dllm_unmasking_strategy", "dllm_denoising_steps",
                     "dllm_confidence_threshold", "dllm_entropy_threshold")
-
-
-@dataclass
-class EngineStats:
-    steps: int = 0
-    forwards: int = 0
-    prompt_tokens: int = 0
-    generated_tokens: int = 0
-    unmasking_steps: int = 0
-    forward_seconds: float = 0.0
-    step_seconds: float = 0.0
-    last_step_time: float = 0.0
-    isolated_failures: int = 0  # requests ended because their own step failed
-    weight_updates: int = 0  # weight updates applied since start
 
 
 @dataclass
@@ -74,29 +60,6 @@ class _Forward:
     result: ForwardOutput
     slices: list[SampleSlice]
     picked: list[PickedRows]
-
-
-def resolve_max_model_len(config: EngineConfig, spec: ModelSpec) -> int:
-    """`max_model_len`, defaulting to and bounded by the checkpoint's max_position_embeddings."""
-    limit = spec.max_position_embeddings
-    if config.max_model_len is None:
-        return limit
-    if config.max_model_len > limit:
-        raise ValueError(f"max_model_len={config.max_model_len} exceeds the checkpoint's max_position_embeddings="
-                         f"{limit}; lower max_model_len (or leave it unset to use {limit})")
-    return config.max_model_len
-
-
-def resolve_mask_token_id(spec: ModelSpec, tokenizer, config: EngineConfig) -> int:
-    """The mask token of a block-diffusion model: config.json `mask_token_id`, else the tokenizer's mask
-    token, else the `<|MASK|>` token of the vocabulary, else `EngineConfig.dllm_mask_token_id`."""
-    for candidate in (spec.mask_token_id, tokenizer.mask_token_id, tokenizer.get_vocab().get(MASK_TOKEN_TEXT),
-                      config.dllm_mask_token_id):
-        if candidate is not None:
-            return int(candidate)
-    raise ValueError(f"{spec.path}: a block-diffusion model needs a mask token and none was found: set "
-                     f"mask_token_id in config.json, a mask_token in tokenizer_config.json, a {MASK_TOKEN_TEXT} token "
-                     "in the vocabulary, or EngineConfig.dllm_mask_token_id")
 
 
 class LLMEngine:

@@ -1,0 +1,152 @@
+"""The reference backend: each sequence's keys gathered into a padded tensor, masked SDPA."""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from ops.attention.base import AttentionBackend, AttentionMetadata
+
+# `enable_gqa` arrived in torch 2.5; before it, K/V heads are repeated for SDPA instead.
+SDPA_HAS_GQA = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 5)
+# SDPA's CUDA implementations for a masked call, minus cuDNN's. cuDNN builds and caches an execution
+# plan per distinct shape, and a serving batch's key length changes every step: on an H200 in bfloat16
+# (where SDPA prefers cuDNN) each call spent ~1.7 ms of CPU building one, 60 % of the engine's CPU
+# time, which made one request at a time 2.5x slower in bfloat16 than in float32. Flash takes no mask
+# and memory-efficient refuses unequal query / K-V head counts, so on CUDA the K/V heads are repeated
+# and memory-efficient runs (math where it declines).
+CUDA_SDPA_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+class TorchAttention(AttentionBackend):
+    """Reference backend: gather each sequence's keys into a padded tensor, masked SDPA.
+
+    Sequences are grouped into a few buckets of similar (query length, key length), one SDPA call per
+    bucket, because a padded call does max_q x max_kv work for every sequence in it: one bucket for a
+    decode batch with one prefill chunk in it would pad every decode row to the chunk's length."""
+
+    name = "torch"
+    max_buckets = 4
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        starts = [0]
+        for q_len in meta.q_lens:
+            starts.append(starts[-1] + q_len)
+        groups = _buckets(meta.q_lens, meta.kv_lens, self.max_buckets)
+        meta.extra = {"buckets": [self._bucket(meta, seqs, starts, len(groups) == 1) for seqs in groups]}
+
+    @staticmethod
+    def _bucket(meta: AttentionMetadata, seqs: list[int], starts: list[int], only: bool) -> dict:
+        device = meta.positions.device
+        q_list = [meta.q_lens[s] for s in seqs]
+        kv_list = [meta.kv_lens[s] for s in seqs]
+        num_seqs, max_q, max_kv = len(seqs), max(q_list), max(kv_list)
+        # this bucket's query rows in the flat batch; None = all of them, in order
+        rows = None if only else torch.tensor([t for s in seqs for t in range(starts[s], starts[s + 1])],
+                                              dtype=torch.long, device=device)
+        # row of each of the bucket's query tokens in the padded [S * max_q] layout, built on the host:
+        # one copy, no device sync to learn an output size
+        padded_row = torch.tensor([i * max_q + r for i, n in enumerate(q_list) for r in range(n)],
+                                  dtype=torch.long, device=device)
+        kv_lens = torch.tensor(kv_list, dtype=torch.long, device=device)
+        # padded key gather index: slot of key j of sequence s
+        j = torch.arange(max_kv, device=device)
+        tables = meta.page_tables if only else meta.page_tables[torch.tensor(seqs, device=device)]
+        pages = tables[:, (j // meta.page_size).clamp(max=tables.shape[1] - 1)]
+        key_slots = pages * meta.page_size + (j % meta.page_size)
+        # key validity and mask [S, 1, max_q, max_kv]
+        positions = meta.positions if rows is None else meta.positions[rows]
+        q_pos = torch.full((num_seqs * max_q,), -1, dtype=torch.long, device=device)
+        q_pos = q_pos.index_copy_(0, padded_row, positions).view(num_seqs, max_q)
+        valid_key = j[None, :] < kv_lens[:, None]
+        if meta.dllm_block_length is None:
+            visible = j[None, None, :] <= q_pos[:, :, None]
+        else:
+            b = meta.dllm_block_length
+            visible = (j // b)[None, None, :] <= (q_pos // b)[:, :, None]
+        # padded query rows see key 0 alone, so softmax stays finite
+        mask = torch.where((q_pos >= 0)[:, :, None], visible & valid_key[:, None, :], j == 0)
+        return {
+            "rows": rows,
+            # row of each query token in the padded [S * max_q] layout; None = no padding
+            # (every sequence feeds max_q tokens, e.g. AR decode or same-size DLLM blocks)
+            "padded_row": None if min(q_list) == max_q else padded_row,
+            "key_slots": key_slots.reshape(-1),  # index_select on a flat index: ~8x faster than 2-D indexing
+            "mask": mask[:, None],
+            "masks": {},  # additive float mask per dtype, made once per forward, not once per layer
+            "shape": (num_seqs, max_q, max_kv),
+        }
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+               scale: float) -> torch.Tensor:
+        buckets = meta.extra["buckets"]
+        if len(buckets) == 1:
+            return _attend(q, k_cache, v_cache, buckets[0], scale)
+        out = torch.empty_like(q)
+        for bucket in buckets:
+            rows = bucket["rows"]
+            out.index_copy_(0, rows, _attend(q.index_select(0, rows), k_cache, v_cache, bucket, scale))
+        return out
+
+
+def _buckets(q_lens: list[int], kv_lens: list[int], max_buckets: int) -> list[list[int]]:
+    """Sequences grouped so that padding each group to its longest query and key costs little: a
+    sequence joins the group its padded box grows least, unless that costs more than half its own
+    work again and a new group may still be opened. One group (in order) when nothing is gained."""
+    n = len(q_lens)
+    if n == 1 or (min(q_lens) == max(q_lens) and min(kv_lens) * 2 > max(kv_lens)):
+        return [list(range(n))]
+    groups: list[list] = []  # [members, max_q, max_kv]
+    for s in sorted(range(n), key=lambda s: (q_lens[s] * kv_lens[s], s), reverse=True):
+        q, kv = q_lens[s], kv_lens[s]
+        best, best_extra = None, None
+        for g in groups:
+            mq, mkv = max(g[1], q), max(g[2], kv)
+            extra = mq * mkv * (len(g[0]) + 1) - g[1] * g[2] * len(g[0])
+            if best is None or extra < best_extra:
+                best, best_extra = g, extra
+        if best is None or (best_extra > 1.5 * q * kv and len(groups) < max_buckets):
+            groups.append([[s], q, kv])
+        else:
+            best[0].append(s)
+            best[1], best[2] = max(best[1], q), max(best[2], kv)
+    if len(groups) == 1:
+        return [list(range(n))]
+    return [sorted(g[0]) for g in groups]
+
+
+def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bucket: dict,
+            scale: float) -> torch.Tensor:
+    """Padded, masked SDPA of one bucket: q [T_b, H, D] (its query rows) -> [T_b, H, D]."""
+    num_seqs, max_q, max_kv = bucket["shape"]
+    heads, kvh, d = q.shape[1], k_cache.shape[-2], k_cache.shape[-1]
+    slots = bucket["key_slots"]
+    keys = k_cache.view(-1, kvh, d).index_select(0, slots).view(num_seqs, max_kv, kvh, d)
+    values = v_cache.view(-1, kvh, d).index_select(0, slots).view(num_seqs, max_kv, kvh, d)
+    mask = bucket["masks"].get(q.dtype)
+    if mask is None:  # SDPA would turn a bool mask into this in every layer
+        mask = torch.zeros(bucket["mask"].shape, dtype=q.dtype, device=q.device)
+        mask.masked_fill_(~bucket["mask"], float("-inf"))
+        bucket["masks"][q.dtype] = mask
+    padded_row = bucket["padded_row"]
+    if padded_row is None:
+        qp = q.reshape(num_seqs, max_q, heads, d)
+    else:
+        qp = q.new_zeros(num_seqs * max_q, heads, d).index_copy_(0, padded_row, q).view(num_seqs, max_q, heads, d)
+    out = sdpa_gqa(qp.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), mask, scale)
+    out = out.transpose(1, 2).reshape(num_seqs * max_q, heads, d)
+    return out if padded_row is None else out.index_select(0, padded_row)
+
+
+def sdpa_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """SDPA with grouped K/V heads: q [S, H, Q, D], k/v [S, KVH, K, D]; query head h reads K/V head
+    h // (H // KVH), as FlashAttention and Hugging Face group them."""
+    if SDPA_HAS_GQA and not q.is_cuda:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    with sdpa_kernel(CUDA_SDPA_BACKENDS) if q.is_cuda else nullcontext():
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
