@@ -24,10 +24,15 @@ from deployments.http import ERRORS, HttpServing, Route
 
 class AdminRoutes(HttpServing, EngineClient):
     ROUTES = (
-        Route("/health", "http_health", ("GET",), dict(summary="200 when every engine replica is healthy, else 503")),
-        Route("/metrics", "http_metrics", ("GET",), dict(responses={401: ERRORS[401]},
-                                                          response_class=PlainTextResponse,
-                                                          summary="Prometheus metrics (text exposition)")),
+        Route("/health", "http_health", ("GET",), dict(
+            responses={503: {"description": "an engine replica is unhealthy, or none runs",
+                             "content": {"application/json": {}}}},
+            summary="200 when every engine replica is healthy, else 503")),
+        # its refusals are JSON (the route's own answer is text, so FastAPI would document them as text)
+        Route("/metrics", "http_metrics", ("GET",), dict(
+            responses={401: {"description": ERRORS[401]["description"], "content": {"application/json": {
+                "schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}},
+            response_class=PlainTextResponse, summary="Prometheus metrics (text exposition)")),
     )
 
     async def http_health(self, request: Request) -> Response:

@@ -21,6 +21,7 @@ autoscaling knobs below).
         "health_check_period_s": 5, "health_check_timeout_s": 30,   # Serve's health check of EngineServer
         "debug_hooks": False,                # True: EngineServer.debug_stall (handle only; for fault drills)
         "incremental_streaming_output": False,   # /generate streams deltas (SGLang's flag), not cumulative chunks
+        "enable_memory_saver": False,        # SGLang's flag, reported in /server_info (release works either way)
         "ingress": {"max_batch_size": 16, "batch_wait_timeout_s": 0.005, "api_key": None,
                     "max_body_bytes": 8388608, "max_concurrent_requests": None, "max_queued_requests": None,
                     "retry_after_s": 1, "max_ongoing_requests": 1024, "num_replicas": 1,
@@ -94,6 +95,9 @@ class AppArgs(BaseModel):
     debug_hooks: bool = False
     # SGLang's --incremental-streaming-output: /generate streams deltas instead of cumulative chunks
     incremental_streaming_output: bool = False
+    # SGLang's --enable-memory-saver as /server_info reports it: slime checks it against its --offload-rollout.
+    # release_memory_occupation frees memory either way.
+    enable_memory_saver: bool = False
     ingress: IngressArgs = Field(default_factory=IngressArgs)
 
 
@@ -189,4 +193,5 @@ def build_app(args: dict[str, Any]) -> Application:
         server, model, served_model_name=parsed.served_model_name or PurePath(parsed.model).name,
         max_batch_size=ing.max_batch_size, batch_wait_timeout_s=ing.batch_wait_timeout_s, api_key=ing.api_key,
         max_body_bytes=ing.max_body_bytes, max_concurrent_requests=ing.max_concurrent_requests,
-        retry_after_s=ing.retry_after_s, incremental_streaming_output=parsed.incremental_streaming_output)
+        retry_after_s=ing.retry_after_s, incremental_streaming_output=parsed.incremental_streaming_output,
+        enable_memory_saver=parsed.enable_memory_saver)

@@ -57,6 +57,8 @@ ERRORS: dict[int | str, dict[str, Any]] = {
         (400, "invalid request (the field is named in `param`)"), (401, "missing or wrong API key"),
         (404, "unknown model"), (413, "body too large"), (429, "at max_concurrent_requests; see Retry-After"),
         (503, "engine replica unavailable; see Retry-After"))}
+# The refusals of a route that answers from the engine replicas without a request body.
+ENGINE_ERRORS: dict[int | str, dict[str, Any]] = {code: ERRORS[code] for code in (401, 429, 503)}
 
 
 # The 200 answer of a route that streams when asked: JSON, or Server-Sent Events (`data: {json}` lines).

@@ -66,7 +66,8 @@ class Ingress(SGLangRoutes, OpenAIRoutes, RLRoutes, AdminRoutes):
     def __init__(self, engine, model: str, served_model_name: str | None = None, max_batch_size: int = 16,
                  batch_wait_timeout_s: float = 0.005, api_key: str | None = None,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_concurrent_requests: int | None = None,
-                 retry_after_s: int = RETRY_AFTER_S, incremental_streaming_output: bool = False):
+                 retry_after_s: int = RETRY_AFTER_S, incremental_streaming_output: bool = False,
+                 enable_memory_saver: bool = False):
         self.engine = engine
         self.model_path = model
         self.served_model_name = served_model_name or model.rstrip("/").split("/")[-1]
@@ -81,5 +82,6 @@ class Ingress(SGLangRoutes, OpenAIRoutes, RLRoutes, AdminRoutes):
         self.version = app.version
         # SGLang's switch: /generate streams deltas instead of cumulative chunks
         self.incremental_streaming_output = incremental_streaming_output
+        self.enable_memory_saver = enable_memory_saver  # SGLang's flag, as /server_info reports it
         self._init_engine_client(max_batch_size, batch_wait_timeout_s)
         self._init_control()

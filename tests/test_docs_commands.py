@@ -310,9 +310,9 @@ def curls() -> list[Curl]:
 
 
 def _scoring(body: dict | list | None) -> bool:
-    """A prompt-scoring body (max_new_tokens 0): for the AR model."""
-    return isinstance(body, dict) and 0 in (body.get("max_tokens"), (body.get("sampling_params") or {}).get(
-        "max_new_tokens"))
+    """A prompt-scoring body (max_new_tokens 0, no diffusion trajectory): for the AR model."""
+    return isinstance(body, dict) and "dllm_trajectory" not in body and 0 in (
+        body.get("max_tokens"), (body.get("sampling_params") or {}).get("max_new_tokens"))
 
 
 def _ask(base: str, curl: Curl) -> tuple[int, str]:

@@ -1,15 +1,20 @@
 """The OpenAPI schema at /openapi.json (valid OpenAPI 3, the real request models), the docs page, and
-an API fuzzer (schemathesis) driven by that schema against the served app: no 5xx."""
+an API fuzzer (schemathesis) driven by that schema against the served app: no 5xx, and no status code
+or content type the schema does not document."""
 
 from __future__ import annotations
 
 import httpx
 import schemathesis
+from conftest import deploy
 from hypothesis import HealthCheck, given, settings
 from openapi_spec_validator import validate
-from schemathesis.checks import not_a_server_error
+from ray import serve
+from ray_env import SERVE_ENGINE
+from schemathesis.checks import content_type_conformance, not_a_server_error, status_code_conformance
 
 TIMEOUT = 120
+CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance]
 
 
 def test_openapi_schema_is_valid_and_names_the_request_models(served_apps):
@@ -40,9 +45,10 @@ def test_openapi_schema_is_valid_and_names_the_request_models(served_apps):
         "message", "type", "param"}
 
 
-def test_fuzz_every_operation_never_5xx(served_apps):
+def test_fuzz_every_operation_never_5xx_nor_undocumented(served_apps):
     """Bodies generated from /openapi.json (valid and invalid ones), a bounded number per operation,
-    sent over loopback: every answer is below 500."""
+    sent over loopback: every answer is below 500, with a status code and a content type the schema
+    documents for that operation."""
     base = served_apps["sdar"].url
     api = schemathesis.openapi.from_url(base + "/openapi.json")
     operations = [result.ok() for result in api.get_all_operations()]
@@ -53,8 +59,34 @@ def test_fuzz_every_operation_never_5xx(served_apps):
         @given(case=op.as_strategy())
         @settings(max_examples=25, deadline=None, database=None, suppress_health_check=list(HealthCheck))
         def fuzz(case) -> None:
-            statuses.append(case.call_and_validate(base_url=base, checks=[not_a_server_error],
-                                                   timeout=TIMEOUT).status_code)
+            statuses.append(case.call_and_validate(base_url=base, checks=CHECKS, timeout=TIMEOUT).status_code)
 
         fuzz()
     assert len(statuses) >= 3 * len(operations) and {200, 400} <= set(statuses), statuses
+
+
+def test_refusals_are_documented(serve_cluster, tiny_checkpoints):
+    """On an app with an API key and a 4 KiB body limit, each operation's refusals (401 without the key,
+    413 for a larger body) have a status code and a content type the schema documents."""
+    key = "openapi-test-key"
+    app = deploy(serve_cluster, "openapi_keyed", tiny_checkpoints["qwen3"], dict(SERVE_ENGINE),
+                 ingress={"api_key": key, "max_body_bytes": 4096})
+    try:
+        api = schemathesis.openapi.from_url(app.url + "/openapi.json")
+        answers: dict[tuple[str, str], int] = {}
+        for op in (result.ok() for result in api.get_all_operations()):
+            cases = [("anonymous", {}, op.Case())]
+            if op.method.upper() == "POST":
+                big = {"prompt": "x" * 8192, "messages": [{"role": "user", "content": "x" * 8192}]}
+                cases = [("anonymous", {}, op.Case(body=big, media_type="application/json")),
+                         ("too large", {"Authorization": f"Bearer {key}"},
+                          op.Case(body=big, media_type="application/json"))]
+            for name, headers, case in cases:
+                response = case.call(base_url=app.url, headers=headers, timeout=TIMEOUT)
+                case.validate_response(response, checks=CHECKS)
+                answers[(op.label, name)] = response.status_code
+        assert answers.pop(("GET /health", "anonymous")) == 200
+        assert {status for (_, name), status in answers.items() if name == "anonymous"} == {401}
+        assert {status for (_, name), status in answers.items() if name == "too large"} == {413}
+    finally:
+        serve.delete("openapi_keyed")

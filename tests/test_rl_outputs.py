@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 from dllm_reference import block_causal_logits
+from sampling_reference import processed_logprobs
 
 from engine import EngineConfig, GenerationConfig, pipeline
 from tools.tiny_checkpoint import DLLM_TEST_LOGIT_SCALE, load_hf_reference, write_tiny_checkpoint
@@ -137,25 +138,6 @@ def test_seeds_across_replicas(qwen3):
 
 
 # ---- processed logprobs --------------------------------------------------------------------------
-def _processed(logits: torch.Tensor, history: set[int], p: dict) -> torch.Tensor:
-    """The sampling distribution, written out independently: repetition penalty, temperature, top-k,
-    top-p (smallest prefix reaching p, top token always kept), min-p; log-probabilities."""
-    x = logits.double().clone()
-    ids = torch.tensor(sorted(history))
-    x[ids] = torch.where(x[ids] > 0, x[ids] / p["repetition_penalty"], x[ids] * p["repetition_penalty"])
-    x = x / p["temperature"]
-    kth = torch.sort(x, descending=True).values[p["top_k"] - 1]
-    x[x < kth] = float("-inf")
-    probs = x.softmax(-1)
-    order = torch.argsort(probs, descending=True)
-    cum = torch.cumsum(probs[order], 0) - probs[order]
-    drop = order[cum >= p["top_p"]]
-    x[drop[drop != order[0]]] = float("-inf")
-    probs = x.softmax(-1)
-    x[probs < p["min_p"] * probs.max()] = float("-inf")
-    return x.log_softmax(-1)
-
-
 def test_processed_logprobs_ar(qwen3):
     path, hf = qwen3
     prompt = _prompt(7, 5)
@@ -166,7 +148,7 @@ def test_processed_logprobs_ar(qwen3):
         logits = hf(input_ids=torch.tensor([ids])).logits[0].float()
     for g, tok in enumerate(out.token_ids):
         pos = len(prompt) + g - 1
-        want = _processed(logits[pos], set(ids[: pos + 1]), SAMPLING)[tok]
+        want = processed_logprobs(logits[pos], set(ids[: pos + 1]), SAMPLING)[tok]
         assert abs(out.logprobs[g][tok] - float(want)) < 1e-5, g
 
 
@@ -185,5 +167,5 @@ def test_processed_logprobs_block_diffusion(sdar):
         ids += [mask_id] * (block_end - len(ids))
         logits = block_causal_logits(hf, ids, B)[len(prompt) + g]
         history = set(prompt) | {t for t, s in zip(gen, steps) if s < step}
-        want = _processed(logits, history, SAMPLING)[tok]
+        want = processed_logprobs(logits, history, SAMPLING)[tok]
         assert abs(out.logprobs[g][tok] - float(want)) < 1e-5, g

@@ -1,12 +1,14 @@
 """The RL trainers that drive SGLang over HTTP, against a running server: their own request bodies
 (copied as data from their sources, file and line named at each) succeed and, parsed the way each
 trainer parses them, give the same tokens, logprobs and finish reasons as the unary greedy answer.
-Also SGLang's own field names (accepted at their defaults, refused naming the field otherwise) and
-SGLang's server routes."""
+Where the caller's own code installs without its heavy tree it runs itself: sglang's bench_serving,
+sglang-router and AReaL's SGLangBackend (each skipped when not installed). Also SGLang's own field
+names (accepted at their defaults, refused naming the field otherwise) and SGLang's server routes."""
 
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import socket
 import subprocess
@@ -15,7 +17,7 @@ import time
 
 import httpx
 import pytest
-from conftest import sse_events
+from conftest import engine_totals, sse_events
 
 TIMEOUT = 120
 PROMPT = [40, 41, 42, 43, 44, 45, 46]
@@ -59,7 +61,7 @@ VERL_GENERATE = {"rid": "verl-request-1", "input_ids": PROMPT, "return_logprob":
 
 # sglang/benchmark/serving.py (sglang 0.5.23 on PyPI; `python -m sglang.bench_serving --backend sglang`),
 # lines 700-716: `async_request_sglang_generate`'s payload with the benchmark's defaults (random token
-# prompts, streamed, ignore_eos). Its full install (triton, torchvision, ...) is too heavy to run here.
+# prompts, streamed, ignore_eos); test_sglang_bench_serving_against_the_app runs the client itself.
 BENCH_SERVING = {"input_ids": PROMPT, "sampling_params": {"temperature": 0.0, "max_new_tokens": MAX_NEW,
                                                           "ignore_eos": True},
                  "stream": True, "lora_path": None, "return_logprob": False, "return_routed_experts": False,
@@ -175,6 +177,22 @@ def test_sglang_defaults_of_unsupported_fields_are_accepted(served_apps):
     assert len(r.json()["output_ids"]) == 4
 
 
+def _slime_discovers(info: dict) -> None:
+    """slime's external-engine discovery (slime/backends/sglang_utils/external.py, THUDM/slime 624b824a,
+    lines 29-43 and 86-118) and server-args check (sglang_engine.py lines 157-168 with the fields of
+    `_compute_server_args`, lines 527-573, that `_EXTERNAL_ENGINE_SKIP_CHECK_FIELDS` does not skip, for a
+    regular worker without --offload-rollout)."""
+    pp_size = int(info.get("pp_size") or info.get("pipeline_parallel_size") or 1)
+    tp_size = int(info.get("tp_size") or info.get("tensor_parallel_size") or 1)
+    assert int(info.get("num_gpus") or info.get("num_gpus_per_engine") or tp_size * pp_size) == tp_size == 1
+    assert not info.get("encoder_only") and info.get("disaggregation_mode") not in ("prefill", "decode")
+    assert info.get("disaggregation_bootstrap_port") is None
+    assert int(info.get("ep_size") or info.get("expert_parallel_size") or 1) == 1
+    assert int(info.get("moe_dp_size") or info.get("moe_data_parallel_size") or 1) == 1
+    for name, expected in {"enable_memory_saver": False}.items():
+        assert info.get(name) == expected, name
+
+
 def test_server_and_model_info(served_apps):
     app = served_apps["qwen3"]  # two engine replicas
     for path in ("/server_info", "/get_server_info"):
@@ -182,6 +200,7 @@ def test_server_and_model_info(served_apps):
         assert info["model_path"] == app.model and info["tp_size"] == 1 and info["dp_size"] == 2
         assert info["context_length"] == app.engine["max_model_len"] and info["max_total_num_tokens"] > 0
         assert info["incremental_streaming_output"] is False and "weight_version" in info
+        _slime_discovers(info)
     for path in ("/model_info", "/get_model_info"):
         info = httpx.get(app.url + path, timeout=TIMEOUT).json()
         assert info["model_path"] == app.model and info["is_generation"] is True
@@ -189,7 +208,11 @@ def test_server_and_model_info(served_apps):
     assert httpx.get(app.url + "/health_generate", timeout=TIMEOUT).status_code == 200
 
 
-def test_abort_request_by_rid_and_all(served_apps):
+# The abort-all bodies: slime/backends/sglang_utils/server_control.py (THUDM/slime 624b824a) line 34, and
+# verl/workers/rollout/sglang_rollout/http_server_engine.py (verl 0.9.1 on PyPI) lines 564-574, which
+# sends the default rid "" with it. The abort by rid is slime/agent/adapters/common.py line 508.
+@pytest.mark.parametrize("abort_all", [{"abort_all": True}, {"rid": "", "abort_all": True}], ids=["slime", "verl"])
+def test_abort_request_by_rid_and_all(served_apps, abort_all):
     url = served_apps["sdar"].url
     long = {"input_ids": PROMPT, "stream": True, "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}
 
@@ -211,7 +234,7 @@ def test_abort_request_by_rid_and_all(served_apps):
             await asyncio.gather(*(e.wait() for e in events))
             one = (await client.post(url + "/abort_request", json={"rid": "abort-me-0"})).json()
             first = await tasks[0]
-            rest = (await client.post(url + "/abort_request", json={"abort_all": True})).json()
+            rest = (await client.post(url + "/abort_request", json=abort_all)).json()
             return [one, first, rest, *await asyncio.gather(*tasks[1:])]
 
     one, first, rest, *others = asyncio.run(main())
@@ -220,6 +243,21 @@ def test_abort_request_by_rid_and_all(served_apps):
     for last in (first, *others):
         assert last["meta_info"]["finish_reason"]["type"] == "abort"
         assert len(last["output_ids"]) < 400
+
+
+def test_verl_adapter_memory_and_cache_calls(served_apps):
+    """verl's HTTP adapter (verl/workers/rollout/sglang_rollout/http_server_engine.py, verl 0.9.1 on PyPI):
+    `release_memory_occupation` / `resume_memory_occupation` post `{"tags": tags}` with tags None or a
+    list (lines 540-562), `flush_cache` is a GET retried until 200 (lines 507-535); generation after
+    them is the greedy answer again."""
+    url = served_apps["sdar"].url
+    want = _reference(url)
+    for tags in (None, ["weights", "kv_cache"]):
+        for op in ("release_memory_occupation", "resume_memory_occupation"):
+            r = httpx.post(f"{url}/{op}", json={"tags": tags}, timeout=TIMEOUT)
+            assert r.status_code == 200 and r.json()["success"] is True, (op, tags, r.text)
+    assert httpx.get(url + "/flush_cache", timeout=TIMEOUT).status_code == 200
+    _same(_reference(url), want)
 
 
 def _free_port() -> int:
@@ -269,3 +307,91 @@ def test_sglang_router_in_front_returns_what_the_app_returns(served_apps, tmp_pa
         except subprocess.TimeoutExpired:
             router.kill()
         log.close()
+
+
+# sglang.benchmark.serving imports one constant, FAKE_BOOTSTRAP_HOST, from sglang's server runtime
+# (sglang/srt/disaggregation/utils.py line 53, used only with --pd-separated). That module imports
+# sglang.srt.configs, which imports torchvision (sglang/srt/multimodal/internvl_utils.py line 5), and
+# PyPI's torchvision is a CUDA build that does not load on a CPU torch. The launcher gives the constant
+# its value and runs sglang's own CLI unchanged.
+BENCH_LAUNCHER = """
+import runpy, sys, types
+runtime = types.ModuleType("sglang.srt.disaggregation.utils")
+runtime.FAKE_BOOTSTRAP_HOST = "2.2.2.2"
+sys.modules[runtime.__name__] = runtime
+sys.argv[0] = "sglang.bench_serving"
+runpy.run_module("sglang.bench_serving", run_name="__main__")
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("sglang") is None,
+                    reason="sglang is not installed (pip install --no-deps sglang==0.5.23, then its client's "
+                           "imports; see docs/rl.md)")
+def test_sglang_bench_serving_against_the_app(served_apps, tmp_path):
+    """`python -m sglang.bench_serving --backend sglang` (sglang's own client, random dataset, streamed,
+    ignore_eos) completes every request, and the token counts it reads from the server's chunks are what
+    was asked and what the engines generated (warm-up request included)."""
+    app = served_apps["qwen3"]  # AR: one generated token per engine step, so the engine totals count outputs
+    num, inp, out = 6, 12, 8
+    before = engine_totals("qwen3")["generated_tokens"]
+    result, conversations = tmp_path / "bench.jsonl", tmp_path / "sharegpt.json"
+    # the random dataset cuts its prompts from ShareGPT conversations; a local file in that format
+    # keeps the run offline
+    conversations.write_text(json.dumps([{"conversations": [{"from": "human", "value": f"question {i} " * 9},
+                                                            {"from": "gpt", "value": f"answer {i}"}]}
+                                         for i in range(num)]))
+    run = subprocess.run(
+        [sys.executable, "-c", BENCH_LAUNCHER, "--backend", "sglang", "--base-url", app.url, "--model", app.model,
+         "--tokenizer", app.model, "--dataset-name", "random", "--dataset-path", str(conversations),
+         "--num-prompts", str(num), "--random-input-len", str(inp), "--random-output-len", str(out),
+         "--random-range-ratio", "1", "--request-rate", "inf", "--warmup-requests", "1", "--seed", "3",
+         "--disable-tqdm", "--output-file", str(result), "--output-details"],
+        capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    got = json.loads(result.read_text())
+    assert got["completed"] == num and got["errors"] == [""] * num, got["errors"]
+    assert got["output_lens"] == [out] * num and got["total_output_tokens"] == num * out
+    assert all(n > 0 for n in got["input_lens"]) and got["total_input_tokens"] == sum(got["input_lens"])
+    assert all(got["generated_texts"])
+    assert engine_totals("qwen3")["generated_tokens"] - before == (num + 1) * out
+
+
+def test_areal_sglang_backend_against_the_app(served_apps):
+    """AReaL's own client code (areal 1.0.4, areal/engine/sglang_remote.py `SGLangBackend`, and the
+    sender its RemoteInfEngine uses, areal/infra/utils/http.py `arequest_with_retry`): its generation
+    requests (image_data None and []) parse to the greedy answer, its disk update succeeds, and its
+    group request (master_port a string) is read field by field (here refused for its world size: this
+    app has one replica)."""
+    remote = pytest.importorskip("areal.engine.sglang_remote", reason="areal is not installed (pip install "
+                                 "--no-deps areal==1.0.4, then its client's imports; see docs/rl.md)")
+    from areal.api.alloc_mode import ModelAllocation
+    from areal.api.cli_args import GenerationHyperparameters
+    from areal.api.io_struct import ModelRequest, WeightUpdateMeta
+    from areal.infra.utils.http import arequest_with_retry
+
+    app = served_apps["sdar"]
+    want = _reference(app.url)
+    backend = remote.SGLangBackend()
+    addr = app.url.removeprefix("http://")  # host:port/prefix: AReaL then sends to http://{addr}{endpoint}
+
+    async def send(request) -> dict:
+        return await arequest_with_retry(addr=addr, endpoint=request.endpoint, payload=request.payload,
+                                         method=request.method, max_retries=1, timeout=TIMEOUT)
+
+    gconfig = GenerationHyperparameters(max_new_tokens=MAX_NEW, greedy=True)
+    for image_data in (None, []):
+        request = backend.build_generation_request(ModelRequest(input_ids=PROMPT, gconfig=gconfig,
+                                                                image_data=image_data), with_lora=False, version=0)
+        assert request.payload["image_data"] == image_data
+        result = backend.parse_generation_response(asyncio.run(send(request)))
+        _same((result.output_tokens, result.output_logprobs, result.stop_reason), want)
+    [update] = backend.build_disk_weight_update_requests(WeightUpdateMeta(type="disk", path=app.model)).requests
+    answer = asyncio.run(send(update))
+    assert answer["success"] is True and update.payload["abort_all_requests"] is True, answer
+    meta = WeightUpdateMeta(type="xccl", gen_allocation=ModelAllocation.from_str("sglang:d2"),
+                            nccl_master_address="127.0.0.1", nccl_master_port=29500, nccl_group_name="areal")
+    group = backend.build_init_weights_group_request(addr, 0, meta)
+    assert group.payload["master_port"] == "29500" and group.payload["world_size"] == 3
+    r = httpx.post(app.url + group.endpoint, json=group.payload, timeout=TIMEOUT)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "world_size", r.text
+    _same(_reference(app.url), want)  # the same weights after the update

@@ -12,6 +12,7 @@ import pytest
 import torch
 from conftest import record_lm_head_rows
 from dllm_reference import block_causal_logits
+from sampling_reference import processed_logprobs
 
 from configs.trajectory import DllmTrajectory
 from engine import EngineConfig, GenerationConfig, Response, pipeline
@@ -61,25 +62,6 @@ def scoring_config(out: Response, gen: GenerationConfig, **kw) -> GenerationConf
                                   "return_dllm_replay": False, "stop_token_ids": gen.stop_token_ids})
 
 
-def _processed(logits: torch.Tensor, history: set[int], p: dict) -> torch.Tensor:
-    """The sampling distribution written out independently (repetition penalty, temperature, top-k,
-    top-p with the top token kept, min-p), as log-probabilities."""
-    x = logits.double().clone()
-    ids = torch.tensor(sorted(history))
-    x[ids] = torch.where(x[ids] > 0, x[ids] / p["repetition_penalty"], x[ids] * p["repetition_penalty"])
-    x = x / p["temperature"]
-    kth = torch.sort(x, descending=True).values[p["top_k"] - 1]
-    x[x < kth] = float("-inf")
-    probs = x.softmax(-1)
-    order = torch.argsort(probs, descending=True)
-    cum = torch.cumsum(probs[order], 0) - probs[order]
-    drop = order[cum >= p["top_p"]]
-    x[drop[drop != order[0]]] = float("-inf")
-    probs = x.softmax(-1)
-    x[probs < p["min_p"] * probs.max()] = float("-inf")
-    return x.log_softmax(-1)
-
-
 def hf_step_rows(hf, mask_id: int, prompt: list[int], out: Response) -> list[torch.Tensor]:
     """Per output token, the HF logits row of the step that revealed it, each step rebuilt from scratch
     as docs/rollouts.md defines its input (prompt + earlier revealed tokens, mask elsewhere)."""
@@ -115,7 +97,7 @@ def hf_values(hf, mask_id, prompt, out: Response, sampling: dict | None) -> list
         steps = out.step_map if out.dllm_stop_length is None else (
             out.step_map[: len(out.token_ids) - out.dllm_stop_length] + out.dllm_replay_step_maps)
         history |= {t for t, s in zip(gen, steps) if 0 < s < out.step_map[g]}
-        values.append(float(_processed(row, history, sampling)[tok]))
+        values.append(float(processed_logprobs(row, history, sampling)[tok]))
     return values
 
 

@@ -13,7 +13,7 @@ from starlette.responses import JSONResponse, Response
 
 from deployments.engine_client import EngineClient
 from deployments.errors import ApiError
-from deployments.http import ERRORS, HttpServing, Route
+from deployments.http import ENGINE_ERRORS, HttpServing, Route
 from deployments.rl.control import ReplicaControl
 
 
@@ -48,7 +48,7 @@ class RLRoutes(HttpServing, EngineClient):
         *(Route(f"/{r.name}", f"http_{r.name}", r.methods, dict(include_in_schema=False, summary=r.summary))
           for r in CONTROL_ROUTES),
         Route("/get_weight_version", "http_get_weight_version", ("GET",),
-              dict(responses={401: ERRORS[401]}, summary="RL: the weights being served")),
+              dict(responses=ENGINE_ERRORS, summary="RL: the weights being served")),
     )
 
     def _init_control(self) -> None:

@@ -12,7 +12,7 @@ from starlette.responses import JSONResponse, Response
 
 from deployments.engine_client import EngineClient
 from deployments.errors import ApiError, parse
-from deployments.http import ERRORS, HttpServing, Route, generation_route, json_roundtrip, sse_response
+from deployments.http import ENGINE_ERRORS, HttpServing, Route, generation_route, json_roundtrip, sse_response
 from deployments.sglang.protocol import AbortRequest, GenerateRequest, NativeGenerateRequest
 from deployments.sglang.serving import CumulativeStream, generate_body, generate_plan
 from deployments.tokens import TokenText
@@ -29,25 +29,27 @@ def _streamed(body: Any, stream: bool) -> Any:
 
 
 class SGLangRoutes(HttpServing, EngineClient):
-    """Needs `served_model_name`, `version`, `token_text` and `incremental_streaming_output` on the
-    instance."""
+    """Needs `served_model_name`, `version`, `token_text`, `incremental_streaming_output` and
+    `enable_memory_saver` on the instance."""
 
     served_model_name: str
     version: str
     token_text: TokenText
     incremental_streaming_output: bool
+    enable_memory_saver: bool
 
     ROUTES = (
         generation_route("/generate", "http_generate", "Generate (SGLang-style: the flat body or SGLang's native "
                          "one; SSE when stream)", GenerateRequest, NativeGenerateRequest),
-        *(Route(path, "http_server_info", ("GET",), dict(responses={401: ERRORS[401], 503: ERRORS[503]},
+        *(Route(path, "http_server_info", ("GET",), dict(responses=ENGINE_ERRORS,
                                                           summary="SGLang's server info (parallelism, limits)"))
           for path in ("/server_info", "/get_server_info")),
-        *(Route(path, "http_model_info", ("GET",), dict(responses={401: ERRORS[401], 503: ERRORS[503]},
+        *(Route(path, "http_model_info", ("GET",), dict(responses=ENGINE_ERRORS,
                                                          summary="SGLang's model info (with weight_version)"))
           for path in ("/model_info", "/get_model_info")),
         Route("/health_generate", "http_health_generate", ("GET",), dict(
-            responses={503: ERRORS[503]}, summary="200 once the engine generates a token, else 503")),
+            response_class=Response, responses={200: {"description": "the engine generated a token (no body)"}}
+            | ENGINE_ERRORS, summary="200 once the engine generates a token, else 503")),
         # it ends other clients' requests: out of /openapi.json, like the RL control routes
         Route("/abort_request", "http_abort_request", options=dict(
             include_in_schema=False, summary="Abort a request by rid, or all (abort_all)")),
@@ -99,14 +101,16 @@ class SGLangRoutes(HttpServing, EngineClient):
     async def server_info(self) -> dict[str, Any]:
         """SGLang's `/server_info`: its server-args names for what this deployment has. `dp_size` is
         the number of engine replicas and `tp_size` each one's, so a trainer's broadcast group for
-        this URL has 1 + dp_size * tp_size ranks."""
+        this URL has 1 + dp_size * tp_size ranks. The fields slime's engine discovery and server-args
+        check read are all here, at SGLang's values for a plain (not disaggregated) server."""
         info = await self._engine_info()
         replicas = sum(isinstance(s, dict) for s in await self._broadcast("stats", return_exceptions=True))
         engine = info["engine"]
         return {
             "model_path": info["model_path"], "tokenizer_path": info["model_path"],
             "served_model_name": self.served_model_name, "is_generation": True,
-            "tp_size": info["tp"], "dp_size": replicas, "pp_size": 1, "ep_size": 1,
+            "tp_size": info["tp"], "dp_size": replicas, "pp_size": 1, "ep_size": 1, "moe_dp_size": 1,
+            "disaggregation_mode": "null", "encoder_only": False, "enable_memory_saver": self.enable_memory_saver,
             "context_length": info["max_model_len"], "max_total_num_tokens": info["max_total_num_tokens"],
             "max_running_requests": engine["max_batch_size"], "chunked_prefill_size": engine["max_prefill_token_num"],
             "page_size": engine["kv_block_size"], "disable_radix_cache": not engine["enable_prefix_caching"],

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from configs import EngineConfig
@@ -148,14 +149,8 @@ class Scheduler:
         end = self._chunk_end(seq, budget if not first else max(budget, self.decoding.chunk_alignment))
         if end is None:
             return None
-        while not self.kv.allocate(seq.table, end):
-            if admitting:
-                return None
-            busy = {s.seq.request_id for s in scheduled}
-            victims = [s for s in self.running if s.request_id not in busy and s is not seq]
-            self._preempt(victims[-1] if victims else seq)
-            if not victims:
-                return None
+        if not self._make_room(seq, scheduled, admitting, lambda: self.kv.allocate(seq.table, end)):
+            return None
         target, sample = self._feed_target(seq)
         return ScheduledSeq(seq, seq.num_computed, end, sample and end == target)
 
@@ -168,18 +163,32 @@ class Scheduler:
         count = min(max(budget // self.decoding.chunk_alignment, int(first)), len(state.views) - state.next_view)
         if count <= 0:
             return None
-        while not state.reserve(self.kv, count):
-            if count > 1:
+        def reserve() -> bool:
+            nonlocal count
+            while not state.reserve(self.kv, count):
+                if count == 1:
+                    return False
                 count //= 2
-                continue
+            return True
+
+        if not self._make_room(seq, scheduled, admitting, reserve):
+            return None
+        return ScheduledSeq(seq, seq.num_computed, seq.num_computed, False, views=state.take(count))
+
+    def _make_room(self, seq: Sequence, scheduled: list[ScheduledSeq], admitting: bool,
+                   fits: Callable[[], bool]) -> bool:
+        """Call `fits` (which takes the pages `seq` needs) until it succeeds, preempting the newest
+        running sequence not yet in this step each time it fails (`seq` itself when none is left).
+        False when `seq` cannot run this step; a sequence being admitted preempts nobody."""
+        while not fits():
             if admitting:
-                return None
+                return False
             busy = {s.seq.request_id for s in scheduled}
             victims = [s for s in self.running if s.request_id not in busy and s is not seq]
             self._preempt(victims[-1] if victims else seq)
             if not victims:
-                return None
-        return ScheduledSeq(seq, seq.num_computed, seq.num_computed, False, views=state.take(count))
+                return False
+        return True
 
     def retract_all(self) -> int:
         """Preempt every running sequence (newest first, so they wait in their running order ahead
