@@ -1,6 +1,7 @@
 """Every bench entry point run at toy size, so none can rot: `python -m bench` (its in-process parts in
 a subprocess as a user runs it, `bench.memory` among them; its Ray Serve part on this session's
-cluster), `bench.overhead`, `bench.moe`, `bench.weight_sync`, `bench.prefix_routing`, `bench.load`.
+cluster), `bench.overhead`, `bench.moe`, `bench.weight_sync`, `bench.prefix_routing`, `bench.load`,
+`bench.outputs`.
 bench.gpu_check's CPU-side parts are tests/test_gpu_check.py's, bench.trajectory_scoring's
 tests/test_trajectory_scoring.py's. The figures of a toy run mean nothing; what is checked is that
 each part runs to the end and that its own cross-checks (outputs equal to the baselines') hold."""
@@ -20,7 +21,7 @@ from bench.models import TOY_SHAPE, write_bench_models
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKED_HERE = {"bench", "bench.memory", "bench.overhead", "bench.moe", "bench.weight_sync", "bench.prefix_routing",
-               "bench.load"}
+               "bench.load", "bench.outputs"}
 SMOKED_ELSEWHERE = {"bench.gpu_check": "test_gpu_check.py", "bench.trajectory_scoring": "test_trajectory_scoring.py"}
 
 
@@ -67,6 +68,22 @@ def test_bench_serve_part(serve_cluster, tmp_path):
     paths = write_bench_models(tmp_path, TOY_SHAPE)
     r = bench_serve(paths["sdar"], plan("toy"), base_url=serve_cluster.url)
     assert r["http"]["errors"] == 0 and r["match_rate"] == 1.0, r
+
+
+def test_outputs_dump_and_compare(tmp_path):
+    """Two dumps of the same checkout compare identical (exit 0); a changed token is caught (exit 1)."""
+    ckpt, a, b = tmp_path / "ckpt", tmp_path / "a.json", tmp_path / "b.json"
+    counts = _run_module("bench.outputs", "--toy", "--ckpt", str(ckpt), "--out", str(a))
+    assert counts and all(n == 8 for n in counts.values())
+    _run_module("bench.outputs", "--toy", "--ckpt", str(ckpt), "--out", str(b))
+    report = _run_module("bench.outputs", "--compare", str(a), str(b))
+    assert all(r["identical"] == r["requests"] == 8 and r["max_abs_logprob_diff"] == 0.0 for r in report.values())
+    changed = json.loads(b.read_text())
+    changed["sdar/sequential"][0]["token_ids"][0] += 1
+    b.write_text(json.dumps(changed))
+    proc = subprocess.run([sys.executable, "-m", "bench.outputs", "--compare", str(a), str(b)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and json.loads(proc.stdout)["sdar/sequential"]["identical"] == 7
 
 
 def test_overhead():
