@@ -33,7 +33,8 @@ from deployments.openai.routes import OpenAIRoutes
 from deployments.rl.routes import RLRoutes
 from deployments.sglang.protocol import GenerateRequest, NativeGenerateRequest
 from deployments.sglang.routes import SGLangRoutes
-from deployments.tokens import TokenText, load_tokenizer
+from deployments.tokens import TokenText
+from engine.tokenizer import load_tokenizer
 
 ROUTE_MIXINS = (SGLangRoutes, OpenAIRoutes, RLRoutes, AdminRoutes)
 REQUEST_MODELS = (GenerateRequest, NativeGenerateRequest, CompletionRequest, ChatCompletionRequest)

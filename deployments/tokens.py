@@ -1,26 +1,10 @@
-"""The ingress's tokenizer: the checkpoint's fast tokenizer, read the way the engine reads it
-(`tokenizer.json` + `tokenizer_config.json`, local files only, no code from the checkpoint) but
-without the engine's model code, for chat templates, echoed prompts and the text of single tokens."""
+"""The text of single tokens for the ingress (logprob rows' text, echoed prompts); the tokenizer itself
+is engine.tokenizer's, read the way the engine reads it."""
 
 from __future__ import annotations
 
 import functools
-from pathlib import Path
 from typing import Any
-
-from deployments.errors import ApiError
-
-
-def load_tokenizer(path: str | Path) -> Any:
-    """`PreTrainedTokenizerFast` directly: AutoTokenizer would consult config.json, whose `sdar`
-    model_type transformers does not know."""
-    from transformers import PreTrainedTokenizerFast
-
-    root = Path(path)
-    if not (root / "tokenizer.json").is_file():
-        raise ApiError(f"{root} has no tokenizer.json (a fast tokenizer file is required)", None, 500,
-                       "internal_error")
-    return PreTrainedTokenizerFast.from_pretrained(str(root), local_files_only=True)
 
 
 class TokenText:

@@ -37,8 +37,9 @@ from engine.core.trajectory_plan import context_tokens, plan_trajectory
 from engine.errors import RequestError, WeightUpdateError
 from engine.executor.local import LocalExecutor
 from engine.kv.page_manager import KVPageManager
-from engine.model.checkpoint import load_model_spec, load_tokenizer
+from engine.model.checkpoint import load_model_spec
 from engine.model.source import resolve_model_path
+from engine.tokenizer import load_tokenizer
 from engine.worker.forward_batch import ForwardBatch, ForwardOutput
 from engine.worker.update_group import GROUP_JOIN_TIMEOUT_S, WEIGHT_OP_TIMEOUT_S
 from engine.worker.weight_sources import DiskWeights, WeightSource, check_same_architecture

@@ -250,17 +250,3 @@ def iter_weights(path: str | Path) -> Iterator[tuple[str, WeightSlice]]:
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
                 yield name, f.get_slice(name)
-
-
-def load_tokenizer(path: str | Path):
-    """The checkpoint's fast tokenizer (tokenizer.json + tokenizer_config.json), local files only.
-
-    Loaded as `PreTrainedTokenizerFast` directly: AutoTokenizer would consult config.json, whose
-    `sdar` model_type transformers does not know, and it never runs code from the checkpoint.
-    """
-    from transformers import PreTrainedTokenizerFast
-
-    root = Path(path)
-    if not (root / "tokenizer.json").is_file():
-        raise CheckpointError(f"{root} has no tokenizer.json (a fast tokenizer file is required)")
-    return PreTrainedTokenizerFast.from_pretrained(str(root), local_files_only=True)
