@@ -66,6 +66,14 @@ class EngineConfig(BaseModel):
         True, description="replay CUDA graphs for denoising and decode steps (CUDA, one GPU, the flash attention "
         "backend; prefill chunks and scoring run eagerly)"
     )
+    enable_torch_compile: bool = Field(
+        False, description="compile the model's elementwise work (RMSNorm, rotary embedding, SiLU gate, residual "
+        "adds) with torch.compile into fused kernels; the compile cache is kept between runs"
+    )
+    overlap_schedule: bool = Field(
+        False, description="overlap host and device: the host prepares one half of the running requests' next "
+        "step while the device runs the other half's (one GPU, CUDA; elsewhere the steps run one after the other)"
+    )
     seed: int = Field(0, description="seed of the model's random init before loading (not of sampling)")
     dllm_mask_token_id: int | None = Field(
         None, ge=0, description="mask token of a block-diffusion model whose checkpoint names none"
