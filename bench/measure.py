@@ -1,4 +1,4 @@
-"""Measurement helpers: a torch.mm peak, a peak-RSS sampler, and the engine driver."""
+"""Measurement helpers: a torch.mm peak, a peak-RSS sampler, a wall/CPU clock, and the engine driver."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from bench.models import BenchShape
+from engine import GenerationConfig
 from engine.carrier import Response
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -63,6 +64,18 @@ class PeakRSS:
         self._stop.set()
         self._thread.join()
         self.peak = max(self.peak, rss_bytes())
+
+
+class Clock:
+    """Wall and process-CPU seconds of a `with` block."""
+
+    def __enter__(self) -> Clock:
+        self.t, self.c = time.perf_counter(), time.process_time()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.wall = time.perf_counter() - self.t
+        self.cpu = time.process_time() - self.c
 
 
 @dataclass
@@ -159,3 +172,8 @@ def run_engine(engine, prompts: list[list[int]], params: list, shape: BenchShape
         peak_rss=mem.peak,
         rss_start=mem.start,
     )
+
+
+def warm_up(engine, shape: BenchShape) -> None:
+    """One short request through `engine`, so that the first measured request pays no first-call costs."""
+    run_engine(engine, [[11, 12, 13, 14, 15, 16, 17]], [GenerationConfig(max_new_tokens=8)], shape, 1)

@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 
 from bench import load, prefix_routing, weight_sync
-from bench.__main__ import bench_serve, plan
 from bench.models import TOY_SHAPE, write_bench_models
+from bench.parts.serve import bench_serve
+from bench.plan import plan
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKED_HERE = {"bench", "bench.memory", "bench.overhead", "bench.moe", "bench.weight_sync", "bench.prefix_routing",
@@ -32,10 +33,22 @@ def _run_module(*args: str) -> dict:
     return json.loads(proc.stdout)
 
 
+def bench_entry_points() -> set[str]:
+    """Every `python -m` target under bench/: a package with a `__main__.py` (bench itself, and e.g.
+    bench.gpu_check as a package), or a module with a `__main__` guard."""
+    out = set()
+    for f in (ROOT / "bench").rglob("*.py"):
+        parts = f.relative_to(ROOT).with_suffix("").parts
+        if f.stem == "__main__":
+            out.add(".".join(parts[:-1]))
+        elif 'if __name__ == "__main__":' in f.read_text():
+            out.add(".".join(parts))
+    return out
+
+
 def test_every_bench_entry_point_has_a_smoke_test():
     """A new `python -m bench.X` joins SMOKED_HERE with a test below, or names the file that runs it."""
-    entry_points = {"bench" if f.stem == "__main__" else f"bench.{f.stem}" for f in (ROOT / "bench").glob("*.py")
-                    if 'if __name__ == "__main__":' in f.read_text()}
+    entry_points = bench_entry_points()
     assert SMOKED_HERE <= entry_points <= SMOKED_HERE | set(SMOKED_ELSEWHERE)
     for module in entry_points - SMOKED_HERE:
         test_file = ROOT / "tests" / SMOKED_ELSEWHERE[module]
@@ -46,10 +59,10 @@ def test_every_bench_entry_point_has_a_smoke_test():
 def test_every_plan_fits_its_bench_model(mode):
     """The engine refuses a sequence longer than max_position_embeddings: no workload may need one."""
     p = plan(mode)
-    longest = p["shape"].max_position_embeddings
-    assert p["memory_tokens"] <= longest
-    assert p["scoring"][1] <= longest
-    assert p["traffic"].prompt_len[1] + p["traffic"].max_new_tokens[1] + 4 <= longest  # + a DLLM block
+    longest = p.shape.max_position_embeddings
+    assert p.memory_tokens <= longest
+    assert p.scoring[1] <= longest
+    assert p.traffic.prompt_len[1] + p.traffic.max_new_tokens[1] + 4 <= longest  # + a DLLM block
 
 
 def test_bench_in_process_parts(tmp_path):

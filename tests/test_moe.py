@@ -4,7 +4,8 @@
 AR: greedy tokens and logprobs vs `generate`, scoring rows vs a full forward. Block diffusion: the
 full-recompute reference of dllm_reference.py running the HF MoE model under a block-causal mask.
 Routing is made decisive (router weights scaled up) so that tokens of one block go to different
-experts and a wrong token-to-expert grouping changes the outputs. tp=2 over Ray (gloo) equals tp=1.
+experts and a wrong token-to-expert grouping changes the outputs. tp=2 over Ray (gloo) equals tp=1, in
+generation and in trajectory scoring.
 """
 
 from __future__ import annotations
@@ -160,7 +161,7 @@ def test_tp2_over_ray_equals_tp1(serve_cluster, dllm_moe):
     engine = dict(SERVE_ENGINE, logprobs_mode="raw_logprobs")
     prompts = [prompt_of(n, 40 + n) for n in (5, 11)]
     with pipeline(str(path), EngineConfig(**engine)) as pipe:
-        want = pipe(prompts, GenerationConfig(max_new_tokens=14, logprobs=0))
+        want = pipe(prompts, GenerationConfig(max_new_tokens=14, logprobs=0, return_dllm_replay=True))
     app = deploy(serve_cluster, "sdar_moe_tp2", path, dict(engine, tp=2))
     try:
         handle = serve.get_app_handle(app.name)
@@ -173,6 +174,17 @@ def test_tp2_over_ray_equals_tp1(serve_cluster, dllm_moe):
             assert two["meta_info"]["step_map"] == one.step_map
             got = [row[0] for row in two["meta_info"]["output_token_logprobs"]]
             assert got == pytest.approx([e[t] for e, t in zip(one.logprobs, one.token_ids, strict=True)], abs=TOL)
+        # the tp=1 rollouts' trajectories scored at tp=2, both in one call: the values tp=1 logged
+        body = {"input_ids": prompts, "sampling_params": {"max_new_tokens": 0}, "return_logprob": True,
+                "dllm_trajectory": [{"output_ids": o.token_ids, "step_map": o.step_map,
+                                     "replay_token_ids": o.dllm_replay_token_ids,
+                                     "replay_step_maps": o.dllm_replay_step_maps, "stop_length": o.dllm_stop_length}
+                                    for o in want]}
+        scored = handle.generate.remote(body).result()
+        for got, one in zip(scored, want, strict=True):
+            assert got["output_ids"] == one.token_ids and got["meta_info"]["step_map"] == one.step_map
+            values = [row[0] for row in got["meta_info"]["output_token_logprobs"]]
+            assert values == pytest.approx([e[t] for e, t in zip(one.logprobs, one.token_ids, strict=True)], abs=TOL)
     finally:
         serve.delete(app.name)
 
