@@ -1,9 +1,13 @@
-"""bench/gpu_check.py's parts, run on the CPU in float32 with tiny shapes (the flash part through the
-kernel substitutes of tests/test_flash_kernels.py), and its skip where CUDA is absent."""
+"""bench/gpu_check's parts, run on the CPU in float32 with tiny shapes (the flash part through the
+kernel substitutes of tests/test_flash_kernels.py), its part loop, its `--set` overrides, and its skip
+where CUDA is absent."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -11,7 +15,12 @@ import torch
 from test_flash_kernels import KERNELS
 
 from bench import gpu_check
+from bench.gpu_check import agreement, attention, cli, random_weights, throughput
+from bench.gpu_check.batch_invariance import batch_invariance
+from bench.gpu_check.engine_choice import EngineChoice
+from bench.gpu_check.trajectory import trajectory_scoring
 from bench.models import TOY_SHAPE, BenchShape
+from bench.trajectory_scoring import Rollouts
 from bench.workloads import Traffic
 from engine.model.checkpoint import load_model_spec
 from engine.worker import runner
@@ -20,7 +29,7 @@ from ops.attention import FlashAttention, FlexAttention
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    return gpu_check.write_tiny_pair(tmp_path_factory.mktemp("gpu_check"))
+    return agreement.write_tiny_pair(tmp_path_factory.mktemp("gpu_check"))
 
 
 def test_skips_with_exit_0_without_cuda_and_reports_the_machine(capsys):
@@ -36,20 +45,20 @@ def test_skips_with_exit_0_without_cuda_and_reports_the_machine(capsys):
 
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_flash_part_agrees_through_each_kernel_shape(kernel):
-    out = gpu_check.compare_attention(FlashAttention(KERNELS[kernel]), torch.device("cpu"), torch.bfloat16, heads=4,
+    out = attention.compare_attention(FlashAttention(KERNELS[kernel]), torch.device("cpu"), torch.bfloat16, heads=4,
                                       kv_heads=2, head_dim=16)
     assert set(out) == {"ar", "dllm", "ran_as"} and out["ran_as"] == "flash"
     assert out["ar"]["ok"] and out["dllm"]["ok"], out
 
 
 def test_flash_part_runs_flex_too():
-    out = gpu_check.compare_attention(FlexAttention(compiled=False), torch.device("cpu"), torch.bfloat16, heads=4,
+    out = attention.compare_attention(FlexAttention(compiled=False), torch.device("cpu"), torch.bfloat16, heads=4,
                                       kv_heads=2, head_dim=16)
     assert out["ar"]["ok"] and out["dllm"]["ok"] and out["ran_as"] == "flex", out
 
 
 def test_greedy_part_finds_identical_outputs_for_identical_dtypes(tiny):
-    out = gpu_check.compare_greedy(tiny, "cpu", ("float32", "float32"), requests=4)
+    out = agreement.compare_greedy(tiny, "cpu", ("float32", "float32"), requests=4)
     assert out == {name: {"dtypes": ["float32", "float32"], "requests": 4, "same_tokens": 1.0,
                           "same_step_map": 1.0, "divergence_gaps_nats": [], "max_gap_nats": None}
                    for name in ("dllm", "ar")}
@@ -58,21 +67,21 @@ def test_greedy_part_finds_identical_outputs_for_identical_dtypes(tiny):
 def test_divergence_gap_is_read_from_the_second_run_at_the_first_differing_token():
     first = SimpleNamespace(token_ids=[5, 7, 9])
     second = SimpleNamespace(token_ids=[5, 8, 9], logprobs=[{5: -0.1}, {8: -0.50, 7: -0.52, 3: -2.0}, {9: -0.2}])
-    assert gpu_check._first_divergence_gap(first, second) == pytest.approx(0.02)
+    assert agreement._first_divergence_gap(first, second) == pytest.approx(0.02)
     second.logprobs[1] = {8: -0.5, 3: -2.0}  # the first run's token is outside the second's top-k
-    assert gpu_check._first_divergence_gap(first, second) is None
-    assert gpu_check._first_divergence_gap(SimpleNamespace(token_ids=[5]), second) == 0.0
+    assert agreement._first_divergence_gap(first, second) is None
+    assert agreement._first_divergence_gap(SimpleNamespace(token_ids=[5]), second) == 0.0
 
 
 def test_seeded_sampling_part(tiny):
-    assert gpu_check.check_seeded_sampling(tiny["dllm"], "cpu", "float32", requests=4)["ok"]
+    assert agreement.check_seeded_sampling(tiny["dllm"], "cpu", "float32", requests=4)["ok"]
 
 
 def test_throughput_part_against_the_sdar_loop(tmp_path):
     shape = BenchShape(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                        head_dim=16, intermediate_size=128, vocab_size=384)
-    path = gpu_check.write_sdar(tmp_path, shape)
-    out = gpu_check.throughput(path, shape, "cpu", "float32", [1, 4], Traffic(8, (8, 20), (8, 16)), hf_requests=2,
+    path = throughput.write_sdar(tmp_path, shape)
+    out = throughput.throughput(path, shape, "cpu", "float32", [1, 4], Traffic(8, (8, 20), (8, 16)), hf_requests=2,
                                profile_at_most=2)
     assert set(out["engine"]) == {"1", "4"}
     for e in out["engine"].values():
@@ -86,38 +95,87 @@ def test_throughput_part_against_the_sdar_loop(tmp_path):
 
 
 def test_throughput_part_stops_starting_runs_once_its_cap_is_spent(tmp_path):
-    path = gpu_check.write_sdar(tmp_path, TOY_SHAPE)
-    out = gpu_check.throughput(path, TOY_SHAPE, "cpu", "float32", [1, 4], Traffic(8, (8, 20), (8, 16)), hf_requests=1,
+    path = throughput.write_sdar(tmp_path, TOY_SHAPE)
+    out = throughput.throughput(path, TOY_SHAPE, "cpu", "float32", [1, 4], Traffic(8, (8, 20), (8, 16)), hf_requests=1,
                                max_seconds=0.0, profile_at_most=1)
     assert out["engine"]["1"]["skipped"].startswith("the part's 0 s cap")
 
 
 # ---- weights drawn on the device: the SDAR-4B part and batch invariance, at toy size ------------------------
 def test_weights_on_device_are_seeded_and_never_pick_the_mask_or_padding(tmp_path):
-    path = gpu_check.write_config_only(tmp_path, TOY_SHAPE)
+    path = random_weights.write_config_only(tmp_path, TOY_SHAPE)
     spec = load_model_spec(str(path))
     assert (spec.hidden_size, spec.vocab_size) == (TOY_SHAPE.hidden_size, TOY_SHAPE.vocab_size)
     load, models = runner.build_model, []
     for _ in range(2):
-        with gpu_check.weights_on_device(seed=3):
+        with random_weights.weights_on_device(seed=3):
             models.append(runner.build_model(spec, torch.device("cpu"), torch.float32, None))
     assert runner.build_model is load
     a, b = ({name: p.detach() for name, p in m.named_parameters()} for m in models)
     assert all(torch.equal(a[name], b[name]) for name in a)
-    assert not a["lm_head.weight"][spec.mask_token_id].any() and not a["lm_head.weight"][gpu_check.TOKENIZER_IDS:].any()
+    head = a["lm_head.weight"]
+    assert not head[spec.mask_token_id].any() and not head[random_weights.TOKENIZER_IDS:].any()
     assert a["model.layers.0.mlp.up_proj.weight"].std() == pytest.approx(0.1, rel=0.2)
 
 
 def test_shape_part_at_toy_size(tmp_path):
-    path = gpu_check.write_config_only(tmp_path, TOY_SHAPE)
-    out = gpu_check.shape_throughput(path, TOY_SHAPE, "cpu", "float32", 4, Traffic(8, (8, 20), (8, 16)),
+    path = random_weights.write_config_only(tmp_path, TOY_SHAPE)
+    out = throughput.shape_throughput(path, TOY_SHAPE, "cpu", "float32", 4, Traffic(8, (8, 20), (8, 16)),
                                      profile_steps_at_most=1)
     assert out["requests"] == 4 and out["output_tokens"] > 0 and out["forwards"] > 0
     assert out["profile"]["top_host_ops"]
 
 
 def test_batch_invariance_part_at_toy_size(tmp_path):
-    path = gpu_check.write_config_only(tmp_path, TOY_SHAPE)
-    out = gpu_check.batch_invariance(path, TOY_SHAPE, "cpu", "float32", 4, Traffic(8, (8, 20), (8, 16)))
+    path = random_weights.write_config_only(tmp_path, TOY_SHAPE)
+    out = batch_invariance(path, TOY_SHAPE, "cpu", "float32", 4, Traffic(8, (8, 20), (8, 16)))
     assert out["tokens"] > 0 and out["same_tokens"] and out["same_step_map"]
     assert out["first_differing_token"] is None and out["max_logprob_diff"] < 1e-4
+
+
+def test_trajectory_part_at_toy_size(tmp_path):
+    path = random_weights.write_config_only(tmp_path, TOY_SHAPE)
+    out = trajectory_scoring(path, "cpu", "float32", Rollouts(trajectories=4, tokens=16, prompt_len=8))
+    assert out["vocab_size"] == TOY_SHAPE.vocab_size and out["trajectories"] == 4 and out["output_tokens"] == 16
+    assert out["speedup"] > 0 and out["generate_forwards"] > out["score_forwards"] > 0
+    assert out["max_abs_diff_scored_vs_logged"] < 1e-4
+
+
+# ---- the part loop and the command line ------------------------------------------------------------------------
+def test_part_loop_reports_errors_and_skips_a_part_whose_cap_no_longer_fits(capsys):
+    part = cli.PartLoop({"ok", "fails", "capped"}, budget=30)
+    part("ok", lambda: {"value": 1})
+    part("fails", lambda: 1 / 0)
+    part("not_selected", lambda: pytest.fail("an unselected part ran"))
+    part("capped", lambda: pytest.fail("a part ran past the budget"), cap=60)
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [next(iter(line)) for line in lines] == ["ok", "fails", "capped"]
+    assert part.report["ok"]["value"] == 1 and part.report["fails"]["error"].startswith("ZeroDivisionError")
+    assert part.report["capped"]["skipped"].startswith("its 60 s cap exceeds the")
+
+
+def test_set_overrides_every_model_part_engine_config_last():
+    args = cli.parse_args(["--attention", "flash", "--set", "enable_torch_compile=true", "--set",
+                           "attention_backend=flex", "--set", "max_prefill_token_num=4096"])
+    choice = EngineChoice(args.attention, args.kv_block_size, not args.no_cuda_graphs, dict(args.set))
+    config = choice.config(device="cpu", max_prefill_token_num=64)
+    assert config.enable_torch_compile and config.attention_backend == "flex" and config.max_prefill_token_num == 4096
+    assert config.device == "cpu" and cli.parse_args([]).set == []
+
+
+@pytest.mark.parametrize("setting, message", [
+    ("no_such_field=1", "unknown EngineConfig field 'no_such_field'"),
+    ("max_batch_size=many", "max_batch_size='many'"),
+    ("overlap_schedule", "expected FIELD=VALUE"),
+])
+def test_set_refuses_unknown_fields_and_bad_values(setting, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.parse_args(["--set", setting])
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_module_runs_and_skips_without_cuda():
+    proc = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--set", "overlap_schedule=true"],
+                          cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "no CUDA device" in json.loads(proc.stdout)["skipped"]
