@@ -1,4 +1,8 @@
-"""Pointwise and per-row kernels of the Qwen3 layer: RMSNorm, rotary embedding, SiLU-gated MLP."""
+"""Pointwise and per-row kernels of the Qwen3 layer: RMSNorm, rotary embedding, SiLU-gated MLP.
+
+`add_rms_norm` and `qk_norm_rope` are the groups of these that follow each other in a layer, written
+as one function each so that ops.fused can compile every group into one kernel; eagerly they are
+exactly the calls they group."""
 
 from __future__ import annotations
 
@@ -34,6 +38,23 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(gate) * up
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm of x + residual, x + residual): a sublayer's residual add and the norm that reads its
+    result, returned together as vLLM's fused_add_rms_norm does, so the sum is read once."""
+    residual = x + residual
+    return rms_norm(residual, weight, eps), residual
+
+
+def qk_norm_rope(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3's per-head RMSNorm of the queries and keys [T, heads, head_dim], then the rotary embedding."""
+    return apply_rope(rms_norm(q, q_weight, eps), cos, sin), apply_rope(rms_norm(k, k_weight, eps), cos, sin)
 
 
 def row_max(x: torch.Tensor, chunk: int = 2048) -> tuple[torch.Tensor, torch.Tensor]:

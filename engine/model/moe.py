@@ -30,6 +30,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from engine.model.checkpoint import MoESpec
+from ops.fused import EAGER, Elementwise
 
 
 @dataclass
@@ -44,6 +45,8 @@ class MoEStats:
 
 
 class SparseMoeBlock(nn.Module):
+    ops: Elementwise = EAGER  # the SiLU gate (ops.fused); the model switches it to the compiled one
+
     def __init__(self, hidden_size: int, moe: MoESpec, tp_size: int, all_reduce, stats: MoEStats):
         super().__init__()
         if moe.moe_intermediate_size % tp_size:
@@ -80,7 +83,7 @@ class SparseMoeBlock(nn.Module):
             if n == 0:
                 continue
             gate, up = F.linear(rows[start : start + n], self.w13[e]).split(self.inter, dim=-1)
-            out_rows[start : start + n] = F.linear(F.silu(gate) * up, self.w2[e])
+            out_rows[start : start + n] = F.linear(self.ops.silu_and_mul(gate, up), self.w2[e])
             start += n
         if self.stats.timed:
             self.stats.expert_seconds += time.perf_counter() - start_time

@@ -22,7 +22,7 @@ from torch import nn
 from engine.model.checkpoint import ModelSpec, RopeScaling
 from engine.model.moe import MoEStats, SparseMoeBlock
 from ops.attention import AttentionBackend, AttentionMetadata
-from ops.layers import apply_rope, rms_norm, silu_and_mul
+from ops.fused import EAGER, Elementwise, compiled_elementwise
 
 
 @dataclass(frozen=True)
@@ -47,16 +47,18 @@ class TPContext:
 
 
 class RMSNorm(nn.Module):
+    """An RMSNorm's weight and epsilon. The layers apply it through their `Elementwise` functions, each
+    norm together with the residual add before it or the rotary embedding after it."""
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
-
 
 class Attention(nn.Module):
+    ops: Elementwise = EAGER
+
     def __init__(self, spec: ModelSpec, tp: TPContext):
         super().__init__()
         self.tp = tp
@@ -74,15 +76,17 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, kv_cache, meta, backend) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_norm(self.q_proj(x).view(t, self.num_heads, self.head_dim))
-        k = self.k_norm(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim))
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = self.ops.qk_norm_rope(q, k, cos, sin, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
         out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.tp.all_reduce(self.o_proj(out.reshape(t, -1)))
 
 
 class MLP(nn.Module):
+    ops: Elementwise = EAGER
+
     def __init__(self, spec: ModelSpec, tp: TPContext):
         super().__init__()
         self.tp = tp
@@ -92,10 +96,16 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(inter, spec.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(self.down_proj(silu_and_mul(self.gate_proj(x), self.up_proj(x))))
+        return self.tp.all_reduce(self.down_proj(self.ops.silu_and_mul(self.gate_proj(x), self.up_proj(x))))
 
 
 class DecoderLayer(nn.Module):
+    """Pre-norm attention and MLP sublayers. A layer hands on its MLP output and the residual stream
+    separately; the next layer (or the final norm) adds them together with its first RMSNorm, so
+    every residual add is fused with the norm that reads it."""
+
+    ops: Elementwise = EAGER
+
     def __init__(self, spec: ModelSpec, tp: TPContext, index: int, moe_stats: MoEStats):
         super().__init__()
         self.self_attn = Attention(spec, tp)
@@ -106,9 +116,18 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
-    def forward(self, x, cos, sin, kv_cache, meta, backend) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, cos, sin, kv_cache, meta, backend) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, the residual stream before it) from the previous layer's pair;
+        the first layer gets (embeddings, None)."""
+        norm = self.input_layernorm
+        if residual is None:
+            residual, h = x, self.ops.rms_norm(x, norm.weight, norm.eps)
+        else:
+            h, residual = self.ops.add_rms_norm(x, residual, norm.weight, norm.eps)
+        h = self.self_attn(h, cos, sin, kv_cache, meta, backend)
+        norm = self.post_attention_layernorm
+        h, residual = self.ops.add_rms_norm(h, residual, norm.weight, norm.eps)
+        return self.mlp(h), residual
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -180,7 +199,10 @@ class RotaryEmbedding:
 class Qwen3ForCausalLM(nn.Module):
     """`forward` returns final hidden states; `logits` projects only the rows asked for.
 
-    Build it under `torch.device("meta")`, then `materialize(device, dtype)` and `engine.model.loading.load_weights`."""
+    Build it under `torch.device("meta")`, then `materialize(device, dtype)` and `engine.model.loading.load_weights`.
+    `use_compiled_elementwise()` switches its elementwise work to fused compiled kernels."""
+
+    ops: Elementwise = EAGER
 
     def __init__(self, spec: ModelSpec, tp: TPContext | None = None):
         super().__init__()
@@ -204,6 +226,16 @@ class Qwen3ForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         return self
 
+    def use_compiled_elementwise(self) -> Qwen3ForCausalLM:
+        """Run every layer's norms, rotary embedding, SiLU gate and residual adds through the compiled
+        fused functions of ops.fused (eager again, after one warning, where compiling fails); matmuls,
+        attention and collectives stay as they are. Parameters and state dict are unchanged."""
+        ops = compiled_elementwise()
+        for module in self.modules():
+            if hasattr(module, "ops"):
+                module.ops = ops
+        return self
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -216,9 +248,11 @@ class Qwen3ForCausalLM(nn.Module):
         cos, sin = self.rotary(positions, x.dtype)
         if meta.extra is None:  # the model runner prepares before the forward; other callers may not
             backend.prepare(meta)
+        residual = None
         for layer, kv in zip(self.model.layers, kv_caches):
-            x = layer(x, cos, sin, kv, meta, backend)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, cos, sin, kv, meta, backend)
+        norm = self.model.norm
+        return self.ops.add_rms_norm(x, residual, norm.weight, norm.eps)[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary float32 logits for the given hidden rows [R, hidden] -> [R, vocab]."""

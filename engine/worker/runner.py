@@ -161,9 +161,12 @@ class ModelRunner:
                           cuda_capture(torch.cuda.graph_pool_handle()))
 
     def _prepare(self, model: Qwen3ForCausalLM) -> Qwen3ForCausalLM:
-        """A loaded model ready to serve: on CPU every linear on oneDNN packed weights."""
+        """A loaded model ready to serve: on CPU every linear on oneDNN packed weights; with
+        `enable_torch_compile` its elementwise work compiled into fused kernels (ops.fused)."""
         if self.device.type == "cpu":
             convert_for_cpu(model, shared=(model.model.embed_tokens.weight,))
+        if self.config.enable_torch_compile:
+            model.use_compiled_elementwise()
         return model
 
     def _allocate_kv(self) -> list[tuple[torch.Tensor, ...]]:
