@@ -22,6 +22,16 @@ class SampleSlice:
     positions: list[int]
 
 
+def add_slots(slots: list[int], pages: list[int], start: int, end: int, page_size: int) -> None:
+    """Append the flat cache slots of positions [start, end): one range per page they touch."""
+    while start < end:
+        offset = start % page_size
+        stop = min(end, start - offset + page_size)
+        first = pages[start // page_size] * page_size + offset
+        slots += range(first, first + stop - start)
+        start = stop
+
+
 def build_batch(items: list[ScheduledSeq], decoding: DecodingStrategy, page_size: int
                 ) -> tuple[ForwardBatch, list[SampleSlice]]:
     batch = ForwardBatch([], [], [], [], [], [])
@@ -36,7 +46,7 @@ def build_batch(items: list[ScheduledSeq], decoding: DecodingStrategy, page_size
         batch.positions += range(it.start, it.end)
         batch.q_lens.append(it.end - it.start)
         batch.kv_lens.append(it.end)
-        batch.slot_mapping += [pages[p // page_size] * page_size + p % page_size for p in range(it.start, it.end)]
+        add_slots(batch.slot_mapping, pages, it.start, it.end, page_size)
         batch.page_tables.append(pages)  # read up to kv_lens; not copied (the runner pads its own copy)
         if it.sample:
             positions = decoding.sample_positions(seq, it.end)

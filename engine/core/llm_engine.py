@@ -13,21 +13,24 @@ in the batch); only the request(s) that still fail end, with an error naming the
 
 from __future__ import annotations
 
+import atexit
+import gc
 import itertools
 import logging
 import secrets
 import time
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import asdict, dataclass, field
 
 from configs import EngineConfig, GenerationConfig
-from engine.carrier import OutputChunk
+from engine.carrier import OutputChunk, Response
 from engine.core.batch import SampleSlice, build_batch
 from engine.core.decoding import AutoregressiveDecoding, BlockDiffusionDecoding, DecodingStrategy, PickedRows
 from engine.core.decoding.unmasking import UnmaskingSettings
 from engine.core.input_processing import ModelLimits, process_input
 from engine.core.model_settings import EngineStats, resolve_mask_token_id, resolve_max_model_len
 from engine.core.output_builder import OutputBuilder
-from engine.core.sampler import RowGroup, logprob_entries, pick_tokens
+from engine.core.sampler import Picked, PickedOnHost, RowGroup, logprob_entries, pick_tokens
 from engine.core.scheduler import ScheduledSeq, Scheduler
 from engine.core.scoring import take_score_rows
 from engine.core.sequence import SeqStatus, Sequence
@@ -52,6 +55,35 @@ _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalt
                     "dllm_confidence_threshold", "dllm_entropy_threshold")
 
 
+def _freeze_startup_heap() -> None:
+    """Exempt everything alive now from the cyclic garbage collector. The startup heap (torch, the
+    model, the tokenizer: some 400k objects) lives as long as the engine; left in the collector's
+    oldest generation it is re-scanned over and over as the step loop allocates, about a fifth of a
+    CPU step. What an earlier engine of this process left is collected first; `shutdown` and the
+    interpreter's exit unfreeze again, so that a finished engine's cycles are still freed (and
+    extension modules do not report them as leaks)."""
+    gc.unfreeze()
+    gc.collect()
+    gc.freeze()
+    atexit.unregister(gc.unfreeze)  # once, however many engines a process starts
+    atexit.register(gc.unfreeze)
+
+
+@dataclass
+class _Launched:
+    """A forward and its sampling, queued on the device (on the CPU: done); nothing read back yet."""
+
+    items: list[ScheduledSeq]
+    batch: ForwardBatch
+    result: ForwardOutput
+    slices: list[SampleSlice]
+    picked: Picked | None = None  # None when no sequence samples in this forward
+    on_host: PickedOnHost | None = None
+    ks: list[int | None] = field(default_factory=list)  # per sampled row: the logprobs asked for
+    any_logprobs: bool = False
+    processed: bool = False  # logprob entries come from the processed logits
+
+
 @dataclass
 class _Forward:
     """One forward and what the sampler made of it, before anything is applied to the sequences."""
@@ -61,6 +93,15 @@ class _Forward:
     result: ForwardOutput
     slices: list[SampleSlice]
     picked: list[PickedRows]
+
+
+def _merged(chunks: list[OutputChunk]) -> OutputChunk:
+    """One chunk carrying the consecutive deltas `chunks` of one request."""
+    if len(chunks) == 1:
+        return chunks[0]
+    fields = asdict(Response.from_chunks(chunks))
+    del fields["index"]
+    return OutputChunk(**fields)
 
 
 class LLMEngine:
@@ -93,6 +134,11 @@ class LLMEngine:
         self.stats = EngineStats()
         self.weight_version = "default"  # names the weights in every output; an update sets it
         self._ids = itertools.count()
+        # overlap_schedule: forwards launched and not applied yet (at most one between steps), and
+        # the chunks that applying one early made, returned by the next step
+        self._in_flight: deque[_Launched] = deque()
+        self._ready: list[OutputChunk] = []
+        _freeze_startup_heap()
 
     # ---- requests ----------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: GenerationConfig | None = None,
@@ -158,14 +204,23 @@ class LLMEngine:
         return self._finish_now(request_id, "error", message)
 
     def _finish_now(self, request_id: str, reason: str, message: str | None = None) -> OutputChunk | None:
-        seq = self.seqs.get(request_id)
-        if seq is None:
+        """End a request now. A request in a forward in flight first gets that forward's results; its
+        chunks that no step returned yet come back here, merged with its final one."""
+        if request_id not in self.seqs:
             return None
+        if any(it.seq.request_id == request_id for fwd in self._in_flight for it in fwd.items):
+            self._land_all()
+        earlier = [c for c in self._ready if c.request_id == request_id]
+        if earlier:
+            self._ready = [c for c in self._ready if c.request_id != request_id]
+        seq = self.seqs.get(request_id)
+        if seq is None:  # it finished in the forward that was in flight
+            return _merged(earlier)
         seq.finish_reason = reason
         chunk = self.outputs[request_id].build(True, self.weight_version)
         chunk.error = message
         self._release(seq)
-        return chunk
+        return _merged([*earlier, chunk])
 
     def _release(self, seq: Sequence) -> None:
         seq.status = SeqStatus.FINISHED
@@ -174,7 +229,7 @@ class LLMEngine:
         del self.outputs[seq.request_id]
 
     def has_unfinished(self) -> bool:
-        return bool(self.seqs)
+        return bool(self.seqs or self._ready)
 
     def flush_cache(self) -> None:
         """Drop the prefix cache (requests in flight keep their own pages)."""
@@ -186,6 +241,7 @@ class LLMEngine:
 
     def retract_all(self) -> int:
         """Give back every running request's KV pages; they wait, keeping their tokens. Returns how many."""
+        self._land_all()
         return self.scheduler.retract_all()
 
     def load(self) -> dict[str, int]:
@@ -201,11 +257,13 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+        gc.unfreeze()  # what this engine held is collectable again (see _freeze_startup_heap)
 
     # ---- memory and the trainer's update group, on every rank ---------------------------------
     def release_memory(self, tags: list[str]) -> None:
         """Free the weights and/or the KV cache on every rank. Releasing the KV cache first retracts
         the running requests and flushes the prefix cache."""
+        self._land_all()
         if "kv_cache" in tags:
             self.retract_all()
             self.flush_cache()
@@ -237,6 +295,7 @@ class LLMEngine:
         refuses; every rank has then discarded what it staged (nothing changed)."""
         if isinstance(source, DiskWeights):
             check_same_architecture(self.spec, load_model_spec(source.path))
+        self._land_all()
         try:
             self.executor.run_on_ranks("stage_weights", source, timeout_s=WEIGHT_OP_TIMEOUT_S)
         except Exception as e:
@@ -251,6 +310,7 @@ class LLMEngine:
         """Phase two: every rank swaps its staged slices in; the prefix cache is flushed. Returns the
         `weight_version` now served: the given one, else the previous one unchanged (as SGLang; a
         trainer sending one update per bucket names the version on the last)."""
+        self._land_all()
         self.executor.run_on_ranks("commit_weights")
         self.flush_cache()
         self.stats.weight_updates += 1
@@ -270,22 +330,67 @@ class LLMEngine:
 
     # ---- the step ----------------------------------------------------------------------------
     def step(self) -> list[OutputChunk]:
+        """One forward's worth of work; returns the chunks it made (and any made since the last step).
+
+        With `overlap_schedule` a step launches the forward of at most half of the requests, then
+        applies the previous step's forward, which ran on the device meanwhile. The requests of a
+        forward in flight are not scheduled (nor preempted) until it is applied."""
         t0 = time.perf_counter()
+        chunks, self._ready = self._ready, []
+        worked = self._overlapped_step(chunks) if self.config.overlap_schedule else self._plain_step(chunks)
+        if worked:
+            self.stats.steps += 1
+            self.stats.step_seconds += time.perf_counter() - t0
+            self.stats.last_step_time = time.time()
+        return chunks
+
+    def _plain_step(self, chunks: list[OutputChunk]) -> bool:
         items = self.scheduler.schedule()
         if not items:
-            return []
+            return False
         try:
             fwd = self._forward(items)
         except Exception as e:  # noqa: BLE001 - isolated below; a fatal executor error goes up
             if getattr(e, "fatal", False):
                 raise
-            chunks = self._isolate(items, e)
+            chunks += self._isolate(items, e)
         else:
-            chunks = self._apply(fwd)
-        self.stats.steps += 1
-        self.stats.step_seconds += time.perf_counter() - t0
-        self.stats.last_step_time = time.time()
-        return chunks
+            chunks += self._apply(fwd)
+        return True
+
+    def _overlapped_step(self, chunks: list[OutputChunk]) -> bool:
+        busy = {it.seq.request_id for fwd in self._in_flight for it in fwd.items}
+        items = self.scheduler.schedule(busy, max_seqs=(len(self.seqs) + 1) // 2)
+        launched = None
+        if items:
+            try:
+                launched = self._launch(items)
+            except Exception as e:  # noqa: BLE001 - isolated below; a fatal executor error goes up
+                if getattr(e, "fatal", False):
+                    raise
+                chunks += self._isolate(items, e)
+        landed = bool(self._in_flight)
+        if landed:
+            chunks += self._land(self._in_flight.popleft())
+        if launched is not None:
+            self._in_flight.append(launched)
+        return bool(items) or landed
+
+    def _land(self, launched: _Launched) -> list[OutputChunk]:
+        """Read a launched forward's picks back and apply them."""
+        try:
+            fwd = self._read(launched)
+        except Exception as e:  # noqa: BLE001 - isolated below; a fatal executor error goes up
+            if getattr(e, "fatal", False):
+                raise
+            return self._isolate(launched.items, e)
+        return self._apply(fwd)
+
+    def _land_all(self) -> None:
+        """Apply every forward in flight now, before something changes what they ran on (weights, KV
+        pages) or ends one of their requests; their chunks go out with the next step."""
+        while self._in_flight:
+            self._ready += self._land(self._in_flight.popleft())
 
     def _isolate(self, items: list[ScheduledSeq], error: Exception) -> list[OutputChunk]:
         """Re-run each request of a failed step alone; end only those that fail alone."""
@@ -320,42 +425,66 @@ class LLMEngine:
 
     def _forward(self, items: list[ScheduledSeq]) -> _Forward:
         """Run the model and the sampler; nothing is applied to the sequences yet."""
+        return self._read(self._launch(items))
+
+    def _launch(self, items: list[ScheduledSeq]) -> _Launched:
+        """Queue the forward and the sampling; on CUDA nothing here waits for the device (but a
+        forward that scores input tokens reads its rows back)."""
         batch, slices = build_batch(items, self.decoding, self.config.kv_block_size)
         t = time.perf_counter()
         result = self.executor.execute(batch)
         self.stats.forward_seconds += time.perf_counter() - t
         self.stats.forwards += 1
-        return _Forward(items, batch, result, slices, self._pick(result, slices))
+        launched = _Launched(items, batch, result, slices)
+        if slices:
+            self._pick(launched)
+        return launched
 
-    def _pick(self, result: ForwardOutput, slices: list[SampleSlice]) -> list[PickedRows]:
-        if not slices:
-            return []
+    def _pick(self, fwd: _Launched) -> None:
+        """Queue the sampler on the forward's logits, and the copy of its picks to the host."""
         groups, ks = [], []
-        for sl in slices:
-            seq = sl.seq
-            suppress = [self.decoding.token_index(seq, p) < seq.params.min_new_tokens for p in sl.positions]
-            penalty = sorted(seq.penalty_ids) if seq.params.repetition_penalty != 1.0 else []
-            groups.append((sl.first, len(sl.positions), RowGroup(
-                seq.params, seq.seed, seq.num_draws, penalty, suppress, seq.stop_ids,
-                self.decoding.wants_entropy(seq))))
-            ks += [seq.params.logprobs] * len(sl.positions)
-        mode = self.config.logprobs_mode
-        processed = mode in ("processed_logprobs", "processed_logits") and any(k is not None for k in ks)
-        picked = pick_tokens(result.logits, groups, self.decoding.needs_confidence,
-                             overwrite=all(k is None for k in ks), keep_processed=processed)
-        tokens = picked.tokens.tolist()
-        confidence = picked.confidence.tolist() if picked.confidence is not None else []
-        entropy = picked.entropy.tolist() if picked.entropy is not None else None
-        entries = logprob_entries(picked.processed if processed else result.logits, tokens, ks, mode)
+        any_logprobs = False
+        for sl in fwd.slices:
+            seq, params, n = sl.seq, sl.seq.params, len(sl.positions)
+            groups.append((sl.first, n, RowGroup(
+                params, seq.seed, seq.num_draws,
+                sorted(seq.penalty_ids) if params.repetition_penalty != 1.0 else [],
+                self._suppressed(seq, sl.positions), seq.stop_ids, self.decoding.wants_entropy(seq))))
+            ks += [params.logprobs] * n
+            any_logprobs = any_logprobs or params.logprobs is not None
+        processed = any_logprobs and self.config.logprobs_mode in ("processed_logprobs", "processed_logits")
+        fwd.picked = pick_tokens(fwd.result.logits, groups, self.decoding.needs_confidence,
+                                 overwrite=not any_logprobs, keep_processed=processed)
+        fwd.on_host = PickedOnHost(fwd.picked)
+        fwd.ks, fwd.any_logprobs, fwd.processed = ks, any_logprobs, processed
+
+    def _read(self, fwd: _Launched) -> _Forward:
+        """Wait for the picks on the host and cut them per sequence."""
+        return _Forward(fwd.items, fwd.batch, fwd.result, fwd.slices, self._picked_rows(fwd) if fwd.slices else [])
+
+    def _picked_rows(self, fwd: _Launched) -> list[PickedRows]:
+        tokens, confidence, entropy = fwd.on_host.lists()
+        entries: list[dict | None] = [None] * len(tokens)
+        if fwd.any_logprobs:
+            values = fwd.picked.processed if fwd.processed else fwd.result.logits
+            entries = logprob_entries(values, tokens, fwd.ks, self.config.logprobs_mode)
         out = []
-        for sl in slices:
-            rows = slice(sl.first, sl.first + len(sl.positions))
-            out.append(PickedRows(sl.positions, tokens[rows], confidence[rows],
-                                  entropy[rows] if entropy is not None else None, entries[rows]))
+        for sl in fwd.slices:
+            first, end = sl.first, sl.first + len(sl.positions)
+            out.append(PickedRows(sl.positions, tokens[first:end], confidence[first:end],
+                                  entropy[first:end] if entropy is not None else None, entries[first:end]))
         return out
 
+    def _suppressed(self, seq: Sequence, positions: list[int]) -> list[bool]:
+        """Per sampled position: whether the stop ids are masked (its token comes before `min_new_tokens`)."""
+        floor = seq.params.min_new_tokens
+        if not floor:
+            return [False] * len(positions)
+        return [self.decoding.token_index(seq, p) < floor for p in positions]
+
     def _apply(self, fwd: _Forward) -> list[OutputChunk]:
-        take_score_rows(fwd.items, fwd.batch, fwd.result, self.outputs)
+        if fwd.batch.score_rows:
+            take_score_rows(fwd.items, fwd.batch, fwd.result, self.outputs)
         take_view_rows(fwd.items, fwd.result, self.kv)
         for it in fwd.items:  # K/V final up to here
             seq = it.seq
@@ -383,18 +512,17 @@ class LLMEngine:
         revealed = self.decoding.advance(seq, rows)
         self.stats.generated_tokens += len(revealed)
         self.stats.unmasking_steps += self.is_dllm
-        stop = seq.stop
-        final = min(self.decoding.num_final(seq), seq.params.max_new_tokens)
         base = seq.prompt_len
-        while stop.decision is None and stop.num_consumed < final:
-            stop.consume(seq.tokens[base + stop.num_consumed])
-        if stop.decision is not None:
-            seq.finish(stop.decision.reason, stop.decision.num_tokens, stop.decision.matched)
-        if self.is_dllm:  # the trace shows what this step revealed inside the (possible) output
+        final = min(self.decoding.num_final(seq), seq.params.max_new_tokens)
+        decision = seq.stop.consume_final(seq.tokens, base, final)
+        if decision is not None:
+            seq.finish(decision.reason, decision.num_tokens, decision.matched)
+        output = self.outputs[seq.request_id]
+        if output.want_trace:  # the trace shows what this step revealed inside the (possible) output
             limit = seq.num_output if seq.num_output is not None else seq.stop_bound
             shown = [g for g in revealed if g < limit]
             if shown:
-                self.outputs[seq.request_id].add_trace({
+                output.add_trace({
                     "step": seq.step_counter, "positions": shown, "token_ids": [seq.tokens[base + g] for g in shown],
                 })
         if seq.finish_reason is not None:

@@ -45,6 +45,8 @@ class OutputBuilder:
         seq = self.seq
         stop = seq.stop
         end = seq.num_output if seq.num_output is not None else stop.num_consumed
+        if end == self.sent_tokens and not (finished or self.pending_trace):
+            return None  # no token became final, so the text did not grow either
         if finished and stop.decision is None:  # ended from outside (abort, error)
             stop.end_from_outside()
         text_end = stop.visible_end()

@@ -70,6 +70,29 @@ class Picked:
     processed: torch.Tensor | None
 
 
+class PickedOnHost:
+    """The tokens, confidences and entropies of a `Picked` on their way to the host. On CUDA the
+    copies are queued behind the sampler's kernels (non-blocking, into pinned memory) with an event,
+    so the host can go on while the device computes; `lists()` waits for that event only."""
+
+    def __init__(self, picked: Picked):
+        tensors = (picked.tokens, picked.confidence, picked.entropy)
+        self._event = None
+        if picked.tokens.device.type == "cuda":
+            tensors = tuple(None if t is None else t.to("cpu", non_blocking=True) for t in tensors)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        self._tensors = tensors
+
+    def lists(self) -> tuple[list[int], list[float], list[float] | None]:
+        """(tokens, confidences (empty when not computed), entropies or None), as Python lists."""
+        if self._event is not None:
+            self._event.synchronize()
+        tokens, confidence, ent = self._tensors
+        return (tokens.tolist(), confidence.tolist() if confidence is not None else [],
+                ent.tolist() if ent is not None else None)
+
+
 def entropy(probs: torch.Tensor) -> torch.Tensor:
     """Shannon entropy in nats per row (0 * log 0 = 0)."""
     return torch.special.entr(probs).sum(-1)

@@ -51,6 +51,7 @@ class Scheduler:
         self.num_preemptions = 0
         # prompt -> (the running sequence computing it, how far its prefix-cacheable part reaches)
         self._prefilling: dict[tuple[int, ...], tuple[Sequence, int]] = {}
+        self._busy: set[str] | frozenset[str] = frozenset()  # this step's requests in a forward in flight
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -91,8 +92,7 @@ class Scheduler:
             return seq.trajectory.context_len
         return self.decoding.cacheable_prefix(seq)
 
-    def _chunk_end(self, seq: Sequence, budget: int) -> int | None:
-        target, _ = self._feed_target(seq)
+    def _chunk_end(self, seq: Sequence, target: int, budget: int) -> int | None:
         start = seq.num_computed
         if target - start <= budget:
             return target
@@ -101,12 +101,21 @@ class Scheduler:
         return end if end > start else None
 
     # ---- the step ----------------------------------------------------------------------------
-    def schedule(self) -> list[ScheduledSeq]:
+    def schedule(self, busy: set[str] | frozenset[str] = frozenset(), max_seqs: int | None = None
+                 ) -> list[ScheduledSeq]:
+        """The next forward's items. `busy`: running requests whose previous forward is still in
+        flight (overlap scheduling): they are neither scheduled nor preempted. At most `max_seqs`
+        sequences (None: no limit besides the batch size and the prefill budget)."""
         budget = self.config.max_prefill_token_num
+        limit = _UNLIMITED if max_seqs is None else max_seqs
+        self._busy = busy
         out: list[ScheduledSeq] = []
         i = 0
-        while i < len(self.running):
+        while i < len(self.running) and len(out) < limit:
             seq = self.running[i]
+            if seq.request_id in busy:
+                i += 1
+                continue
             decoding = seq.trajectory is None and self.decoding.is_decoding(seq)
             item = self._try_schedule(seq, _UNLIMITED if decoding else budget, out, first=not out)
             if item is None:
@@ -118,7 +127,7 @@ class Scheduler:
                 budget -= item.num_rows
             i += 1
         held: list[Sequence] = []
-        while self.waiting and len(self.running) < self.config.max_batch_size and budget > 0:
+        while self.waiting and len(self.running) < self.config.max_batch_size and budget > 0 and len(out) < limit:
             seq = self.waiting[0]
             if self._waits_for_shared_prompt(seq):
                 held.append(self.waiting.popleft())
@@ -146,12 +155,12 @@ class Scheduler:
                       first: bool, admitting: bool = False) -> ScheduledSeq | None:
         if seq.trajectory is not None and seq.num_computed >= seq.trajectory.context_len:
             return self._schedule_views(seq, budget, scheduled, first, admitting)
-        end = self._chunk_end(seq, budget if not first else max(budget, self.decoding.chunk_alignment))
+        target, sample = self._feed_target(seq)
+        end = self._chunk_end(seq, target, budget if not first else max(budget, self.decoding.chunk_alignment))
         if end is None:
             return None
         if not self._make_room(seq, scheduled, admitting, lambda: self.kv.allocate(seq.table, end)):
             return None
-        target, sample = self._feed_target(seq)
         return ScheduledSeq(seq, seq.num_computed, end, sample and end == target)
 
     def _schedule_views(self, seq: Sequence, budget: int, scheduled: list[ScheduledSeq], first: bool,
@@ -183,7 +192,7 @@ class Scheduler:
         while not fits():
             if admitting:
                 return False
-            busy = {s.seq.request_id for s in scheduled}
+            busy = self._busy | {s.seq.request_id for s in scheduled}
             victims = [s for s in self.running if s.request_id not in busy and s is not seq]
             self._preempt(victims[-1] if victims else seq)
             if not victims:

@@ -68,10 +68,10 @@ class Sequence:
     matched: int | str | None = None  # the stop id or stop string that ended it
     added_at: float = field(default_factory=time.monotonic)  # when add_request created it
     admitted_at: float | None = None  # when the scheduler first moved it from waiting to running
+    prompt_len: int = field(init=False)  # len(prompt_ids): read on every step, and the prompt never changes
 
-    @property
-    def prompt_len(self) -> int:
-        return len(self.prompt_ids)
+    def __post_init__(self) -> None:
+        self.prompt_len = len(self.prompt_ids)
 
     @property
     def num_generated_positions(self) -> int:

@@ -68,7 +68,7 @@ class StopChecker:
                 self._detok.add(token_id)
             self._detok.flush()
             return self._decide(g + 1, "stop", token_id, len(self.text))
-        old_len = len(self.text)
+        old_len = len(self._detok.text)
         self._detok.add(token_id)
         if may_stop and self._words:
             hit = self._find_word(old_len)
@@ -80,6 +80,13 @@ class StopChecker:
             self._detok.flush()
             return self._decide(g + 1, "length", None, len(self.text))
         return None
+
+    def consume_final(self, tokens: list[int], offset: int, num_final: int) -> StopDecision | None:
+        """Read the tokens that became final since the last call, `tokens[offset + num_consumed :
+        offset + num_final]`, up to the decision (the tokens after it are never read)."""
+        while self.decision is None and self._num_consumed < num_final:
+            self.consume(tokens[offset + self._num_consumed])
+        return self.decision
 
     def end_from_outside(self) -> None:
         """The request ends without a stop (abort / error): its text is everything consumed."""
@@ -101,9 +108,6 @@ class StopChecker:
 
     def _find_word(self, old_len: int) -> tuple[int, str] | None:
         """The stop string the text added after `old_len` completes (earliest start wins)."""
-        hits = []
-        for w in self._words:
-            i = self.text.find(w, max(0, old_len - len(w) + 1))
-            if i >= 0:
-                hits.append((i, w))
+        text = self._detok.text
+        hits = [(i, w) for w in self._words if (i := text.find(w, max(0, old_len - len(w) + 1))) >= 0]
         return min(hits, default=None)

@@ -19,7 +19,7 @@ reveals at least one token); a token's value is the counter of the step that rev
 from __future__ import annotations
 
 from engine.core.decoding.base import DecodingStrategy, PickedRows
-from engine.core.decoding.unmasking import NEEDS_ENTROPY, Candidate, choose_positions, tokens_this_step
+from engine.core.decoding.unmasking import NEEDS_ENTROPY, choose_rows, tokens_this_step
 from engine.core.sequence import DLLMBlock, Sequence
 
 
@@ -74,26 +74,28 @@ class BlockDiffusionDecoding(DecodingStrategy):
     def advance(self, seq: Sequence, rows: PickedRows) -> list[int]:
         block, settings = seq.block, seq.unmasking
         n = tokens_this_step(block.num_masked_at_start, settings.denoising_steps, block.step_index)
-        entropy = rows.entropy or [0.0] * len(rows.positions)
-        candidates = [Candidate(p, c, e) for p, c, e in zip(rows.positions, rows.confidence, entropy)]
-        chosen = choose_positions(candidates, n, settings)
-        seq.step_counter += 1
-        block.step_index += 1
-        row_of = {p: i for i, p in enumerate(rows.positions)}
+        positions = rows.positions
+        chosen = choose_rows(rows.confidence, rows.entropy or [0.0] * len(positions), n, settings)
+        step, block_step = seq.step_counter + 1, block.step_index + 1
+        seq.step_counter, block.step_index = step, block_step
+        prompt_len, floor = seq.prompt_len, seq.params.min_new_tokens
         revealed = []
-        for p in chosen:
-            g = p - seq.prompt_len
-            i = row_of[p]
-            seq.tokens[p] = rows.tokens[i]
-            seq.out_steps[g] = seq.step_counter
-            seq.out_block_steps[g] = block.step_index
+        for i in chosen:
+            p, token = positions[i], rows.tokens[i]
+            g = p - prompt_len
+            seq.tokens[p] = token
+            seq.out_steps[g] = step
+            seq.out_block_steps[g] = block_step
             seq.out_logprobs[g] = rows.logprobs[i]
-            seq.penalty_ids.add(rows.tokens[i])
-            if rows.tokens[i] in seq.stop_ids and g >= seq.params.min_new_tokens:
+            seq.penalty_ids.add(token)
+            if token in seq.stop_ids and g >= floor:
                 seq.stop_bound = min(seq.stop_bound, g + 1)
             revealed.append(g)
-        chosen_set = set(chosen)
-        block.masked = [p for p in block.masked if p not in chosen_set]
+        if len(chosen) == len(positions):
+            block.masked = []
+        else:
+            chosen_set = set(chosen)
+            block.masked = [p for i, p in enumerate(positions) if i not in chosen_set]
         return revealed
 
     def num_final(self, seq: Sequence) -> int:

@@ -1,27 +1,21 @@
 """Unmasking rules: which masked positions of a block one denoising step reveals.
 
-A rule is one function `rule(candidates, n, settings) -> chosen` registered in `RULES` under the
-name users pass as `dllm_unmasking_strategy`; adding a strategy is adding one function here.
+A rule is one function `rule(confidence, entropy, n, settings) -> chosen` registered in `RULES` under
+the name users pass as `dllm_unmasking_strategy`; adding a strategy is adding one function here.
 
-`candidates` are the block's still-masked positions in ascending order, each with the confidence
-(probability of its candidate token under the distribution the sampler drew from) and the entropy
-of that distribution (nats). `n` is the step's quota: with M positions masked when the block
-opened and S denoising steps, the block's s-th step (s = 0, 1, ...) has
-`n_s = M // S + (1 if s < M % S else 0)`. A rule returns at least one and at most all candidates,
-in ascending position order. Ties break toward the lower position.
+The candidates are the block's still-masked positions in ascending order, given as columns (one
+entry per candidate, so a step makes no per-candidate objects): `confidence`, the probability of its
+candidate token under the distribution the sampler drew from, and `entropy`, the entropy of that
+distribution (nats; computed only for the rules in `NEEDS_ENTROPY`). `n` is the step's quota: with M
+positions masked when the block opened and S denoising steps, the block's s-th step (s = 0, 1, ...)
+has `n_s = M // S + (1 if s < M % S else 0)`. A rule returns the indices of at least one and at most
+all candidates. Ties break toward the lower position.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-
-
-@dataclass(frozen=True)
-class Candidate:
-    position: int
-    confidence: float
-    entropy: float
 
 
 @dataclass(frozen=True)
@@ -40,43 +34,47 @@ def tokens_this_step(num_masked_at_block_start: int, steps: int, step_index: int
     return m // s + (1 if step_index < m % s else 0)
 
 
-def _most_confident(candidates: list[Candidate], n: int) -> list[Candidate]:
-    return sorted(candidates, key=lambda c: (-c.confidence, c.position))[:n]
+def _most_confident(confidence: list[float], n: int) -> list[int]:
+    # a stable sort, also in reverse: equal confidences keep the lower position first
+    return sorted(range(len(confidence)), key=confidence.__getitem__, reverse=True)[:n]
 
 
-def sequential(candidates: list[Candidate], n: int, settings: UnmaskingSettings) -> list[Candidate]:
+def sequential(confidence: list[float], entropy: list[float], n: int, settings: UnmaskingSettings) -> list[int]:
     """The leftmost n masked positions."""
-    return candidates[:n]
+    return list(range(n))
 
 
-def low_confidence_static(candidates: list[Candidate], n: int, settings: UnmaskingSettings) -> list[Candidate]:
+def low_confidence_static(confidence: list[float], entropy: list[float], n: int,
+                          settings: UnmaskingSettings) -> list[int]:
     """The n most confident positions."""
-    return _most_confident(candidates, n)
+    return _most_confident(confidence, n)
 
 
-def low_confidence_dynamic(candidates: list[Candidate], n: int, settings: UnmaskingSettings) -> list[Candidate]:
+def low_confidence_dynamic(confidence: list[float], entropy: list[float], n: int,
+                           settings: UnmaskingSettings) -> list[int]:
     """Every position with confidence >= the threshold if there are at least n of them, else the n
     most confident."""
-    confident = [c for c in candidates if c.confidence >= settings.confidence_threshold]
-    return confident if len(confident) >= n else _most_confident(candidates, n)
+    threshold = settings.confidence_threshold
+    confident = [i for i, c in enumerate(confidence) if c >= threshold]
+    return confident if len(confident) >= n else _most_confident(confidence, n)
 
 
-def entropy_bounded(candidates: list[Candidate], n: int, settings: UnmaskingSettings) -> list[Candidate]:
+def entropy_bounded(confidence: list[float], entropy: list[float], n: int, settings: UnmaskingSettings) -> list[int]:
     """JetEngine's `entropy_bounded` rule (the EB-sampler of Ben-Hamu et al.): order the masked
     positions by entropy, lowest first, and reveal the longest prefix of that order whose running
     sum of entropies stays strictly below `entropy_threshold`; always at least one position. The
     step quota n is not used: the entropy budget decides how many tokens a step reveals."""
-    ranked = sorted(candidates, key=lambda c: (c.entropy, c.position))
+    ranked = sorted(range(len(entropy)), key=entropy.__getitem__)  # stable: ties keep the lower position
     total, k = 0.0, 0
-    for c in ranked:
-        total += c.entropy
+    for i in ranked:
+        total += entropy[i]
         if total >= settings.entropy_threshold:
             break
         k += 1
     return ranked[: max(k, 1)]
 
 
-Rule = Callable[[list[Candidate], int, UnmaskingSettings], list[Candidate]]
+Rule = Callable[[list[float], list[float], int, UnmaskingSettings], list[int]]
 
 RULES: dict[str, Rule] = {
     "sequential": sequential,
@@ -87,8 +85,7 @@ RULES: dict[str, Rule] = {
 NEEDS_ENTROPY = frozenset({"entropy_bounded"})
 
 
-def choose_positions(candidates: list[Candidate], n: int, settings: UnmaskingSettings) -> list[int]:
-    """The positions to reveal this step, ascending."""
-    n = max(1, min(n, len(candidates)))
-    chosen = RULES[settings.strategy](candidates, n, settings)
-    return sorted(c.position for c in chosen)
+def choose_rows(confidence: list[float], entropy: list[float], n: int, settings: UnmaskingSettings) -> list[int]:
+    """The indices of the candidates to reveal this step, ascending."""
+    n = max(1, min(n, len(confidence)))
+    return sorted(RULES[settings.strategy](confidence, entropy, n, settings))
