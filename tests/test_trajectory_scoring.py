@@ -169,6 +169,24 @@ def test_batch_of_trajectories_shares_the_prompt_and_bounds_the_lm_head(models):
                       [lp[t] for lp, t in zip(out.logprobs, out.token_ids)], LOGGED_TOL)
 
 
+def test_one_trajectory_scores_in_two_forwards_with_the_automatic_cache_size(models):
+    """The automatic KV size leaves room for a forward full of views (their scratch pages), so even a
+    lone trajectory with dozens of steps runs as its context prefill plus one forward of views."""
+    path, _, _ = models["sdar"]
+    gen = GenerationConfig(max_new_tokens=64, ignore_eos=True, logprobs=0, return_dllm_replay=True,
+                           dllm_unmasking_strategy="sequential")
+    config = EngineConfig(max_model_len=256, max_batch_size=1, dllm_block_length=B, logprobs_mode="raw_logprobs")
+    with pipeline(path, config) as pipe:
+        out = pipe(_prompt(B + 1), gen)
+        pipe.engine.flush_cache()
+        before = pipe.engine.stats.forwards
+        scored = pipe(_prompt(B + 1), scoring_config(out, gen))
+        forwards = pipe.engine.stats.forwards - before
+    assert max(out.step_map) == 64 and forwards == 2, forwards
+    assert _close([lp[t] for lp, t in zip(scored.logprobs, scored.token_ids)],
+                  [lp[t] for lp, t in zip(out.logprobs, out.token_ids)], LOGGED_TOL)
+
+
 @pytest.mark.parametrize("page, pages", [(3, 256), (6, 256), (16, 256), (4, 12)])
 def test_page_layouts_and_scarce_pages(models, page, pages):
     """Blocks that start inside a KV page (the context part of the page copied into each view's scratch

@@ -111,13 +111,13 @@ class LLMEngine:
         model_path = resolve_model_path(model_path)
         self.spec = spec = load_model_spec(model_path)
         self.tokenizer = load_tokenizer(model_path)
-        self.config = config = config.model_copy(update={"max_model_len": resolve_max_model_len(config, spec)})
         self.is_dllm = spec.is_dllm
-        self.block_length: int | None = None
+        self.block_length = (config.dllm_block_length or spec.block_size or 4) if self.is_dllm else None
+        self.config = config = config.model_copy(update={"max_model_len": resolve_max_model_len(config, spec),
+                                                         "dllm_block_length": self.block_length})
         self.mask_id: int | None = None
         self.decoding: DecodingStrategy
         if self.is_dllm:
-            self.block_length = config.dllm_block_length or spec.block_size or 4
             self.mask_id = resolve_mask_token_id(spec, self.tokenizer, config)
             self.decoding = BlockDiffusionDecoding(self.block_length, self.mask_id, config.dllm_commit_fusion)
         else:

@@ -114,7 +114,20 @@ def num_kv_pages(spec: ModelSpec, config: EngineConfig, device: torch.device, dt
         budget = int(config.cpu_kv_cache_bytes * (1.0 if n is None else fraction))
     pages = budget // page_bytes(spec, config.kv_block_size, dtype, config.tp)
     max_useful = config.max_batch_size * -(-(config.max_model_len + 64) // config.kv_block_size)
+    if spec.is_dllm and config.dllm_block_length:
+        max_useful += trajectory_view_pages(config.dllm_block_length, config)
     return max(1, min(pages, max_useful))
+
+
+def trajectory_view_pages(block_length: int, config: EngineConfig) -> int:
+    """Scratch pages for one forward full of trajectory-scoring views: each view is a block's B rows
+    with private pages for its own copy of the block (one page when B divides the page size, else up
+    to one more than B needs), and a forward holds up to `max_prefill_token_num` rows of views.
+    Without them a few trajectories would share the pages left over by their contexts and score in
+    dozens of forwards instead of one or two."""
+    page = config.kv_block_size
+    per_view = -(-block_length // page) + (page % block_length != 0)
+    return config.max_prefill_token_num // block_length * per_view
 
 
 def log_softmax_(x: torch.Tensor) -> torch.Tensor:
