@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from engine import EngineConfig, GenerationConfig, pipeline
+from engine.heap import freeze_startup_heap
 from tools.tiny_checkpoint import DLLM_TEST_LOGIT_SCALE, write_tiny_checkpoint
 
 PROMPT_LEN = 16
@@ -83,6 +84,7 @@ def measure(path: Path, output_len: int, concurrency: int, stop_words: list[str]
                           max_batch_size=concurrency, dllm_block_length=4)
     with pipeline(str(path), config) as pipe:
         engine = pipe.engine
+        freeze_startup_heap()  # as a Serve engine replica does
         clock = engine.executor.execute = _ForwardClock(engine.executor.execute, device, sweep_bytes)
         gen = GenerationConfig(max_new_tokens=output_len, ignore_eos=True, stop_words=stop_words)
         for i in range(concurrency):

@@ -72,7 +72,8 @@ class EngineConfig(BaseModel):
     )
     overlap_schedule: bool = Field(
         False, description="overlap host and device: the host prepares one half of the running requests' next "
-        "step while the device runs the other half's (one GPU, CUDA; elsewhere the steps run one after the other)"
+        "step while the device runs the other half's (one GPU, CUDA; elsewhere the halves just run one after the "
+        "other)"
     )
     seed: int = Field(0, description="seed of the model's random init before loading (not of sampling)")
     dllm_mask_token_id: int | None = Field(

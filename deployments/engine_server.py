@@ -42,6 +42,7 @@ from deployments.wire import EngineRequest
 from engine.async_engine import AsyncEngine
 from engine.carrier import OutputChunk, Response
 from engine.errors import EngineDeadError, EngineHeldError, RequestError
+from engine.heap import freeze_startup_heap
 from engine.worker.update_group import WEIGHT_OP_TIMEOUT_S
 from engine.worker.weight_sources import WeightSource, broadcast_source, disk_source, tensor_source
 
@@ -104,6 +105,7 @@ class EngineServer:
                                         worker_options=tp_worker_options or None)
         self.engine = AsyncEngine(model, config, factory, stall_timeout_s=stall_timeout_s,
                                   hold_timeout_s=hold_timeout_s)
+        freeze_startup_heap()  # this replica's process is the engine's own
         self.model_path = model
         self.replica = _replica_id()
         self.debug_hooks = debug_hooks

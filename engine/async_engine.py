@@ -130,13 +130,14 @@ class AsyncEngine(RLControlMixin):
             except queue.Empty:
                 return
 
-    @staticmethod
-    def _execute(fn: Callable[[], Any], fut: concurrent.futures.Future) -> None:
+    def _execute(self, fn: Callable[[], Any], fut: concurrent.futures.Future) -> None:
         if fut.set_running_or_notify_cancel():  # False: the caller was cancelled first; skip it
             try:
                 fut.set_result(fn())
             except BaseException as e:  # noqa: BLE001 - handed to the caller
                 fut.set_exception(e)
+        for chunk in self.engine.take_ready():  # forwards in flight the command applied (overlap schedule)
+            self._deliver(chunk)
 
     def _run_waiting_updates(self) -> None:
         """Once no request is in flight (or generation stopped), run the updates that waited, in

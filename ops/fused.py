@@ -75,6 +75,8 @@ class _CompiledOrEager:
                     torch._dynamo.mark_dynamic(a, 0)
             try:
                 return self.compiled(*args)
+            except torch.OutOfMemoryError:  # the device's state, not the compiler's: eager would not help
+                raise
             except Exception as e:  # whatever compiling raised; an error of the inputs' own recurs eagerly
                 self.fallback.eager = True
                 log.warning("the compiled elementwise function %s failed (%s: %s); the model's elementwise "

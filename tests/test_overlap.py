@@ -3,7 +3,9 @@ the host's work overlaps the device's (on the CPU the forward has finished by th
 and the bookkeeping are the same). Outputs must be those of the plain schedule -- tokens, step maps,
 texts, finish reasons and logprob token ids exactly, logprob values to 1e-4 -- for greedy and seeded
 sampling, block diffusion and AR, chunked prefills, stops, preemption under a small KV cache,
-requests aborted while their forward is in flight, and retraction mid-run."""
+requests aborted while their forward is in flight, and retraction mid-run. And the schedule's own
+rules: an abort returns the final chunk of a request that finished in the forward it applied; a
+backlog keeps half the batch per forward; the newest request gives way first under page pressure."""
 
 from __future__ import annotations
 
@@ -165,3 +167,57 @@ def test_abort_in_flight_and_retract_mid_run(model):
             assert g.step_map == (w.step_map[: len(g.token_ids)] if dllm else None)
         else:
             assert_same([g], [w])
+
+
+def test_aborting_everything_returns_a_final_chunk_for_requests_that_finished_meanwhile(ar_ckpt):
+    """Aborting one request applies the forward in flight, in which another request may finish: the
+    abort of that one (an abort-all walks every request) returns its final chunk, nothing is left
+    for a later step (a paused engine runs none)."""
+    lengths = [30, 30, 3, 3]
+    with pipeline(ar_ckpt, config(True, False)) as pipe:
+        engine = pipe.engine
+        rids = [engine.add_request(prompt(5, 90 + i), GenerationConfig(max_new_tokens=n, ignore_eos=True))
+                for i, n in enumerate(lengths)]
+        finishing = []
+        for _ in range(40):
+            engine.step()
+            finishing = [it.seq.request_id for fwd in engine._in_flight for it in fwd.items
+                         if it.seq.params.max_new_tokens == 3 and it.seq.stop.num_consumed == 2]
+            if finishing:
+                break
+        assert finishing, "a short request's last token must be in flight at some step"
+        chunks = {rid: engine.abort(rid) for rid in list(engine.seqs)}
+        assert engine.take_ready() == [] and not engine.has_unfinished()
+    for rid in finishing:
+        assert chunks[rid] is not None and chunks[rid].finish_reason == "length"
+    assert all(c is not None and c.finished for c in chunks.values()), chunks
+
+
+def test_a_backlog_keeps_half_the_batch_per_forward(ar_ckpt):
+    """With more requests waiting than the batch holds, each forward still takes half of the batch, so
+    launching one half and applying the other keep alternating."""
+    sizes = []
+    with pipeline(ar_ckpt, config(True, False, max_batch_size=4)) as pipe:
+        real = pipe.engine.executor.execute
+        pipe.engine.executor.execute = lambda batch: sizes.append(len(batch.q_lens)) or real(batch)
+        run(pipe.engine, [prompt(4, 100 + i) for i in range(12)],
+            [GenerationConfig(max_new_tokens=8, ignore_eos=True)] * 12)
+    assert max(sizes) == 2
+
+
+def test_a_request_in_flight_gives_way_before_an_older_one_is_preempted(ar_ckpt):
+    """Newest first, as without overlap: an older request short of pages waits for the newer one's
+    forward to land instead of preempting itself."""
+    preempted = []
+    with pipeline(ar_ckpt, config(True, False, num_kv_blocks=14)) as pipe:
+        scheduler = pipe.engine.scheduler
+        real = scheduler._preempt
+
+        def record(seq):
+            preempted.append((seq.request_id, [s.request_id for s in scheduler.running if s.arrival > seq.arrival]))
+            real(seq)
+
+        scheduler._preempt = record
+        run(pipe.engine, [prompt(4, 110 + i) for i in range(2)],
+            [GenerationConfig(max_new_tokens=40, ignore_eos=True)] * 2)
+    assert preempted and all(not newer for _, newer in preempted), preempted

@@ -2,7 +2,8 @@
 
 request -> scheduler -> batch -> runner (model) -> sampler -> decoding strategy -> stop rule ->
 output builder (carrier). `step()` runs one forward for the scheduled batch and returns the
-OutputChunks it made. The engine only orchestrates: what to feed and how to advance is the decoding
+OutputChunks it made (with `overlap_schedule`: launches one half's forward, then applies the other
+half's, which the device ran meanwhile). The engine only orchestrates: what to feed and how to advance is the decoding
 strategy's (`engine.core.decoding`), where an output ends is the stop rule's (`engine.core.stopping`),
 batch layout and scoring rows live in `engine.core.batch` / `engine.core.scoring`.
 
@@ -13,8 +14,6 @@ in the batch); only the request(s) that still fail end, with an error naming the
 
 from __future__ import annotations
 
-import atexit
-import gc
 import itertools
 import logging
 import secrets
@@ -30,7 +29,7 @@ from engine.core.decoding.unmasking import UnmaskingSettings
 from engine.core.input_processing import ModelLimits, process_input
 from engine.core.model_settings import EngineStats, resolve_mask_token_id, resolve_max_model_len
 from engine.core.output_builder import OutputBuilder
-from engine.core.sampler import Picked, PickedOnHost, RowGroup, logprob_entries, pick_tokens
+from engine.core.sampler import Picked, PickedOnHost, RowGroup, logprob_entries, logprob_values, pick_tokens
 from engine.core.scheduler import ScheduledSeq, Scheduler
 from engine.core.scoring import take_score_rows
 from engine.core.sequence import SeqStatus, Sequence
@@ -55,20 +54,6 @@ _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalt
                     "dllm_confidence_threshold", "dllm_entropy_threshold")
 
 
-def _freeze_startup_heap() -> None:
-    """Exempt everything alive now from the cyclic garbage collector. The startup heap (torch, the
-    model, the tokenizer: some 400k objects) lives as long as the engine; left in the collector's
-    oldest generation it is re-scanned over and over as the step loop allocates, about a fifth of a
-    CPU step. What an earlier engine of this process left is collected first; `shutdown` and the
-    interpreter's exit unfreeze again, so that a finished engine's cycles are still freed (and
-    extension modules do not report them as leaks)."""
-    gc.unfreeze()
-    gc.collect()
-    gc.freeze()
-    atexit.unregister(gc.unfreeze)  # once, however many engines a process starts
-    atexit.register(gc.unfreeze)
-
-
 @dataclass
 class _Launched:
     """A forward and its sampling, queued on the device (on the CPU: done); nothing read back yet."""
@@ -81,7 +66,6 @@ class _Launched:
     on_host: PickedOnHost | None = None
     ks: list[int | None] = field(default_factory=list)  # per sampled row: the logprobs asked for
     any_logprobs: bool = False
-    processed: bool = False  # logprob entries come from the processed logits
 
 
 @dataclass
@@ -96,7 +80,7 @@ class _Forward:
 
 
 def _merged(chunks: list[OutputChunk]) -> OutputChunk:
-    """One chunk carrying the consecutive deltas `chunks` of one request."""
+    """One chunk carrying the consecutive deltas `chunks` (at least one) of one request."""
     if len(chunks) == 1:
         return chunks[0]
     fields = asdict(Response.from_chunks(chunks))
@@ -138,7 +122,6 @@ class LLMEngine:
         # the chunks that applying one early made, returned by the next step
         self._in_flight: deque[_Launched] = deque()
         self._ready: list[OutputChunk] = []
-        _freeze_startup_heap()
 
     # ---- requests ----------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: GenerationConfig | None = None,
@@ -205,17 +188,16 @@ class LLMEngine:
 
     def _finish_now(self, request_id: str, reason: str, message: str | None = None) -> OutputChunk | None:
         """End a request now. A request in a forward in flight first gets that forward's results; its
-        chunks that no step returned yet come back here, merged with its final one."""
-        if request_id not in self.seqs:
-            return None
+        chunks that no step returned yet come back here, merged with its final one (or alone, when
+        the request finished in a forward applied early)."""
         if any(it.seq.request_id == request_id for fwd in self._in_flight for it in fwd.items):
             self._land_all()
         earlier = [c for c in self._ready if c.request_id == request_id]
         if earlier:
             self._ready = [c for c in self._ready if c.request_id != request_id]
         seq = self.seqs.get(request_id)
-        if seq is None:  # it finished in the forward that was in flight
-            return _merged(earlier)
+        if seq is None:  # unknown, or it finished in a forward applied early
+            return _merged(earlier) if earlier else None
         seq.finish_reason = reason
         chunk = self.outputs[request_id].build(True, self.weight_version)
         chunk.error = message
@@ -230,6 +212,12 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return bool(self.seqs or self._ready)
+
+    def take_ready(self) -> list[OutputChunk]:
+        """The chunks made by applying forwards in flight outside a step (an abort, a retraction, a
+        memory release or a weight update applies them first); `step` returns them too."""
+        chunks, self._ready = self._ready, []
+        return chunks
 
     def flush_cache(self) -> None:
         """Drop the prefix cache (requests in flight keep their own pages)."""
@@ -257,7 +245,6 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
-        gc.unfreeze()  # what this engine held is collectable again (see _freeze_startup_heap)
 
     # ---- memory and the trainer's update group, on every rank ---------------------------------
     def release_memory(self, tags: list[str]) -> None:
@@ -336,7 +323,7 @@ class LLMEngine:
         applies the previous step's forward, which ran on the device meanwhile. The requests of a
         forward in flight are not scheduled (nor preempted) until it is applied."""
         t0 = time.perf_counter()
-        chunks, self._ready = self._ready, []
+        chunks = self.take_ready()
         worked = self._overlapped_step(chunks) if self.config.overlap_schedule else self._plain_step(chunks)
         if worked:
             self.stats.steps += 1
@@ -360,7 +347,7 @@ class LLMEngine:
 
     def _overlapped_step(self, chunks: list[OutputChunk]) -> bool:
         busy = {it.seq.request_id for fwd in self._in_flight for it in fwd.items}
-        items = self.scheduler.schedule(busy, max_seqs=(len(self.seqs) + 1) // 2)
+        items = self.scheduler.schedule(busy, max_seqs=(min(len(self.seqs), self.config.max_batch_size) + 1) // 2)
         launched = None
         if items:
             try:
@@ -369,12 +356,12 @@ class LLMEngine:
                 if getattr(e, "fatal", False):
                     raise
                 chunks += self._isolate(items, e)
-        landed = bool(self._in_flight)
-        if landed:
-            chunks += self._land(self._in_flight.popleft())
-        if launched is not None:
+        previous = self._in_flight.popleft() if self._in_flight else None
+        if launched is not None:  # in flight before the previous one lands, so a failure there cannot lose it
             self._in_flight.append(launched)
-        return bool(items) or landed
+        if previous is not None:
+            chunks += self._land(previous)
+        return bool(items) or previous is not None
 
     def _land(self, launched: _Launched) -> list[OutputChunk]:
         """Read a launched forward's picks back and apply them."""
@@ -455,8 +442,13 @@ class LLMEngine:
         processed = any_logprobs and self.config.logprobs_mode in ("processed_logprobs", "processed_logits")
         fwd.picked = pick_tokens(fwd.result.logits, groups, self.decoding.needs_confidence,
                                  overwrite=not any_logprobs, keep_processed=processed)
-        fwd.on_host = PickedOnHost(fwd.picked)
-        fwd.ks, fwd.any_logprobs, fwd.processed = ks, any_logprobs, processed
+        logprobs = None
+        if any_logprobs:  # computed on the device for every row, read back with the picks
+            values = fwd.picked.processed if processed else fwd.result.logits
+            logprobs = logprob_values(values, fwd.picked.tokens, max(k for k in ks if k is not None),
+                                      self.config.logprobs_mode)
+        fwd.on_host = PickedOnHost(fwd.picked, logprobs)
+        fwd.ks, fwd.any_logprobs = ks, any_logprobs
 
     def _read(self, fwd: _Launched) -> _Forward:
         """Wait for the picks on the host and cut them per sequence."""
@@ -466,8 +458,7 @@ class LLMEngine:
         tokens, confidence, entropy = fwd.on_host.lists()
         entries: list[dict | None] = [None] * len(tokens)
         if fwd.any_logprobs:
-            values = fwd.picked.processed if fwd.processed else fwd.result.logits
-            entries = logprob_entries(values, tokens, fwd.ks, self.config.logprobs_mode)
+            entries = logprob_entries(tokens, fwd.ks, *fwd.on_host.logprob_lists())
         out = []
         for sl in fwd.slices:
             first, end = sl.first, sl.first + len(sl.positions)

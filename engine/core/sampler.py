@@ -71,12 +71,14 @@ class Picked:
 
 
 class PickedOnHost:
-    """The tokens, confidences and entropies of a `Picked` on their way to the host. On CUDA the
-    copies are queued behind the sampler's kernels (non-blocking, into pinned memory) with an event,
-    so the host can go on while the device computes; `lists()` waits for that event only."""
+    """The tokens, confidences and entropies of a `Picked` -- and, when asked, the logprob values of
+    `logprob_values` -- on their way to the host. On CUDA the copies are queued behind the sampler's
+    kernels (non-blocking, into pinned memory) with an event, so the host can go on while the device
+    computes; reading them waits for that event only."""
 
-    def __init__(self, picked: Picked):
-        tensors = (picked.tokens, picked.confidence, picked.entropy)
+    def __init__(self, picked: Picked, logprobs: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
+                 | None = None):
+        tensors = (picked.tokens, picked.confidence, picked.entropy, *(logprobs or (None, None, None)))
         self._event = None
         if picked.tokens.device.type == "cuda":
             tensors = tuple(None if t is None else t.to("cpu", non_blocking=True) for t in tensors)
@@ -84,13 +86,21 @@ class PickedOnHost:
             self._event.record()
         self._tensors = tensors
 
-    def lists(self) -> tuple[list[int], list[float], list[float] | None]:
-        """(tokens, confidences (empty when not computed), entropies or None), as Python lists."""
+    def _lists(self) -> list[list | None]:
         if self._event is not None:
             self._event.synchronize()
-        tokens, confidence, ent = self._tensors
-        return (tokens.tolist(), confidence.tolist() if confidence is not None else [],
-                ent.tolist() if ent is not None else None)
+            self._event = None
+        return [t.tolist() if t is not None else None for t in self._tensors]
+
+    def lists(self) -> tuple[list[int], list[float], list[float] | None]:
+        """(tokens, confidences (empty when not computed), entropies or None), as Python lists."""
+        tokens, confidence, ent = self._lists()[:3]
+        return tokens, confidence if confidence is not None else [], ent
+
+    def logprob_lists(self) -> tuple[list[float], list[list[float]] | None, list[list[int]] | None]:
+        """(value of each row's chosen token, top-k values, top-k ids) as Python lists."""
+        chosen_v, top_v, top_i = self._lists()[3:]
+        return chosen_v, top_v, top_i
 
 
 def entropy(probs: torch.Tensor) -> torch.Tensor:
@@ -302,25 +312,17 @@ def logprob_values(values: torch.Tensor, chosen: torch.Tensor, k: int, mode: str
     return chosen_v, top_v, top_i
 
 
-def logprob_entries(values: torch.Tensor, chosen: list[int], ks: list[int | None], mode: str | None
-                    ) -> list[dict[int, float] | None]:
-    """Per row: None when not requested, else {chosen: value, top-1: value, ...}."""
-    wanted = [i for i, k in enumerate(ks) if k is not None]
+def logprob_entries(chosen: list[int], ks: list[int | None], chosen_v: list[float],
+                    top_v: list[list[float]] | None, top_i: list[list[int]] | None) -> list[dict[int, float] | None]:
+    """Per row: None when not requested, else {chosen: value, top-1: value, ...}, from the lists of
+    `logprob_values` computed for every row (top-k with the largest k any row asked for)."""
     out: list[dict[int, float] | None] = [None] * len(chosen)
-    if not wanted:
-        return out
-    index = torch.tensor(wanted, device=values.device)
-    picked = torch.tensor([chosen[i] for i in wanted], device=values.device)
-    kmax = max(ks[i] for i in wanted)
-    chosen_v, top_v, top_i = logprob_values(values[index], picked, kmax, mode)
-    chosen_v = chosen_v.tolist()
-    top_v = top_v.tolist() if top_v is not None else None
-    top_i = top_i.tolist() if top_i is not None else None
-    for j, i in enumerate(wanted):
-        entry = {chosen[i]: chosen_v[j]}
-        k = ks[i]
+    for i, k in enumerate(ks):
+        if k is None:
+            continue
+        entry = {chosen[i]: chosen_v[i]}
         if k:
-            for v, t in zip(top_v[j][:k], top_i[j][:k]):
+            for v, t in zip(top_v[i][:k], top_i[i][:k]):
                 entry.setdefault(t, v)
         out[i] = entry
     return out

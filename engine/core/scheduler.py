@@ -187,16 +187,22 @@ class Scheduler:
     def _make_room(self, seq: Sequence, scheduled: list[ScheduledSeq], admitting: bool,
                    fits: Callable[[], bool]) -> bool:
         """Call `fits` (which takes the pages `seq` needs) until it succeeds, preempting the newest
-        running sequence not yet in this step each time it fails (`seq` itself when none is left).
-        False when `seq` cannot run this step; a sequence being admitted preempts nobody."""
+        running sequence not yet in this step each time it fails (`seq` itself when none is left,
+        unless a newer one is in a forward in flight: that one gives way once it is applied, so `seq`
+        keeps its pages and waits a step). False when `seq` cannot run this step; a sequence being
+        admitted preempts nobody."""
         while not fits():
             if admitting:
                 return False
-            busy = self._busy | {s.seq.request_id for s in scheduled}
-            victims = [s for s in self.running if s.request_id not in busy and s is not seq]
-            self._preempt(victims[-1] if victims else seq)
-            if not victims:
-                return False
+            taken = self._busy | {s.seq.request_id for s in scheduled}
+            victims = [s for s in self.running if s.request_id not in taken and s is not seq]
+            if victims:
+                self._preempt(victims[-1])
+                continue
+            newer = self.running[self.running.index(seq) + 1:]
+            if not any(s.request_id in self._busy for s in newer):
+                self._preempt(seq)
+            return False
         return True
 
     def retract_all(self) -> int:

@@ -84,8 +84,14 @@ def build_model(spec: ModelSpec, device: torch.device, dtype: torch.dtype, tp: T
 
 def return_freed_memory(device: torch.device) -> None:
     """Hand freed memory back: CUDA's cached blocks, and on CPU glibc's free heap pages (large
-    tensors are mmap'ed and go back on free; smaller ones may sit in malloc arenas until trimmed)."""
+    tensors are mmap'ed and go back on free; smaller ones may sit in malloc arenas until trimmed).
+    A heap frozen by engine.heap.freeze_startup_heap is collected too, then frozen again."""
+    frozen = gc.get_freeze_count() > 0
+    if frozen:
+        gc.unfreeze()
     gc.collect()
+    if frozen:
+        gc.freeze()
     if device.type == "cuda":
         torch.cuda.empty_cache()
         return
@@ -121,12 +127,13 @@ def num_kv_pages(spec: ModelSpec, config: EngineConfig, device: torch.device, dt
 
 def trajectory_view_pages(block_length: int, config: EngineConfig) -> int:
     """Scratch pages for one forward full of trajectory-scoring views: each view is a block's B rows
-    with private pages for its own copy of the block (one page when B divides the page size, else up
-    to one more than B needs), and a forward holds up to `max_prefill_token_num` rows of views.
+    with private pages for its own copy of the block (blocks start at multiples of B, so a block
+    spans exactly the pages B needs when B and the page size divide one another, else at most one
+    more), and a forward holds up to `max_prefill_token_num` rows of views.
     Without them a few trajectories would share the pages left over by their contexts and score in
     dozens of forwards instead of one or two."""
     page = config.kv_block_size
-    per_view = -(-block_length // page) + (page % block_length != 0)
+    per_view = -(-block_length // page) + (page % block_length != 0 and block_length % page != 0)
     return config.max_prefill_token_num // block_length * per_view
 
 

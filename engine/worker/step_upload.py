@@ -5,8 +5,8 @@ attention backend's planned arrays) is packed on the host into one int64 tensor 
 On CUDA the host side is a persistent pinned buffer and the copy is non-blocking into a persistent
 device buffer, so the host goes on to queue the forward while the copy runs; the arrays are views
 of that device buffer. Before the pinned buffer is written again, the host waits for the event
-recorded after the previous copy (the copy has long finished by then: the previous step's results
-were read back after it).
+recorded after the previous copy (it has long finished by then: it ran at the start of the
+previous forward, which the overlap schedule may still be running).
 """
 
 from __future__ import annotations
