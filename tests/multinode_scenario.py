@@ -141,10 +141,13 @@ def _freeze_with_work_on_every_replica(handle, ended: dict[int, float], total: i
         if all(s["running"] > 0 for s in handle.engine_stats.remote().result()):
             paused = handle.pause_generation.remote({"mode": "in_place"}).result()
             assert paused["success"], paused
-            settle = time.monotonic() + 3  # the last chunks of requests that just finished reach their clients
-            while time.monotonic() < settle:
+            # Paused, nothing finishes: what each replica holds only grows (late arrivals) and the last
+            # chunks of requests that finished before the pause reach their clients, however slowly.
+            while time.monotonic() < deadline:
                 held = {s["replica"]: s["running"] + s["waiting"] for s in handle.engine_stats.remote().result()}
-                if all(held.values()) and sum(held.values()) + len(ended) == total:
+                if not all(held.values()):
+                    break  # a replica emptied before the pause: resume and catch a better moment
+                if sum(held.values()) + len(ended) == total:
                     return held
                 time.sleep(0.2)
             handle.continue_generation.remote().result()
