@@ -68,7 +68,7 @@ class _CompiledOrEager:
         self.fn, self.fallback = fn, fallback
         self.compiled = torch.compile(fn, fullgraph=True, options={"emulate_precision_casts": True})
 
-    def __call__(self, *args):
+    def __call__(self, *args: torch.Tensor | float) -> torch.Tensor | tuple[torch.Tensor, ...]:
         if not self.fallback.eager:
             for a in args:
                 if isinstance(a, torch.Tensor) and a.dim() > 1:

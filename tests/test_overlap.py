@@ -190,7 +190,7 @@ def test_aborting_everything_returns_a_final_chunk_for_requests_that_finished_me
         assert engine.take_ready() == [] and not engine.has_unfinished()
     for rid in finishing:
         assert chunks[rid] is not None and chunks[rid].finish_reason == "length"
-    assert all(c is not None and c.finished for c in chunks.values()), chunks
+    assert set(chunks) == set(rids) and all(c is not None and c.finished for c in chunks.values()), chunks
 
 
 def test_a_backlog_keeps_half_the_batch_per_forward(ar_ckpt):

@@ -19,7 +19,9 @@ import logging
 import secrets
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from typing import TypeVar
 
 from configs import EngineConfig, GenerationConfig
 from engine.carrier import OutputChunk, Response
@@ -47,6 +49,7 @@ from engine.worker.update_group import GROUP_JOIN_TIMEOUT_S, WEIGHT_OP_TIMEOUT_S
 from engine.worker.weight_sources import DiskWeights, WeightSource, check_same_architecture
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # Request fields that shape the sampling distribution (named when a request's step fails).
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "do_sample", "random_seed",
@@ -335,14 +338,8 @@ class LLMEngine:
         items = self.scheduler.schedule()
         if not items:
             return False
-        try:
-            fwd = self._forward(items)
-        except Exception as e:  # noqa: BLE001 - isolated below; a fatal executor error goes up
-            if getattr(e, "fatal", False):
-                raise
-            chunks += self._isolate(items, e)
-        else:
-            chunks += self._apply(fwd)
+        fwd, failed = self._guarded(items, lambda: self._forward(items))
+        chunks += failed if fwd is None else self._apply(fwd)
         return True
 
     def _overlapped_step(self, chunks: list[OutputChunk]) -> bool:
@@ -350,12 +347,8 @@ class LLMEngine:
         items = self.scheduler.schedule(busy, max_seqs=(min(len(self.seqs), self.config.max_batch_size) + 1) // 2)
         launched = None
         if items:
-            try:
-                launched = self._launch(items)
-            except Exception as e:  # noqa: BLE001 - isolated below; a fatal executor error goes up
-                if getattr(e, "fatal", False):
-                    raise
-                chunks += self._isolate(items, e)
+            launched, failed = self._guarded(items, lambda: self._launch(items))
+            chunks += failed
         previous = self._in_flight.popleft() if self._in_flight else None
         if launched is not None:  # in flight before the previous one lands, so a failure there cannot lose it
             self._in_flight.append(launched)
@@ -365,13 +358,18 @@ class LLMEngine:
 
     def _land(self, launched: _Launched) -> list[OutputChunk]:
         """Read a launched forward's picks back and apply them."""
+        fwd, failed = self._guarded(launched.items, lambda: self._read(launched))
+        return failed if fwd is None else self._apply(fwd)
+
+    def _guarded(self, items: list[ScheduledSeq], run: Callable[[], T]) -> tuple[T | None, list[OutputChunk]]:
+        """(run(), []); when it raises, (None, the chunks of re-running `items` one by one). A fatal
+        executor error goes up."""
         try:
-            fwd = self._read(launched)
-        except Exception as e:  # noqa: BLE001 - isolated below; a fatal executor error goes up
+            return run(), []
+        except Exception as e:  # noqa: BLE001 - isolated: see _isolate
             if getattr(e, "fatal", False):
                 raise
-            return self._isolate(launched.items, e)
-        return self._apply(fwd)
+            return None, self._isolate(items, e)
 
     def _land_all(self) -> None:
         """Apply every forward in flight now, before something changes what they ran on (weights, KV
