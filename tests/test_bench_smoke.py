@@ -1,7 +1,7 @@
 """Every bench entry point run at toy size, so none can rot: `python -m bench` (its in-process parts in
 a subprocess as a user runs it, `bench.memory` among them; its Ray Serve part on this session's
 cluster), `bench.overhead`, `bench.moe`, `bench.weight_sync`, `bench.prefix_routing`, `bench.load`,
-`bench.outputs`.
+`bench.outputs`, `bench.fused_elementwise`.
 bench.gpu_check's CPU-side parts are tests/test_gpu_check.py's, bench.trajectory_scoring's
 tests/test_trajectory_scoring.py's. The figures of a toy run mean nothing; what is checked is that
 each part runs to the end and that its own cross-checks (outputs equal to the baselines') hold."""
@@ -22,7 +22,7 @@ from bench.plan import plan
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKED_HERE = {"bench", "bench.memory", "bench.overhead", "bench.moe", "bench.weight_sync", "bench.prefix_routing",
-               "bench.load", "bench.outputs"}
+               "bench.load", "bench.outputs", "bench.fused_elementwise"}
 SMOKED_ELSEWHERE = {"bench.gpu_check": "test_gpu_check.py", "bench.trajectory_scoring": "test_trajectory_scoring.py"}
 
 
@@ -106,6 +106,12 @@ def test_overhead():
         assert set(r[paradigm]["runs"]) == {"8", "160", "8+sweep"}
         assert r[paradigm]["runs"]["160"]["python_calls_per_seq_step_at_step"]
         assert r[paradigm]["ratio_long_vs_short"] > 0
+
+
+def test_fused_elementwise():
+    r = _run_module("bench.fused_elementwise", "--toy")
+    assert not r["fell_back_to_eager"] and set(r["tokens"]) == {"1", "16"}
+    assert all(row["max_abs_diff"] < 1e-5 and row["speedup"] > 0 for row in r["tokens"].values()), r
 
 
 def test_moe():
