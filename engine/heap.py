@@ -8,7 +8,7 @@ import gc
 
 def freeze_startup_heap() -> None:
     """Collect, then exempt everything alive now from Python's cyclic garbage collector (`gc.freeze`,
-    as vLLM's and SGLang's engine processes do). The heap a replica starts with -- torch, the model,
+    as vLLM's engine core process does). The heap a replica starts with -- torch, the model,
     the tokenizer: some 400k objects -- lives as long as the process; left in the collector's oldest
     generation it is re-scanned over and over as the step loop allocates, about a fifth of the host
     time of a step. Only for a process the engine owns (a Serve engine replica, a benchmark):
