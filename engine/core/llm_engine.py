@@ -31,7 +31,7 @@ from engine.core.decoding.unmasking import UnmaskingSettings
 from engine.core.input_processing import ModelLimits, process_input
 from engine.core.model_settings import EngineStats, resolve_mask_token_id, resolve_max_model_len
 from engine.core.output_builder import OutputBuilder
-from engine.core.sampler import Picked, PickedOnHost, RowGroup, logprob_entries, logprob_values, pick_tokens
+from engine.core.sampler import PickedOnHost, RowGroup, logprob_entries, logprob_values, pick_tokens
 from engine.core.scheduler import ScheduledSeq, Scheduler
 from engine.core.scoring import take_score_rows
 from engine.core.sequence import SeqStatus, Sequence
@@ -58,28 +58,17 @@ _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalt
 
 
 @dataclass
-class _Launched:
-    """A forward and its sampling, queued on the device (on the CPU: done); nothing read back yet."""
-
-    items: list[ScheduledSeq]
-    batch: ForwardBatch
-    result: ForwardOutput
-    slices: list[SampleSlice]
-    picked: Picked | None = None  # None when no sequence samples in this forward
-    on_host: PickedOnHost | None = None
-    ks: list[int | None] = field(default_factory=list)  # per sampled row: the logprobs asked for
-    any_logprobs: bool = False
-
-
-@dataclass
 class _Forward:
-    """One forward and what the sampler made of it, before anything is applied to the sequences."""
+    """One forward and its sampling: queued on the device by `_launch` (on the CPU: done), its picks
+    read back per sequence into `rows` by `_read`; nothing is applied to the sequences until `_apply`."""
 
     items: list[ScheduledSeq]
     batch: ForwardBatch
     result: ForwardOutput
     slices: list[SampleSlice]
-    picked: list[PickedRows]
+    on_host: PickedOnHost | None = None  # None when no sequence samples in this forward
+    ks: list[int | None] = field(default_factory=list)  # per sampled row: the logprobs asked for
+    rows: list[PickedRows] = field(default_factory=list)  # per slice, once read back
 
 
 def _merged(chunks: list[OutputChunk]) -> OutputChunk:
@@ -123,7 +112,7 @@ class LLMEngine:
         self._ids = itertools.count()
         # overlap_schedule: forwards launched and not applied yet (at most one between steps), and
         # the chunks that applying one early made, returned by the next step
-        self._in_flight: deque[_Launched] = deque()
+        self._in_flight: deque[_Forward] = deque()
         self._ready: list[OutputChunk] = []
 
     # ---- requests ----------------------------------------------------------------------------
@@ -193,7 +182,7 @@ class LLMEngine:
         """End a request now. A request in a forward in flight first gets that forward's results; its
         chunks that no step returned yet come back here, merged with its final one (or alone, when
         the request finished in a forward applied early)."""
-        if any(it.seq.request_id == request_id for fwd in self._in_flight for it in fwd.items):
+        if request_id in self._in_flight_ids():
             self._land_all()
         earlier = [c for c in self._ready if c.request_id == request_id]
         if earlier:
@@ -343,8 +332,8 @@ class LLMEngine:
         return True
 
     def _overlapped_step(self, chunks: list[OutputChunk]) -> bool:
-        busy = {it.seq.request_id for fwd in self._in_flight for it in fwd.items}
-        items = self.scheduler.schedule(busy, max_seqs=(min(len(self.seqs), self.config.max_batch_size) + 1) // 2)
+        half = (min(len(self.seqs), self.config.max_batch_size) + 1) // 2
+        items = self.scheduler.schedule(self._in_flight_ids(), max_seqs=half)
         launched = None
         if items:
             launched, failed = self._guarded(items, lambda: self._launch(items))
@@ -356,7 +345,11 @@ class LLMEngine:
             chunks += self._land(previous)
         return bool(items) or previous is not None
 
-    def _land(self, launched: _Launched) -> list[OutputChunk]:
+    def _in_flight_ids(self) -> set[str]:
+        """The requests of the forwards launched and not applied yet."""
+        return {it.seq.request_id for fwd in self._in_flight for it in fwd.items}
+
+    def _land(self, launched: _Forward) -> list[OutputChunk]:
         """Read a launched forward's picks back and apply them."""
         fwd, failed = self._guarded(launched.items, lambda: self._read(launched))
         return failed if fwd is None else self._apply(fwd)
@@ -412,7 +405,7 @@ class LLMEngine:
         """Run the model and the sampler; nothing is applied to the sequences yet."""
         return self._read(self._launch(items))
 
-    def _launch(self, items: list[ScheduledSeq]) -> _Launched:
+    def _launch(self, items: list[ScheduledSeq]) -> _Forward:
         """Queue the forward and the sampling; on CUDA nothing here waits for the device (but a
         forward that scores input tokens reads its rows back)."""
         batch, slices = build_batch(items, self.decoding, self.config.kv_block_size)
@@ -420,12 +413,12 @@ class LLMEngine:
         result = self.executor.execute(batch)
         self.stats.forward_seconds += time.perf_counter() - t
         self.stats.forwards += 1
-        launched = _Launched(items, batch, result, slices)
+        launched = _Forward(items, batch, result, slices)
         if slices:
             self._pick(launched)
         return launched
 
-    def _pick(self, fwd: _Launched) -> None:
+    def _pick(self, fwd: _Forward) -> None:
         """Queue the sampler on the forward's logits, and the copy of its picks to the host."""
         groups, ks = [], []
         any_logprobs = False
@@ -438,31 +431,29 @@ class LLMEngine:
             ks += [params.logprobs] * n
             any_logprobs = any_logprobs or params.logprobs is not None
         processed = any_logprobs and self.config.logprobs_mode in ("processed_logprobs", "processed_logits")
-        fwd.picked = pick_tokens(fwd.result.logits, groups, self.decoding.needs_confidence,
-                                 overwrite=not any_logprobs, keep_processed=processed)
+        picked = pick_tokens(fwd.result.logits, groups, self.decoding.needs_confidence,
+                             overwrite=not any_logprobs, keep_processed=processed)
         logprobs = None
         if any_logprobs:  # computed on the device for every row, read back with the picks
-            values = fwd.picked.processed if processed else fwd.result.logits
-            logprobs = logprob_values(values, fwd.picked.tokens, max(k for k in ks if k is not None),
+            values = picked.processed if processed else fwd.result.logits
+            logprobs = logprob_values(values, picked.tokens, max(k for k in ks if k is not None),
                                       self.config.logprobs_mode)
-        fwd.on_host = PickedOnHost(fwd.picked, logprobs)
-        fwd.ks, fwd.any_logprobs = ks, any_logprobs
+        fwd.on_host, fwd.ks = PickedOnHost(picked, logprobs), ks
 
-    def _read(self, fwd: _Launched) -> _Forward:
+    def _read(self, fwd: _Forward) -> _Forward:
         """Wait for the picks on the host and cut them per sequence."""
-        return _Forward(fwd.items, fwd.batch, fwd.result, fwd.slices, self._picked_rows(fwd) if fwd.slices else [])
-
-    def _picked_rows(self, fwd: _Launched) -> list[PickedRows]:
+        if fwd.on_host is None:
+            return fwd
         tokens, confidence, entropy = fwd.on_host.lists()
+        chosen_v, top_v, top_i = fwd.on_host.logprob_lists()
         entries: list[dict | None] = [None] * len(tokens)
-        if fwd.any_logprobs:
-            entries = logprob_entries(tokens, fwd.ks, *fwd.on_host.logprob_lists())
-        out = []
+        if chosen_v is not None:
+            entries = logprob_entries(tokens, fwd.ks, chosen_v, top_v, top_i)
         for sl in fwd.slices:
             first, end = sl.first, sl.first + len(sl.positions)
-            out.append(PickedRows(sl.positions, tokens[first:end], confidence[first:end],
-                                  entropy[first:end] if entropy is not None else None, entries[first:end]))
-        return out
+            fwd.rows.append(PickedRows(sl.positions, tokens[first:end], confidence[first:end],
+                                       entropy[first:end] if entropy is not None else None, entries[first:end]))
+        return fwd
 
     def _suppressed(self, seq: Sequence, positions: list[int]) -> list[bool]:
         """Per sampled position: whether the stop ids are masked (its token comes before `min_new_tokens`)."""
@@ -481,7 +472,7 @@ class LLMEngine:
             self.kv.register(seq.table, seq.tokens, seq.num_computed)
         finished: set[str] = set()
         chunks: list[OutputChunk] = []
-        for sl, rows in zip(fwd.slices, fwd.picked):
+        for sl, rows in zip(fwd.slices, fwd.rows):
             try:
                 if self._advance(sl.seq, rows):
                     finished.add(sl.seq.request_id)

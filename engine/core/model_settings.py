@@ -29,7 +29,6 @@ class EngineStats:
     weight_updates: int = 0  # weight updates applied since start
 
 
-
 def resolve_max_model_len(config: EngineConfig, spec: ModelSpec) -> int:
     """`max_model_len`, defaulting to and bounded by the checkpoint's max_position_embeddings."""
     limit = spec.max_position_embeddings

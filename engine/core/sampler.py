@@ -85,21 +85,25 @@ class PickedOnHost:
             self._event = torch.cuda.Event()
             self._event.record()
         self._tensors = tensors
+        self._lists: list[list | None] | None = None
 
-    def _lists(self) -> list[list | None]:
-        if self._event is not None:
-            self._event.synchronize()
-            self._event = None
-        return [t.tolist() if t is not None else None for t in self._tensors]
+    def _on_host(self) -> list[list | None]:
+        """Every tensor as a Python list (None where absent), converted once."""
+        if self._lists is None:
+            if self._event is not None:
+                self._event.synchronize()
+            self._lists = [t.tolist() if t is not None else None for t in self._tensors]
+        return self._lists
 
     def lists(self) -> tuple[list[int], list[float], list[float] | None]:
         """(tokens, confidences (empty when not computed), entropies or None), as Python lists."""
-        tokens, confidence, ent = self._lists()[:3]
+        tokens, confidence, ent = self._on_host()[:3]
         return tokens, confidence if confidence is not None else [], ent
 
-    def logprob_lists(self) -> tuple[list[float], list[list[float]] | None, list[list[int]] | None]:
-        """(value of each row's chosen token, top-k values, top-k ids) as Python lists."""
-        chosen_v, top_v, top_i = self._lists()[3:]
+    def logprob_lists(self) -> tuple[list[float] | None, list[list[float]] | None, list[list[int]] | None]:
+        """(value of each row's chosen token, top-k values, top-k ids) as Python lists; all None when
+        no row asked for logprobs."""
+        chosen_v, top_v, top_i = self._on_host()[3:]
         return chosen_v, top_v, top_i
 
 
