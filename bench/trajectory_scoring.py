@@ -109,9 +109,8 @@ def measure(path: Path, rollouts: Rollouts, config: EngineConfig) -> dict:
         outs, gen_s, gen_cpu, gen_mem = _phase(device, lambda: pipe(prompts, gen))
         gen_forwards = pipe.engine.stats.forwards - forwards
         pipe.engine.flush_cache()  # the scoring side computes its prompts itself
-        scoring = [GenerationConfig(max_new_tokens=0, logprobs=0, dllm_trajectory=DllmTrajectory(
-            output_ids=o.token_ids, step_map=o.step_map, replay_token_ids=o.dllm_replay_token_ids,
-            replay_step_maps=o.dllm_replay_step_maps, stop_length=o.dllm_stop_length)) for o in outs]
+        scoring = [GenerationConfig(max_new_tokens=0, logprobs=0, dllm_trajectory=DllmTrajectory.from_response(o))
+                   for o in outs]
         forwards = pipe.engine.stats.forwards
         scored, score_s, score_cpu, score_mem = _phase(device, lambda: pipe(prompts, scoring))
         score_forwards = pipe.engine.stats.forwards - forwards

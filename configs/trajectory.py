@@ -5,6 +5,8 @@ check, which names the offending field."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from pydantic import BaseModel, ConfigDict, Field
 
 
@@ -21,3 +23,11 @@ class DllmTrajectory(BaseModel):
     replay_step_maps: list[int] | None = None
     stop_length: int | None = Field(None, ge=0)
     return_entropy: bool = Field(False, description="also return the entropy (nats) of each scored row")
+
+    @classmethod
+    def from_response(cls, rollout: Any, **fields: Any) -> DllmTrajectory:
+        """The trajectory of a rollout's response (an `engine.Response`, asked with
+        `return_dllm_replay=True`), as a trainer sends it back; `fields` add e.g. `return_entropy`."""
+        return cls(output_ids=rollout.token_ids, step_map=rollout.step_map,
+                   replay_token_ids=rollout.dllm_replay_token_ids, replay_step_maps=rollout.dllm_replay_step_maps,
+                   stop_length=rollout.dllm_stop_length, **fields)

@@ -20,6 +20,7 @@ from dllm_reference import STRATEGIES, block_causal_mask, reference_dllm_generat
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from configs.trajectory import DllmTrajectory
 from engine import EngineConfig, GenerationConfig, pipeline
 from engine.model.checkpoint import CheckpointError
 from tools.tiny_checkpoint import DLLM_TEST_LOGIT_SCALE, load_hf_reference, write_tiny_checkpoint
@@ -176,10 +177,7 @@ def test_tp2_over_ray_equals_tp1(serve_cluster, dllm_moe):
             assert got == pytest.approx([e[t] for e, t in zip(one.logprobs, one.token_ids, strict=True)], abs=TOL)
         # the tp=1 rollouts' trajectories scored at tp=2, both in one call: the values tp=1 logged
         body = {"input_ids": prompts, "sampling_params": {"max_new_tokens": 0}, "return_logprob": True,
-                "dllm_trajectory": [{"output_ids": o.token_ids, "step_map": o.step_map,
-                                     "replay_token_ids": o.dllm_replay_token_ids,
-                                     "replay_step_maps": o.dllm_replay_step_maps, "stop_length": o.dllm_stop_length}
-                                    for o in want]}
+                "dllm_trajectory": [DllmTrajectory.from_response(o).model_dump(exclude_none=True) for o in want]}
         scored = handle.generate.remote(body).result()
         for got, one in zip(scored, want, strict=True):
             assert got["output_ids"] == one.token_ids and got["meta_info"]["step_map"] == one.step_map

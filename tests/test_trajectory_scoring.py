@@ -50,10 +50,7 @@ def _prompt(n: int, salt: int = 0) -> list[int]:
     return [(13 * i + 7 * n + salt) % 280 + 6 for i in range(n)]
 
 
-def trajectory(out: Response, **kw) -> DllmTrajectory:
-    """The trajectory of a rollout, as a trainer sends it back."""
-    return DllmTrajectory(output_ids=out.token_ids, step_map=out.step_map, replay_token_ids=out.dllm_replay_token_ids,
-                          replay_step_maps=out.dllm_replay_step_maps, stop_length=out.dllm_stop_length, **kw)
+trajectory = DllmTrajectory.from_response  # a rollout's trajectory, as a trainer sends it back
 
 
 def scoring_config(out: Response, gen: GenerationConfig, **kw) -> GenerationConfig:
