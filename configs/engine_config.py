@@ -49,6 +49,21 @@ class EngineConfig(BaseModel):
         0.35, gt=0.0, description="entropy_bounded: reveal the lowest-entropy positions while their summed "
         "entropy (nats) stays below this bound"
     )
+    dllm_edit_threshold: float = Field(
+        0.0, ge=0.0, le=1.0, description="joint_threshold: rewrite a revealed token when the model's candidate for "
+        "its position differs and is more confident than this"
+    )
+    dllm_max_post_edit_steps: int = Field(
+        16, ge=0, description="joint_threshold: steps a block may keep editing after its last mask is revealed"
+    )
+    dllm_penalty_lambda: float = Field(
+        0.0, ge=0.0, allow_inf_nan=False, description="joint_threshold: lower the logit of the token at the "
+        "previous position by this much (repetition damping inside a block)"
+    )
+    dllm_sub_block_length: int = Field(
+        8, ge=1, description="Fast-dLLM v2: a block is decoded in sub-blocks of this many positions, left to right "
+        "(must divide the block length)"
+    )
     dllm_commit_fusion: bool = Field(
         True, description="fuse a block's commit forward with the next block's first step"
     )

@@ -26,10 +26,16 @@ from typing import TypeVar
 from configs import EngineConfig, GenerationConfig
 from engine.carrier import OutputChunk, Response
 from engine.core.batch import SampleSlice, build_batch
-from engine.core.decoding import AutoregressiveDecoding, BlockDiffusionDecoding, DecodingStrategy, PickedRows
+from engine.core.decoding import DecodingStrategy, PickedRows, strategy_for
 from engine.core.decoding.unmasking import UnmaskingSettings
 from engine.core.input_processing import ModelLimits, process_input
-from engine.core.model_settings import EngineStats, resolve_mask_token_id, resolve_max_model_len
+from engine.core.model_settings import (
+    EngineStats,
+    resolve_block_length,
+    resolve_mask_token_id,
+    resolve_max_model_len,
+    with_family_defaults,
+)
 from engine.core.output_builder import OutputBuilder
 from engine.core.sampler import PickedOnHost, RowGroup, logprob_entries, logprob_values, pick_tokens
 from engine.core.scheduler import ScheduledSeq, Scheduler
@@ -54,7 +60,8 @@ T = TypeVar("T")
 # Request fields that shape the sampling distribution (named when a request's step fails).
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "do_sample", "random_seed",
                     "min_new_tokens", "stop_token_ids", "dllm_unmasking_strategy", "dllm_denoising_steps",
-                    "dllm_confidence_threshold", "dllm_entropy_threshold")
+                    "dllm_confidence_threshold", "dllm_entropy_threshold", "dllm_edit_threshold",
+                    "dllm_max_post_edit_steps", "dllm_penalty_lambda")
 
 
 @dataclass
@@ -88,16 +95,11 @@ class LLMEngine:
         self.spec = spec = load_model_spec(model_path)
         self.tokenizer = load_tokenizer(model_path)
         self.is_dllm = spec.is_dllm
-        self.block_length = (config.dllm_block_length or spec.block_size or 4) if self.is_dllm else None
-        self.config = config = config.model_copy(update={"max_model_len": resolve_max_model_len(config, spec),
-                                                         "dllm_block_length": self.block_length})
-        self.mask_id: int | None = None
-        self.decoding: DecodingStrategy
-        if self.is_dllm:
-            self.mask_id = resolve_mask_token_id(spec, self.tokenizer, config)
-            self.decoding = BlockDiffusionDecoding(self.block_length, self.mask_id, config.dllm_commit_fusion)
-        else:
-            self.decoding = AutoregressiveDecoding()
+        self.block_length = resolve_block_length(config, spec)
+        self.config = config = with_family_defaults(config, spec).model_copy(update={
+            "max_model_len": resolve_max_model_len(config, spec), "dllm_block_length": self.block_length})
+        self.mask_id = resolve_mask_token_id(spec, self.tokenizer, config) if self.is_dllm else None
+        self.decoding: DecodingStrategy = strategy_for(spec.family, config, self.mask_id)
         self.executor = (executor_factory or LocalExecutor)(spec, config)
         self.executor.set_dllm_block_length(self.block_length)
         self.kv = KVPageManager(self.executor.num_pages, config.kv_block_size,
@@ -128,6 +130,7 @@ class LLMEngine:
                                "GenerationConfig.samples() (the offline pipeline and the servers do)", "n")
         prompt_ids = process_input(self.tokenizer, self.limits, prompt, params)
         unmasking = self.unmasking_settings(params) if self.is_dllm else None
+        self.decoding.check_request(params, unmasking)
         stop_ids = set(params.stop_token_ids or [])
         if not params.ignore_eos:
             stop_ids |= self.spec.eos_token_ids
@@ -169,6 +172,9 @@ class LLMEngine:
             denoising_steps=pick(p.dllm_denoising_steps, cfg.dllm_denoising_steps or self.block_length),
             confidence_threshold=pick(p.dllm_confidence_threshold, cfg.dllm_confidence_threshold),
             entropy_threshold=pick(p.dllm_entropy_threshold, cfg.dllm_entropy_threshold),
+            edit_threshold=pick(p.dllm_edit_threshold, cfg.dllm_edit_threshold),
+            max_post_edit_steps=pick(p.dllm_max_post_edit_steps, cfg.dllm_max_post_edit_steps),
+            penalty_lambda=pick(p.dllm_penalty_lambda, cfg.dllm_penalty_lambda),
         )
 
     def abort(self, request_id: str) -> OutputChunk | None:

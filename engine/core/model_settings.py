@@ -12,8 +12,6 @@ from dataclasses import dataclass
 from configs import EngineConfig
 from engine.model.checkpoint import ModelSpec
 
-MASK_TOKEN_TEXT = "<|MASK|>"
-
 
 @dataclass
 class EngineStats:
@@ -40,13 +38,31 @@ def resolve_max_model_len(config: EngineConfig, spec: ModelSpec) -> int:
     return config.max_model_len
 
 
+def resolve_block_length(config: EngineConfig, spec: ModelSpec) -> int | None:
+    """A block-diffusion model's block length: EngineConfig's, else config.json's (the family's field
+    for it), else the family's default. None for autoregressive models."""
+    if not spec.is_dllm:
+        return None
+    return config.dllm_block_length or spec.block_size or spec.family.default_block_length
+
+
+def with_family_defaults(config: EngineConfig, spec: ModelSpec) -> EngineConfig:
+    """`config` with the model family's published decoding defaults for the `dllm_*` fields the user
+    left unset (e.g. LLaDA2's threshold 0.95); fields the user set are kept."""
+    defaults = {k: v for k, v in spec.family.decoding_defaults.items() if k not in config.model_fields_set}
+    return config.model_copy(update=defaults) if defaults else config
+
+
 def resolve_mask_token_id(spec: ModelSpec, tokenizer, config: EngineConfig) -> int:
     """The mask token of a block-diffusion model: config.json `mask_token_id`, else the tokenizer's mask
-    token, else the `<|MASK|>` token of the vocabulary, else `EngineConfig.dllm_mask_token_id`."""
-    for candidate in (spec.mask_token_id, tokenizer.mask_token_id, tokenizer.get_vocab().get(MASK_TOKEN_TEXT),
-                      config.dllm_mask_token_id):
+    token, else the family's mask token text in the vocabulary (e.g. `<|MASK|>`), else
+    `EngineConfig.dllm_mask_token_id`."""
+    vocab = tokenizer.get_vocab()
+    texts = spec.family.mask_token_texts
+    in_vocab = [vocab[t] for t in texts if t in vocab]
+    for candidate in (spec.mask_token_id, tokenizer.mask_token_id, *in_vocab, config.dllm_mask_token_id):
         if candidate is not None:
             return int(candidate)
     raise ValueError(f"{spec.path}: a block-diffusion model needs a mask token and none was found: set "
-                     f"mask_token_id in config.json, a mask_token in tokenizer_config.json, a {MASK_TOKEN_TEXT} token "
-                     "in the vocabulary, or EngineConfig.dllm_mask_token_id")
+                     f"mask_token_id in config.json, a mask_token in tokenizer_config.json, a "
+                     f"{' or '.join(texts) or 'mask'} token in the vocabulary, or EngineConfig.dllm_mask_token_id")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,9 +19,9 @@ import torch
 from safetensors import safe_open
 
 from engine.errors import CheckpointError
+from engine.model.families import FAMILIES, ModelFamily, family_of
 
-SUPPORTED_MODEL_TYPES = {"qwen3": "AR", "sdar": "DLLM", "qwen3_moe": "AR", "sdar_moe": "DLLM"}
-_MOE_MODEL_TYPES = ("qwen3_moe", "sdar_moe")
+SUPPORTED_MODEL_TYPES = {name: family.paradigm for name, family in FAMILIES.items()}
 _FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 # transformers' rotary base when a config names none (`Qwen3Config.default_theta`, Qwen3-MoE's too)
 DEFAULT_ROPE_THETA = 10_000.0
@@ -85,10 +85,17 @@ class ModelSpec:
     torch_dtype: str | None = None
     moe: MoESpec | None = None
     rope_scaling: RopeScaling | None = None
+    qk_norm: bool = True  # per-head RMSNorm on q and k before the rotary embedding (Qwen3; not Qwen2)
+    #: a family's own architecture facts (e.g. LLaDA2's router), parsed by its entry in FAMILY_FIELDS
+    extra: Any = None
+
+    @property
+    def family(self) -> ModelFamily:
+        return family_of(self.model_type)
 
     @property
     def is_dllm(self) -> bool:
-        return SUPPORTED_MODEL_TYPES[self.model_type] == "DLLM"
+        return self.family.is_dllm
 
 
 def _read_json(path: Path) -> dict:
@@ -174,6 +181,22 @@ def _moe_fields(cfg: dict) -> MoESpec:
                    norm_topk_prob=bool(cfg.get("norm_topk_prob", False)), sparse_layers=sparse)
 
 
+def _block_size(cfg: dict, family: ModelFamily) -> int | None:
+    """The block length config.json names (the family's field for it), or None."""
+    for key in family.block_length_keys:
+        if cfg.get(key) is not None:
+            return int(cfg[key])
+    return None
+
+
+# model_type -> function(config.json dict) -> ModelSpec fields that differ from the common reading
+# (the family's own fields, refusals of what it does not honour). Families without one read as Qwen3.
+FAMILY_FIELDS: dict[str, Callable[[dict], dict[str, Any]]] = {
+    "qwen3_moe": lambda cfg: {"moe": _moe_fields(cfg)},
+    "sdar_moe": lambda cfg: {"moe": _moe_fields(cfg)},
+}
+
+
 def load_model_spec(path: str | Path) -> ModelSpec:
     root = Path(path)
     if not root.is_dir():
@@ -199,7 +222,7 @@ def load_model_spec(path: str | Path) -> ModelSpec:
         raise CheckpointError(f"config.json torch_dtype={dtype!r} is not one of {', '.join(_FLOAT_DTYPES)}")
     try:
         rope_theta, rope_scaling = _rope_fields(cfg)
-        return ModelSpec(
+        fields = dict(
             path=str(root),
             model_type=model_type,
             vocab_size=cfg["vocab_size"],
@@ -214,13 +237,15 @@ def load_model_spec(path: str | Path) -> ModelSpec:
             max_position_embeddings=cfg.get("max_position_embeddings", 32768),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             attention_bias=cfg.get("attention_bias", False),
-            block_size=cfg.get("block_size"),
+            block_size=_block_size(cfg, family_of(model_type)),
             mask_token_id=cfg.get("mask_token_id"),
             eos_token_ids=frozenset(eos),
             torch_dtype=dtype,
-            moe=_moe_fields(cfg) if model_type in _MOE_MODEL_TYPES else None,
             rope_scaling=rope_scaling,
         )
+        if model_type in FAMILY_FIELDS:
+            fields |= FAMILY_FIELDS[model_type](cfg)
+        return ModelSpec(**fields)
     except KeyError as e:
         raise CheckpointError(f"{config_file} lacks required field {e.args[0]!r}") from e
 

@@ -31,6 +31,7 @@ from safetensors.torch import load_file, save_file
 
 from configs import EngineConfig
 from engine.errors import WeightUpdateError
+from engine.model.architectures import build_network
 from engine.model.checkpoint import ModelSpec, iter_weights
 from engine.model.loading import load_weights
 from engine.model.qwen3 import Qwen3ForCausalLM, TPContext
@@ -70,7 +71,7 @@ MEMORY_TAGS = ("weights", "kv_cache")  # what a runner can free and restore
 def allocate_model(spec: ModelSpec, device: torch.device, dtype: torch.dtype, tp: TPContext | None) -> Qwen3ForCausalLM:
     """The model shard built on the meta device (no random init) and allocated once, unfilled."""
     with torch.device("meta"):
-        model = Qwen3ForCausalLM(spec, tp)
+        model = build_network(spec, tp)
     return model.materialize(device, dtype).eval()
 
 

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from engine.errors import CheckpointError, WeightUpdateError
+from engine.model.architectures import build_network
 from engine.model.checkpoint import ModelSpec, WeightSlice
 from engine.model.loading import checked_shards, checkpoint_names, destination
 from engine.model.qwen3 import Qwen3ForCausalLM, TPContext
@@ -35,7 +36,7 @@ from ops.cpu_linear import PackedLinear
 def shape_template(spec: ModelSpec, tp: TPContext) -> Qwen3ForCausalLM:
     """The model on the meta device: its loading code and parameter shapes, no memory."""
     with torch.device("meta"):
-        return Qwen3ForCausalLM(spec, tp)
+        return build_network(spec, tp)
 
 
 def stage_weights(template: Qwen3ForCausalLM, weights: Iterable[tuple[str, WeightSlice]], complete: bool,

@@ -11,8 +11,13 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+from configs import GenerationConfig
 from engine.core.sequence import Sequence
+
+if TYPE_CHECKING:
+    from engine.core.decoding.unmasking import UnmaskingSettings
 
 
 @dataclass
@@ -31,6 +36,9 @@ class DecodingStrategy(ABC):
     chunk_alignment: int = 1
     #: whether the unmasking needs the confidence of every sampled row
     needs_confidence: bool = True
+
+    def check_request(self, params: GenerationConfig, settings: UnmaskingSettings | None) -> None:  # noqa: B027
+        """Raise RequestError naming the field when a request asks for what this strategy cannot do."""
 
     @abstractmethod
     def start(self, seq: Sequence) -> None:

@@ -18,9 +18,16 @@ reveals at least one token); a token's value is the counter of the step that rev
 
 from __future__ import annotations
 
+from configs import GenerationConfig
 from engine.core.decoding.base import DecodingStrategy, PickedRows
-from engine.core.decoding.unmasking import NEEDS_ENTROPY, choose_rows, tokens_this_step
+from engine.core.decoding.unmasking import NEEDS_ENTROPY, RULES, UnmaskingSettings, choose_rows, tokens_this_step
 from engine.core.sequence import DLLMBlock, Sequence
+from engine.errors import RequestError
+
+
+def step_seed(seq: Sequence) -> int:
+    """The seed of a rule's draws at the sequence's current step: its seed mixed with its step counter."""
+    return (seq.seed * 1_000_003 + seq.step_counter) & ((1 << 63) - 1)
 
 
 class BlockDiffusionDecoding(DecodingStrategy):
@@ -29,6 +36,11 @@ class BlockDiffusionDecoding(DecodingStrategy):
         self.mask_id = mask_id
         self.commit_fusion = commit_fusion
         self.chunk_alignment = block_length
+
+    def check_request(self, params: GenerationConfig, settings: UnmaskingSettings) -> None:
+        if settings.strategy not in RULES:
+            raise RequestError(f"dllm_unmasking_strategy={settings.strategy!r} does not apply to this model; "
+                               f"use one of {', '.join(RULES)}", "dllm_unmasking_strategy")
 
     def start(self, seq: Sequence) -> None:
         seq.stop_bound = seq.params.max_new_tokens
@@ -75,28 +87,30 @@ class BlockDiffusionDecoding(DecodingStrategy):
         block, settings = seq.block, seq.unmasking
         n = tokens_this_step(block.num_masked_at_start, settings.denoising_steps, block.step_index)
         positions = rows.positions
-        chosen = choose_rows(rows.confidence, rows.entropy or [0.0] * len(positions), n, settings)
-        step, block_step = seq.step_counter + 1, block.step_index + 1
-        seq.step_counter, block.step_index = step, block_step
-        prompt_len, floor = seq.prompt_len, seq.params.min_new_tokens
-        revealed = []
-        for i in chosen:
-            p, token = positions[i], rows.tokens[i]
-            g = p - prompt_len
-            seq.tokens[p] = token
-            seq.out_steps[g] = step
-            seq.out_block_steps[g] = block_step
-            seq.out_logprobs[g] = rows.logprobs[i]
-            seq.penalty_ids.add(token)
-            if token in seq.stop_ids and g >= floor:
-                seq.stop_bound = min(seq.stop_bound, g + 1)
-            revealed.append(g)
+        chosen = choose_rows(rows.confidence, rows.entropy or [0.0] * len(positions), n, settings, step_seed(seq))
+        seq.step_counter += 1
+        block.step_index += 1
+        revealed = [self.write(seq, positions[i], rows.tokens[i], rows.logprobs[i]) for i in chosen]
         if len(chosen) == len(positions):
             block.masked = []
         else:
             chosen_set = set(chosen)
             block.masked = [p for i, p in enumerate(positions) if i not in chosen_set]
         return revealed
+
+    @staticmethod
+    def write(seq: Sequence, position: int, token: int, logprob: dict | None) -> int:
+        """Write `token` at `position` in the current step (the counters already advanced); returns its
+        generated index. A stop id outside `min_new_tokens` bounds the output."""
+        g = position - seq.prompt_len
+        seq.tokens[position] = token
+        seq.out_steps[g] = seq.step_counter
+        seq.out_block_steps[g] = seq.block.step_index
+        seq.out_logprobs[g] = logprob
+        seq.penalty_ids.add(token)
+        if token in seq.stop_ids and g >= seq.params.min_new_tokens:
+            seq.stop_bound = min(seq.stop_bound, g + 1)
+        return g
 
     def num_final(self, seq: Sequence) -> int:
         n, limit = seq.num_revealed, seq.num_generated_positions

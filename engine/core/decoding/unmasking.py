@@ -1,7 +1,8 @@
 """Unmasking rules: which masked positions of a block one denoising step reveals.
 
-A rule is one function `rule(confidence, entropy, n, settings) -> chosen` registered in `RULES` under
-the name users pass as `dllm_unmasking_strategy`; adding a strategy is adding one function here.
+A rule is one function `rule(confidence, entropy, n, settings, step_seed) -> chosen` registered in
+`RULES` under the name users pass as `dllm_unmasking_strategy`; adding a strategy is adding one
+function here. `step_seed` is the request's seed mixed with its step counter, for rules that draw.
 
 The candidates are the block's still-masked positions in ascending order, given as columns (one
 entry per candidate, so a step makes no per-candidate objects): `confidence`, the probability of its
@@ -14,6 +15,7 @@ all candidates. Ties break toward the lower position.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -26,6 +28,9 @@ class UnmaskingSettings:
     denoising_steps: int
     confidence_threshold: float
     entropy_threshold: float
+    edit_threshold: float = 0.0
+    max_post_edit_steps: int = 16
+    penalty_lambda: float = 0.0
 
 
 def tokens_this_step(num_masked_at_block_start: int, steps: int, step_index: int) -> int:
@@ -39,19 +44,20 @@ def _most_confident(confidence: list[float], n: int) -> list[int]:
     return sorted(range(len(confidence)), key=confidence.__getitem__, reverse=True)[:n]
 
 
-def sequential(confidence: list[float], entropy: list[float], n: int, settings: UnmaskingSettings) -> list[int]:
+def sequential(confidence: list[float], entropy: list[float], n: int, settings: UnmaskingSettings,
+               step_seed: int) -> list[int]:
     """The leftmost n masked positions."""
     return list(range(n))
 
 
 def low_confidence_static(confidence: list[float], entropy: list[float], n: int,
-                          settings: UnmaskingSettings) -> list[int]:
+                          settings: UnmaskingSettings, step_seed: int) -> list[int]:
     """The n most confident positions."""
     return _most_confident(confidence, n)
 
 
 def low_confidence_dynamic(confidence: list[float], entropy: list[float], n: int,
-                           settings: UnmaskingSettings) -> list[int]:
+                           settings: UnmaskingSettings, step_seed: int) -> list[int]:
     """Every position with confidence >= the threshold if there are at least n of them, else the n
     most confident."""
     threshold = settings.confidence_threshold
@@ -59,7 +65,8 @@ def low_confidence_dynamic(confidence: list[float], entropy: list[float], n: int
     return confident if len(confident) >= n else _most_confident(confidence, n)
 
 
-def entropy_bounded(confidence: list[float], entropy: list[float], n: int, settings: UnmaskingSettings) -> list[int]:
+def entropy_bounded(confidence: list[float], entropy: list[float], n: int, settings: UnmaskingSettings,
+                    step_seed: int) -> list[int]:
     """JetEngine's `entropy_bounded` rule (the EB-sampler of Ben-Hamu et al.): order the masked
     positions by entropy, lowest first, and reveal the longest prefix of that order whose running
     sum of entropies stays strictly below `entropy_threshold`; always at least one position. The
@@ -74,18 +81,27 @@ def entropy_bounded(confidence: list[float], entropy: list[float], n: int, setti
     return ranked[: max(k, 1)]
 
 
-Rule = Callable[[list[float], list[float], int, UnmaskingSettings], list[int]]
+def random_order(confidence: list[float], entropy: list[float], n: int, settings: UnmaskingSettings,
+                 step_seed: int) -> list[int]:
+    """n positions drawn uniformly without replacement (JetEngine's and LLaDA's `random` remasking),
+    from a generator seeded by the request's seed and step: the same seed gives the same order."""
+    return random.Random(step_seed).sample(range(len(confidence)), n)
+
+
+Rule = Callable[[list[float], list[float], int, UnmaskingSettings, int], list[int]]
 
 RULES: dict[str, Rule] = {
     "sequential": sequential,
     "low_confidence_static": low_confidence_static,
     "low_confidence_dynamic": low_confidence_dynamic,
     "entropy_bounded": entropy_bounded,
+    "random": random_order,
 }
 NEEDS_ENTROPY = frozenset({"entropy_bounded"})
 
 
-def choose_rows(confidence: list[float], entropy: list[float], n: int, settings: UnmaskingSettings) -> list[int]:
+def choose_rows(confidence: list[float], entropy: list[float], n: int, settings: UnmaskingSettings,
+                step_seed: int = 0) -> list[int]:
     """The indices of the candidates to reveal this step, ascending."""
     n = max(1, min(n, len(confidence)))
-    return sorted(RULES[settings.strategy](confidence, entropy, n, settings))
+    return sorted(RULES[settings.strategy](confidence, entropy, n, settings, step_seed))
