@@ -152,7 +152,7 @@ def test_abort_in_flight_and_retract_mid_run(model):
         if step == 6:
             assert engine.retract_all() > 0
         if step in (4, 9):
-            in_flight = [rid for fwd in engine._in_flight for rid in (it.seq.request_id for it in fwd.items)]
+            in_flight = [rid for fwd in engine.overlap.in_flight for rid in (it.seq.request_id for it in fwd.items)]
             assert in_flight, "a forward is in flight between steps"
             aborted.append(rids.index(in_flight[0]))
             return [engine.abort(in_flight[0])]
@@ -181,7 +181,7 @@ def test_aborting_everything_returns_a_final_chunk_for_requests_that_finished_me
         finishing = []
         for _ in range(40):
             engine.step()
-            finishing = [it.seq.request_id for fwd in engine._in_flight for it in fwd.items
+            finishing = [it.seq.request_id for fwd in engine.overlap.in_flight for it in fwd.items
                          if it.seq.params.max_new_tokens == 3 and it.seq.stop.num_consumed == 2]
             if finishing:
                 break

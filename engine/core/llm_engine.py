@@ -18,14 +18,13 @@ import itertools
 import logging
 import secrets
 import time
-from collections import deque
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import TypeVar
 
 from configs import EngineConfig, GenerationConfig
 from engine.carrier import OutputChunk, Response
-from engine.core.batch import SampleSlice, build_batch
+from engine.core.batch import build_batch
 from engine.core.decoding import DecodingStrategy, PickedRows, strategy_for
 from engine.core.decoding.unmasking import UnmaskingSettings
 from engine.core.input_processing import ModelLimits, process_input
@@ -37,6 +36,7 @@ from engine.core.model_settings import (
     with_family_defaults,
 )
 from engine.core.output_builder import OutputBuilder
+from engine.core.overlap import LaunchedForward, OverlapSchedule
 from engine.core.sampler import PickedOnHost, RowGroup, logprob_entries, logprob_values, pick_tokens
 from engine.core.scheduler import ScheduledSeq, Scheduler
 from engine.core.scoring import take_score_rows
@@ -50,7 +50,6 @@ from engine.kv.page_manager import KVPageManager
 from engine.model.checkpoint import load_model_spec
 from engine.model.source import resolve_model_path
 from engine.tokenizer import load_tokenizer
-from engine.worker.forward_batch import ForwardBatch, ForwardOutput
 from engine.worker.update_group import GROUP_JOIN_TIMEOUT_S, WEIGHT_OP_TIMEOUT_S
 from engine.worker.weight_sources import DiskWeights, WeightSource, check_same_architecture
 
@@ -62,20 +61,6 @@ _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalt
                     "min_new_tokens", "stop_token_ids", "dllm_unmasking_strategy", "dllm_denoising_steps",
                     "dllm_confidence_threshold", "dllm_entropy_threshold", "dllm_edit_threshold",
                     "dllm_max_post_edit_steps", "dllm_penalty_lambda")
-
-
-@dataclass
-class _Forward:
-    """One forward and its sampling: queued on the device by `_launch` (on the CPU: done), its picks
-    read back per sequence into `rows` by `_read`; nothing is applied to the sequences until `_apply`."""
-
-    items: list[ScheduledSeq]
-    batch: ForwardBatch
-    result: ForwardOutput
-    slices: list[SampleSlice]
-    on_host: PickedOnHost | None = None  # None when no sequence samples in this forward
-    ks: list[int | None] = field(default_factory=list)  # per sampled row: the logprobs asked for
-    rows: list[PickedRows] = field(default_factory=list)  # per slice, once read back
 
 
 def _merged(chunks: list[OutputChunk]) -> OutputChunk:
@@ -112,10 +97,7 @@ class LLMEngine:
         self.stats = EngineStats()
         self.weight_version = "default"  # names the weights in every output; an update sets it
         self._ids = itertools.count()
-        # overlap_schedule: forwards launched and not applied yet (at most one between steps), and
-        # the chunks that applying one early made, returned by the next step
-        self._in_flight: deque[_Forward] = deque()
-        self._ready: list[OutputChunk] = []
+        self.overlap = OverlapSchedule()
 
     # ---- requests ----------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: GenerationConfig | None = None,
@@ -188,11 +170,9 @@ class LLMEngine:
         """End a request now. A request in a forward in flight first gets that forward's results; its
         chunks that no step returned yet come back here, merged with its final one (or alone, when
         the request finished in a forward applied early)."""
-        if request_id in self._in_flight_ids():
+        if request_id in self.overlap.request_ids():
             self._land_all()
-        earlier = [c for c in self._ready if c.request_id == request_id]
-        if earlier:
-            self._ready = [c for c in self._ready if c.request_id != request_id]
+        earlier = self.overlap.take_ready_of(request_id)
         seq = self.seqs.get(request_id)
         if seq is None:  # unknown, or it finished in a forward applied early
             return _merged(earlier) if earlier else None
@@ -209,13 +189,12 @@ class LLMEngine:
         del self.outputs[seq.request_id]
 
     def has_unfinished(self) -> bool:
-        return bool(self.seqs or self._ready)
+        return bool(self.seqs or self.overlap.ready)
 
     def take_ready(self) -> list[OutputChunk]:
         """The chunks made by applying forwards in flight outside a step (an abort, a retraction, a
         memory release or a weight update applies them first); `step` returns them too."""
-        chunks, self._ready = self._ready, []
-        return chunks
+        return self.overlap.take_ready()
 
     def flush_cache(self) -> None:
         """Drop the prefix cache (requests in flight keep their own pages)."""
@@ -339,23 +318,13 @@ class LLMEngine:
 
     def _overlapped_step(self, chunks: list[OutputChunk]) -> bool:
         half = (min(len(self.seqs), self.config.max_batch_size) + 1) // 2
-        items = self.scheduler.schedule(self._in_flight_ids(), max_seqs=half)
-        launched = None
-        if items:
-            launched, failed = self._guarded(items, lambda: self._launch(items))
-            chunks += failed
-        previous = self._in_flight.popleft() if self._in_flight else None
-        if launched is not None:  # in flight before the previous one lands, so a failure there cannot lose it
-            self._in_flight.append(launched)
-        if previous is not None:
-            chunks += self._land(previous)
-        return bool(items) or previous is not None
+        made, worked = self.overlap.step(lambda busy, n: self.scheduler.schedule(busy, max_seqs=n),
+                                         lambda items: self._guarded(items, lambda: self._launch(items)),
+                                         self._land, half)
+        chunks += made
+        return worked
 
-    def _in_flight_ids(self) -> set[str]:
-        """The requests of the forwards launched and not applied yet."""
-        return {it.seq.request_id for fwd in self._in_flight for it in fwd.items}
-
-    def _land(self, launched: _Forward) -> list[OutputChunk]:
+    def _land(self, launched: LaunchedForward) -> list[OutputChunk]:
         """Read a launched forward's picks back and apply them."""
         fwd, failed = self._guarded(launched.items, lambda: self._read(launched))
         return failed if fwd is None else self._apply(fwd)
@@ -373,8 +342,7 @@ class LLMEngine:
     def _land_all(self) -> None:
         """Apply every forward in flight now, before something changes what they ran on (weights, KV
         pages) or ends one of their requests; their chunks go out with the next step."""
-        while self._in_flight:
-            self._ready += self._land(self._in_flight.popleft())
+        self.overlap.land_all(self._land)
 
     def _isolate(self, items: list[ScheduledSeq], error: Exception) -> list[OutputChunk]:
         """Re-run each request of a failed step alone; end only those that fail alone."""
@@ -407,11 +375,11 @@ class LLMEngine:
         return (f"this request's step failed ({type(error).__name__}: {error}); its sampling parameters: "
                 f"{named or 'defaults'}: change them and retry")
 
-    def _forward(self, items: list[ScheduledSeq]) -> _Forward:
+    def _forward(self, items: list[ScheduledSeq]) -> LaunchedForward:
         """Run the model and the sampler; nothing is applied to the sequences yet."""
         return self._read(self._launch(items))
 
-    def _launch(self, items: list[ScheduledSeq]) -> _Forward:
+    def _launch(self, items: list[ScheduledSeq]) -> LaunchedForward:
         """Queue the forward and the sampling; on CUDA nothing here waits for the device (but a
         forward that scores input tokens reads its rows back)."""
         batch, slices = build_batch(items, self.decoding, self.config.kv_block_size)
@@ -419,12 +387,12 @@ class LLMEngine:
         result = self.executor.execute(batch)
         self.stats.forward_seconds += time.perf_counter() - t
         self.stats.forwards += 1
-        launched = _Forward(items, batch, result, slices)
+        launched = LaunchedForward(items, batch, result, slices)
         if slices:
             self._pick(launched)
         return launched
 
-    def _pick(self, fwd: _Forward) -> None:
+    def _pick(self, fwd: LaunchedForward) -> None:
         """Queue the sampler on the forward's logits, and the copy of its picks to the host."""
         groups, ks = [], []
         any_logprobs = False
@@ -446,7 +414,7 @@ class LLMEngine:
                                       self.config.logprobs_mode)
         fwd.on_host, fwd.ks = PickedOnHost(picked, logprobs), ks
 
-    def _read(self, fwd: _Forward) -> _Forward:
+    def _read(self, fwd: LaunchedForward) -> LaunchedForward:
         """Wait for the picks on the host and cut them per sequence."""
         if fwd.on_host is None:
             return fwd
@@ -468,7 +436,7 @@ class LLMEngine:
             return [False] * len(positions)
         return [self.decoding.token_index(seq, p) < floor for p in positions]
 
-    def _apply(self, fwd: _Forward) -> list[OutputChunk]:
+    def _apply(self, fwd: LaunchedForward) -> list[OutputChunk]:
         if fwd.batch.score_rows:
             take_score_rows(fwd.items, fwd.batch, fwd.result, self.outputs)
         take_view_rows(fwd.items, fwd.result, self.kv)
