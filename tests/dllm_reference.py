@@ -13,12 +13,13 @@ and its eager attention adds it to the scores; load the model with `load_hf_refe
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedModel
 
-STRATEGIES = ("sequential", "low_confidence_static", "low_confidence_dynamic", "entropy_bounded")
+STRATEGIES = ("sequential", "low_confidence_static", "low_confidence_dynamic", "entropy_bounded", "random")
 
 
 @dataclass
@@ -53,8 +54,10 @@ def block_causal_logits(model: PreTrainedModel, token_ids: list[int], block_leng
 
 
 def _choose(masked: list[int], confidence: dict[int, float], entropy: dict[int, float], n_s: int, strategy: str,
-            threshold: float, entropy_threshold: float) -> list[int]:
+            threshold: float, entropy_threshold: float, step_seed: int) -> list[int]:
     """Positions to unmask this step (`masked` is ascending; ties go to the lower position)."""
+    if strategy == "random":  # n_s of the masked positions, drawn by a generator seeded for this step
+        return [masked[j] for j in random.Random(step_seed).sample(range(len(masked)), n_s)]
     if strategy == "sequential":
         return masked[:n_s]
     if strategy == "entropy_bounded":  # lowest entropies first while their running sum stays < bound
@@ -92,11 +95,13 @@ def reference_dllm_generate(
     denoising_steps: int,
     threshold: float,
     entropy_threshold: float = 0.35,
+    seed: int = 0,
 ) -> ReferenceResult:
     """Greedy block-diffusion decoding of one prompt: blocks of `block_length` positions, each opened
     fully masked and unmasked over `denoising_steps` steps by `strategy` (ties to the lower position),
     the output cut at the first stop id or at `max_new_tokens`. `threshold` is the confidence threshold
-    of low_confidence_dynamic, `entropy_threshold` the entropy bound (nats) of entropy_bounded."""
+    of low_confidence_dynamic, `entropy_threshold` the entropy bound (nats) of entropy_bounded; the
+    `random` rule's step draws from `random.Random((seed * 1_000_003 + steps so far) mod 2**63)`."""
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; expected one of {STRATEGIES}")
     if block_length < 1 or denoising_steps < 1:
@@ -124,7 +129,8 @@ def reference_dllm_generate(
             confidence = {i: float(p) for i, p in zip(masked, probs, strict=True)}
             dist = torch.softmax(logits, dim=-1)
             entropy = {i: float(-(row[row > 0] * row[row > 0].log()).sum()) for i, row in zip(masked, dist)}
-            chosen = _choose(masked, confidence, entropy, n_s, strategy, threshold, entropy_threshold)
+            step_seed = (seed * 1_000_003 + counter) & ((1 << 63) - 1)
+            chosen = _choose(masked, confidence, entropy, n_s, strategy, threshold, entropy_threshold, step_seed)
             counter += 1  # n_s >= 1 while anything is masked, so every step unmasks a token
             for row, i in enumerate(masked):
                 if i in chosen:

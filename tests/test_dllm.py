@@ -115,6 +115,26 @@ def test_per_request_decoding_knobs_equal_engines_configured_alike(sdar):
         assert (out.token_ids, out.step_map) == (ref.token_ids, ref.step_map), k
 
 
+def test_random_order_is_seeded_and_matches_reference(sdar):
+    """`random` reveals each step's quota at positions drawn by the request's seed: the same seed gives
+    the same order alone or batched, other seeds other orders, and every order equals the reference."""
+    path, hf, mask_id, eos = sdar
+    prompts = _prompts(4)[:3]
+    seeds = [1, 2, 3]
+    with pipeline(str(path), _engine_config(dllm_block_length=4, dllm_unmasking_strategy="random",
+                                            dllm_denoising_steps=2)) as pipe:
+        batched = pipe([prompts[0]] * 3, [GenerationConfig(max_new_tokens=12, random_seed=s) for s in seeds])
+        alone = pipe(prompts[0], GenerationConfig(max_new_tokens=12, random_seed=1))
+        others = pipe(prompts[1:], GenerationConfig(max_new_tokens=12, random_seed=7))
+    assert (alone.token_ids, alone.step_map) == (batched[0].token_ids, batched[0].step_map)
+    assert len({tuple(o.step_map) for o in batched}) > 1
+    cases = [(prompts[0], s, o) for s, o in zip(seeds, batched)] + list(zip(prompts[1:], [7, 7], others))
+    for prompt, seed, out in cases:
+        ref = reference_dllm_generate(hf, prompt, block_length=4, mask_id=mask_id, max_new_tokens=12, stop_ids=eos,
+                                      strategy="random", denoising_steps=2, threshold=0.85, seed=seed)
+        assert (out.token_ids, out.step_map) == (ref.token_ids, ref.step_map), seed
+
+
 def test_max_new_tokens_shorter_than_first_partial_block(sdar):
     outs = _check_against_reference(sdar, strategy="low_confidence_dynamic", steps=4, block_length=8,
                                     max_new_tokens=2)
