@@ -1,14 +1,19 @@
 """See the decoding order: `python -m engine.trace MODEL "prompt"`.
 
-Prints the generated text with every token coloured (ANSI) and tagged by the step that revealed
-it, plus one line per step listing what it decoded. `--png FILE` also writes a heat strip of
-step_map (needs matplotlib: `pip install 'blockserve[trace]'`).
+Prints the generated text with every token tagged by the step that revealed it (coloured with ANSI
+codes on a terminal, `token⟨step⟩` otherwise), plus one line per step listing what it decoded.
+`--png FILE` also writes a heat strip of step_map (needs matplotlib: `pip install 'blockserve[trace]'`);
+`--json FILE` saves the request as a `/generate` body with `meta_info.step_trace` (plus a `trace`
+object: model, prompt, block length, settings and each token's text), which the server's /viewer
+page opens.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from typing import Any
 
 from configs import EngineConfig, GenerationConfig
 from engine.carrier import Response
@@ -49,6 +54,29 @@ def write_heat_strip(response: Response, tokenizer, path: str) -> None:
     plt.close(fig)
 
 
+def trace_body(response: Response, tokenizer, prompt: str, model: str, block_length: int,
+               settings: dict[str, Any]) -> dict[str, Any]:
+    """The request as a `/generate` body (the fields a viewer reads) with the `trace` extras."""
+    ids = set(response.token_ids) | {t for e in response.step_trace or [] for t in e["token_ids"]}
+    texts = {str(t): tokenizer.decode([t], skip_special_tokens=False) for t in sorted(ids)}
+    rows = [[next(iter(e.values())), t, texts[str(t)]] for e, t in zip(response.logprobs or [], response.token_ids)]
+    return {
+        "text": response.text,
+        "output_ids": response.token_ids,
+        "meta_info": {
+            "finish_reason": {"type": response.finish_reason},
+            "prompt_tokens": response.input_token_len,
+            "completion_tokens": len(response.token_ids),
+            "output_token_logprobs": rows or None,
+            "step_map": response.step_map,
+            "step_trace": response.step_trace,
+            "dllm_num_steps": response.num_steps,
+        },
+        "trace": {"model": model, "prompt": prompt, "block_length": block_length, "settings": settings,
+                  "token_texts": texts},
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model", help="checkpoint directory of a block-diffusion (sdar) model")
@@ -57,8 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--strategy", default="low_confidence_dynamic")
     ap.add_argument("--threshold", type=float, default=0.85)
     ap.add_argument("--steps", type=int, default=None, help="denoising steps per block (default B)")
-    ap.add_argument("--no-colour", action="store_true")
+    ap.add_argument("--no-colour", action="store_true", help="no ANSI colours (the default when not a terminal)")
     ap.add_argument("--png", help="write a step_map heat strip here")
+    ap.add_argument("--json", help="save the request here for the /viewer page (a /generate body with its step trace)")
     args = ap.parse_args(argv)
     config = EngineConfig(dllm_unmasking_strategy=args.strategy, dllm_confidence_threshold=args.threshold,
                           dllm_denoising_steps=args.steps)
@@ -67,9 +96,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{args.model} is an AR model: there is no decoding order to show", file=sys.stderr)
             return 2
         chunks = list(pipe.stream(args.prompt, GenerationConfig(max_new_tokens=args.max_new_tokens,
-                                                                 return_step_trace=True)))
+                                                                 return_step_trace=True, logprobs=0)))
         response = Response.from_chunks(chunks)
-        print(args.prompt + render(pipe.tokenizer, response, colour=not args.no_colour))
+        colour = not args.no_colour and sys.stdout.isatty()
+        print(args.prompt + render(pipe.tokenizer, response, colour=colour))
         print()
         for event in response.step_trace or []:
             pieces = [pipe.tokenizer.decode([t]) for t in event["token_ids"]]
@@ -80,6 +110,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.png:
             write_heat_strip(response, pipe.tokenizer, args.png)
             print(f"wrote {args.png}")
+        if args.json:
+            settings = {"dllm_unmasking_strategy": args.strategy, "dllm_confidence_threshold": args.threshold,
+                        "dllm_denoising_steps": args.steps, "max_new_tokens": args.max_new_tokens, "temperature": 0}
+            body = trace_body(response, pipe.tokenizer, args.prompt, args.model, pipe.engine.config.dllm_block_length,
+                              settings)
+            with open(args.json, "w") as f:
+                json.dump(body, f, ensure_ascii=False)
+            print(f"wrote {args.json}")
     return 0
 
 

@@ -1,0 +1,223 @@
+// The page's wiring: the knobs form, the query string, saved files, the runs' panels and the page
+// state (document.body.dataset.state: idle -> running -> done | error).
+
+import { Panel } from "./render.js";
+import { ApiFailure, fieldsFromQuery, generateBody, getJson, streamGenerate, tokenIds } from "./request.js";
+import { Run, runsFromSaved } from "./run.js";
+
+const $ = (id) => document.getElementById(id);
+const KNOBS = ["dllm_unmasking_strategy", "dllm_denoising_steps", "dllm_confidence_threshold", "dllm_edit_threshold",
+               "dllm_max_post_edit_steps", "dllm_penalty_lambda", "temperature", "seed", "max_new_tokens"];
+const panels = []; // index 0 is run A, 1 is run B
+
+function updateState() {
+  const statuses = panels.map((p) => p.root.dataset.status);
+  const state = !$("error").hidden ? "error" : statuses.includes("running") ? "running" : "done";
+  document.body.dataset.state = state;
+}
+
+/** Show a failure (appended: two runs may both fail); every action clears the old ones first. */
+function showError(message) {
+  const box = $("error");
+  box.textContent = box.hidden ? message : `${box.textContent}\n${message}`;
+  box.hidden = false;
+  updateState();
+}
+
+function clearError() {
+  $("error").hidden = true;
+  $("error").textContent = "";
+}
+
+// the key is kept per application (its route prefix), for the browser tab's session only
+const KEY_ITEM = `blockserve-viewer-key:${document.baseURI}`;
+
+function apiKey() {
+  const key = $("api-key").value.trim();
+  sessionStorage.setItem(KEY_ITEM, key);
+  return key;
+}
+
+function readForm() {
+  const fields = {};
+  const prompt = $("prompt").value;
+  if ($("as-ids").checked) fields.input_ids = tokenIds(prompt, "prompt");
+  else fields.prompt = prompt;
+  for (const name of KNOBS) {
+    const input = $(name);
+    if (input.value === "") continue;
+    fields[name] = input.type === "number" ? Number(input.value) : input.value;
+  }
+  const more = $("more").value.trim();
+  if (more) {
+    let extra;
+    try {
+      extra = JSON.parse(more);
+    } catch (e) {
+      throw new ApiFailure(`other /generate fields: not JSON (${e.message})`);
+    }
+    if (typeof extra !== "object" || extra === null || Array.isArray(extra)) {
+      throw new ApiFailure('other /generate fields: give a JSON object, e.g. {"top_k": 20}');
+    }
+    Object.assign(fields, extra);
+  }
+  return fields;
+}
+
+function fillForm(fields) {
+  const more = {};
+  for (const [name, value] of Object.entries(fields)) {
+    if (name === "prompt" || name === "input_ids") {
+      $("as-ids").checked = name === "input_ids";
+      $("prompt").value = name === "input_ids" ? value.join(", ") : value;
+    } else if (KNOBS.includes(name)) {
+      $(name).value = String(value);
+    } else {
+      more[name] = value;
+    }
+  }
+  $("more").value = Object.keys(more).length ? JSON.stringify(more) : "";
+}
+
+/** What the page needs of the server: block length, streaming mode, what logprob rows hold. */
+async function serverInfo(key) {
+  const info = await getJson("server_info", key);
+  const state = (info.internal_states || [{}])[0];
+  const engine = state.engine || {};
+  $("server").textContent = `${info.served_model_name} (${state.model_type || "?"}, ` +
+    `${state.is_dllm ? `block length ${engine.dllm_block_length}` : "autoregressive"})`;
+  return {
+    blockLength: state.is_dllm ? engine.dllm_block_length : null,
+    incremental: Boolean(info.incremental_streaming_output),
+    valueName: engine.logprobs_mode === "raw_logits" ? "logit" : "logprob",
+  };
+}
+
+function place(index, run) {
+  for (const old of panels.splice(index)) old.root.remove(); // a new A drops B as well
+  const panel = new Panel($("runs"), run);
+  panel.colourBy = $("colour-by").value;
+  panels[index] = panel;
+  return panel;
+}
+
+/** Start one request per field set, drawn in panels from `first` on (A = 0, B = 1). */
+async function start(fieldSets, first) {
+  clearError();
+  document.body.dataset.state = "running";
+  let key;
+  let info;
+  try {
+    key = apiKey();
+    info = await serverInfo(key);
+  } catch (e) {
+    showError(e.message);
+    return;
+  }
+  await Promise.all(fieldSets.map(async (fields, k) => {
+    const run = new Run(String.fromCharCode(65 + first + k), info);
+    run.settings = fields;
+    const panel = place(first + k, run);
+    panel.setStatus("decoding…", "running");
+    updateState();
+    try {
+      await streamGenerate(key, generateBody(fields), (chunk) => {
+        run.applyChunk(chunk);
+        panel.draw();
+      });
+      if (run.finish && run.finish.type === "error") {
+        throw new ApiFailure(`the request failed on the server: ${run.finish.message}`);
+      }
+      panel.setStatus(`done (${run.finish ? run.finish.type : "?"})`, "done");
+    } catch (e) {
+      panel.setStatus("failed", "error");
+      showError(`run ${run.label}: ${e.message}`);
+    }
+    panel.draw();
+    updateState();
+  }));
+}
+
+function showSaved(runs) {
+  runs.forEach((run, k) => {
+    const panel = place(k, run);
+    panel.setStatus(`opened (${run.finish.type})`, "done");
+    panel.draw();
+  });
+  updateState();
+}
+
+async function openFiles(files) {
+  clearError();
+  try {
+    const texts = await Promise.all([...files].map((f) => f.text()));
+    showSaved(texts.flatMap((text, k) => runsFromSaved(JSON.parse(text), String.fromCharCode(65 + k))));
+  } catch (e) {
+    showError(`opening ${[...files].map((f) => f.name).join(", ")}: ${e.message}`);
+  }
+}
+
+async function openUrl(url) {
+  clearError();
+  try {
+    const response = await fetch(url);
+    if (!response.ok) throw new Error(`HTTP ${response.status}`);
+    showSaved(runsFromSaved(await response.json(), "A"));
+  } catch (e) {
+    showError(`opening ${url}: ${e.message}`);
+  }
+}
+
+function runFromForm(index) {
+  let fields;
+  try {
+    fields = readForm();
+  } catch (e) {
+    clearError();
+    showError(e.message);
+    return;
+  }
+  start([fields], index);
+}
+
+function wire() {
+  $("api-key").value = sessionStorage.getItem(KEY_ITEM) || "";
+  $("knobs").addEventListener("submit", (e) => {
+    e.preventDefault();
+    runFromForm(0);
+  });
+  $("run-b").addEventListener("click", () => runFromForm(panels.length ? 1 : 0));
+  $("open-file").addEventListener("change", (e) => openFiles(e.target.files));
+  $("colour-by").addEventListener("change", () => panels.forEach((p) => {
+    p.colourBy = $("colour-by").value;
+    p.draw();
+  }));
+  document.addEventListener("dragover", (e) => e.preventDefault());
+  document.addEventListener("drop", (e) => {
+    e.preventDefault();
+    openFiles(e.dataTransfer.files);
+  });
+  document.addEventListener("keydown", (e) => {
+    if (["INPUT", "TEXTAREA", "SELECT"].includes(e.target.tagName)) return; // a focused slider moves itself
+    const delta = { ArrowLeft: -1, ArrowRight: 1, Home: -Infinity, End: Infinity }[e.key];
+    if (delta === undefined) return;
+    e.preventDefault();
+    panels.forEach((p) => p.stepBy(delta));
+  });
+}
+
+function load() {
+  wire();
+  let query;
+  try {
+    query = fieldsFromQuery(location.search);
+  } catch (e) {
+    showError(e.message);
+    return;
+  }
+  fillForm(query.a);
+  if (query.trace) openUrl(query.trace);
+  else if ("prompt" in query.a || "input_ids" in query.a) start(query.b ? [query.a, query.b] : [query.a], 0);
+}
+
+load();

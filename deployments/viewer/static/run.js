@@ -1,0 +1,143 @@
+// One run's data, without any drawing: each generated position with every write to it (a step of
+// the step trace, or the released output), from live /generate chunks or from a saved body.
+
+export class Run {
+  /**
+   * @param {string} label  the panel's name (A, B, ...)
+   * @param {object} opts   blockLength: the model's block length B (null when unknown);
+   *                        incremental: the stream sends deltas rather than cumulative chunks;
+   *                        valueName: what the logprob rows hold ("logprob" or "logit")
+   */
+  constructor(label, { blockLength = null, incremental = false, valueName = "logprob" } = {}) {
+    this.label = label;
+    this.blockLength = blockLength;
+    this.incremental = incremental;
+    this.valueName = valueName;
+    this.cells = []; // per position: { writes: [{ step, tokenId }], final: { tokenId, step, value } | null }
+    this.outputIds = [];
+    this.blockIds = []; // per released position, from block_step_map: its block's first global step - 1
+    this.texts = new Map(); // token id -> its text
+    this.promptTokens = null;
+    this.serverSteps = null; // meta_info.dllm_num_steps
+    this.finish = null; // meta_info.finish_reason once the request ended
+    this.settings = {}; // the fields that made it (the panel's title)
+  }
+
+  get finished() {
+    return this.finish !== null;
+  }
+
+  cell(position) {
+    while (this.cells.length <= position) this.cells.push({ writes: [], final: null });
+    return this.cells[position];
+  }
+
+  /** A write of `tokenId` at `position` by `step`; a position written again is an edit. */
+  write(position, tokenId, step) {
+    const writes = this.cell(position).writes;
+    const last = writes[writes.length - 1];
+    if (!last || last.step !== step || last.tokenId !== tokenId) writes.push({ step, tokenId });
+  }
+
+  /** One /generate chunk (cumulative or a delta), or a whole unary body. */
+  applyChunk(chunk) {
+    const meta = chunk.meta_info || {};
+    if (meta.prompt_tokens != null) this.promptTokens = meta.prompt_tokens;
+    if (meta.dllm_num_steps != null) this.serverSteps = meta.dllm_num_steps;
+    for (const event of meta.step_trace || []) {
+      event.positions.forEach((p, i) => this.write(p, event.token_ids[i], event.step));
+    }
+    const start = this.incremental ? this.outputIds.length : 0;
+    const rows = meta.output_token_logprobs || [];
+    (chunk.output_ids || []).forEach((tokenId, i) => {
+      const position = start + i;
+      // an autoregressive model has no step_map: one step per token
+      const step = meta.step_map ? meta.step_map[i] : position + 1;
+      const row = rows[i];
+      if (row && row[2] != null) this.texts.set(tokenId, row[2]);
+      if (meta.block_step_map) this.blockIds[position] = step - meta.block_step_map[i];
+      this.outputIds[position] = tokenId;
+      const cell = this.cell(position);
+      const last = cell.writes[cell.writes.length - 1];
+      if (!last || last.tokenId !== tokenId) cell.writes.push({ step, tokenId });
+      cell.final = { tokenId, step, value: row ? row[0] : null };
+    });
+    if (meta.finish_reason) {
+      this.finish = meta.finish_reason;
+      this.cells.length = this.outputIds.length; // positions decoded past the stop are not output
+    }
+  }
+
+  get maxStep() {
+    let max = 0;
+    for (const cell of this.cells) for (const w of cell.writes) max = Math.max(max, w.step);
+    return max;
+  }
+
+  text(tokenId) {
+    return this.texts.has(tokenId) ? this.texts.get(tokenId) : `#${tokenId}`;
+  }
+
+  /** The block of each position: by B and the prompt length when known, else by block_step_map. */
+  blockOf(position) {
+    if (this.blockLength && this.promptTokens != null) {
+      return Math.floor((this.promptTokens + position) / this.blockLength);
+    }
+    for (let p = Math.min(position, this.blockIds.length - 1); p >= 0; p--) {
+      if (this.blockIds[p] !== undefined) return this.blockIds[p];
+    }
+    return 0;
+  }
+
+  /** Positions grouped by block, in order: [{ block, positions }]. */
+  blocks() {
+    const groups = [];
+    this.cells.forEach((_, position) => {
+      const block = this.blockOf(position);
+      const last = groups[groups.length - 1];
+      if (last && last.block === block) last.positions.push(position);
+      else groups.push({ block, positions: [position] });
+    });
+    return groups;
+  }
+
+  /** Writes per step (edits count): Map step -> tokens written. */
+  tokensPerStep() {
+    const counts = new Map();
+    for (const cell of this.cells) for (const w of cell.writes) counts.set(w.step, (counts.get(w.step) || 0) + 1);
+    return new Map([...counts.entries()].sort((a, b) => a[0] - b[0]));
+  }
+
+  /** Per block: its steps, tokens and edits. */
+  blockFigures() {
+    return this.blocks().map(({ block, positions }) => {
+      const steps = new Set();
+      let edits = 0;
+      for (const p of positions) {
+        const writes = this.cells[p].writes;
+        writes.forEach((w) => steps.add(w.step));
+        edits += Math.max(0, writes.length - 1);
+      }
+      return { block, tokens: positions.length, steps: steps.size, edits };
+    });
+  }
+}
+
+/** A saved file as runs: a /generate body (or a list of them, e.g. a batch), optionally with the
+ *  `trace` extras `python -m engine.trace --json` writes (block_length, settings, token_texts). */
+export function runsFromSaved(json, firstLabel) {
+  const bodies = Array.isArray(json) ? json : [json];
+  return bodies.map((body, k) => {
+    if (!body || typeof body !== "object" || !Array.isArray(body.output_ids) || !body.meta_info) {
+      throw new Error("this file is neither a trace (python -m engine.trace --json) nor a /generate body: " +
+                      "it needs output_ids and meta_info (with step_trace for the steps)");
+    }
+    const extras = body.trace || {};
+    const run = new Run(String.fromCharCode(firstLabel.charCodeAt(0) + k), { blockLength: extras.block_length });
+    run.settings = { ...(extras.prompt != null ? { prompt: extras.prompt } : {}), ...(extras.settings || {}) };
+    for (const [id, text] of Object.entries(extras.token_texts || {})) run.texts.set(Number(id), text);
+    run.applyChunk(body);
+    if (!run.finished) run.applyChunk({ meta_info: { finish_reason: { type: "saved" } } });
+    return run;
+  });
+}
