@@ -19,13 +19,15 @@ def _free_port() -> int:
 
 @contextlib.contextmanager
 def local_serve(num_cpus: int) -> Iterator[str]:
-    """Start a new Ray cluster (`num_cpus` logical CPUs; never one a `ray start` left on this machine) and
-    Serve; yield the proxy's base URL; shut both down."""
+    """Start a new Ray cluster (`num_cpus` logical CPUs; never one a `ray start` left on this machine; every
+    port on loopback) and Serve; yield the proxy's base URL; shut both down."""
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    from deployments.single_machine import start_local_ray
+
+    start_local_ray(num_cpus=num_cpus, include_dashboard=False, logging_level="warning", log_to_driver=False)
     import ray
     from ray import serve
 
-    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, logging_level="warning", log_to_driver=False)
     try:
         port = _free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config=QUIET)

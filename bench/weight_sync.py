@@ -17,15 +17,17 @@ import tempfile
 import time
 from pathlib import Path
 
-import ray
-import torch
-
 from bench.local_cluster import _free_port
 from configs import EngineConfig, GenerationConfig
+from deployments.single_machine import start_local_ray, use_loopback
 from engine.async_engine import AsyncEngine
 from engine.carrier import Response
 from engine.model.checkpoint import iter_weights
 from tools.tiny_checkpoint import write_tiny_checkpoint
+
+use_loopback()  # Ray reads its single-machine switch when imported: this bench's cluster listens on loopback only
+import ray  # noqa: E402
+import torch  # noqa: E402
 
 SHAPE = dict(hidden_size=1024, num_attention_heads=8, num_key_value_heads=4, head_dim=128, intermediate_size=3072)
 TOY_SHAPE = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128)
@@ -127,7 +129,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     root = Path(args.workdir or tempfile.mkdtemp(prefix="bench-weight-sync-"))
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="warning", log_to_driver=False)
+    start_local_ray(num_cpus=4, include_dashboard=False, logging_level="warning", log_to_driver=False)
     try:
         size, seconds = measure(root, args.layers, args.repeats, TOY_SHAPE if args.toy else SHAPE)
     finally:

@@ -25,23 +25,33 @@ autoscaling knobs below).
         "ingress": {"max_batch_size": 16, "batch_wait_timeout_s": 0.005, "api_key": None,
                     "max_body_bytes": 8388608, "max_concurrent_requests": None, "max_queued_requests": None,
                     "retry_after_s": 1, "max_ongoing_requests": 1024, "num_replicas": 1,
-                    "ray_actor_options": {"num_cpus": 0.5}},
-    }
+                    "ray_actor_options": {"num_cpus": 0.5, "resources": {"node:__internal_head__": 0.001}}},
+    }                                        # the ingress's default options pin it to the head node
 """
 
 from __future__ import annotations
 
+import copy
 from pathlib import PurePath
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from ray.serve import Application
+from ray.serve import Application, Deployment
 
 from configs import EngineConfig
 from deployments.engine_server import EngineServer
 from deployments.http import DEFAULT_MAX_BODY_BYTES, RETRY_AFTER_S
 from deployments.ingress import Ingress
-from deployments.placement import Group, Strategy, actor_resources, bundle_of, check_fits, cluster_nodes
+from deployments.placement import (
+    INGRESS_ACTOR_OPTIONS,
+    Group,
+    Strategy,
+    actor_resources,
+    bundle_of,
+    check_fits,
+    cluster_nodes,
+)
+from deployments.single_machine import check_serve_port_not_shared
 from engine.model.source import resolve_model_path
 
 ROUTERS = {"prefix_aware": "deployments.router:PrefixAffinityRouter",
@@ -65,7 +75,8 @@ class IngressArgs(BaseModel):
     max_queued_requests: int | None = Field(None, ge=1)
     retry_after_s: int = Field(RETRY_AFTER_S, ge=0)
     num_replicas: int = Field(1, ge=1)
-    ray_actor_options: dict[str, Any] = Field(default_factory=lambda: {"num_cpus": 0.5})
+    # default: on the head node (deployments.placement); options of your own place it as they say
+    ray_actor_options: dict[str, Any] = Field(default_factory=lambda: copy.deepcopy(INGRESS_ACTOR_OPTIONS))
 
 
 class AppArgs(BaseModel):
@@ -174,6 +185,12 @@ def ingress_options(ing: IngressArgs) -> dict[str, Any]:
 
 
 def build_app(args: dict[str, Any]) -> Application:
+    return build_app_with(args, Ingress)
+
+
+def build_app_with(args: dict[str, Any], ingress: Deployment) -> Application:
+    """`build_app` with another ingress deployment taking Ingress's arguments (deployments.llm's
+    per-model ingress, for several models in one application)."""
     try:
         parsed = AppArgs.model_validate(args)
         config = EngineConfig(**parsed.engine)
@@ -184,12 +201,13 @@ def build_app(args: dict[str, Any]) -> Application:
     nodes = cluster_nodes()
     if nodes is not None:  # not connected (a dry build): Serve checks nothing either
         check_fits(placement_groups(options, parsed.ingress), nodes)
+        check_serve_port_not_shared()
     server = EngineServer.options(**options).bind(
         model, config.model_dump(), tp_timeout_s=parsed.tp_timeout_s, stall_timeout_s=parsed.stall_timeout_s,
         tp_worker_options=tp_worker_options(options), debug_hooks=parsed.debug_hooks,
         hold_timeout_s=parsed.hold_timeout_s)
     ing = parsed.ingress
-    return Ingress.options(**ingress_options(ing)).bind(
+    return ingress.options(**ingress_options(ing)).bind(
         server, model, served_model_name=parsed.served_model_name or PurePath(parsed.model).name,
         max_batch_size=ing.max_batch_size, batch_wait_timeout_s=ing.batch_wait_timeout_s, api_key=ing.api_key,
         max_body_bytes=ing.max_body_bytes, max_concurrent_requests=ing.max_concurrent_requests,

@@ -5,9 +5,13 @@ It builds the application serve_config.yaml describes (`deployments.app:build_ap
 or a Hugging Face model id. `--config FILE` reads app args from YAML (the presets in configs/, or the
 `args` of an application in a Serve config); flags override it. Every EngineConfig field is a flag in
 kebab-case (`--max-model-len 1024`, `--logprobs-mode raw_logprobs`, `--no-enable-prefix-caching`).
-The Ray cluster is the one RAY_ADDRESS names, else a new local one. Once the application answers, it
-prints one line with its URL and the Ray cluster's address (what RAY_ADDRESS must be for a Serve handle
-client); an application that cannot be built or placed ends the command with the reason, exit status 1.
+The Ray cluster is the one RAY_ADDRESS names, else a new one on this machine whose every port listens on
+127.0.0.1 only (`deployments.single_machine`). Before a new cluster starts, the HTTP port is checked and
+MODEL resolved and checked (a directory with config.json, weights and tokenizer.json, or a Hugging Face
+id): a port in use or a model not found ends the command at once with one line naming it. Once the
+application answers, it prints one line with its URL and the Ray cluster's address (what RAY_ADDRESS must
+be for a Serve handle client); an application that cannot be built or placed ends the command with the
+reason, exit status 1.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ from typing import Any
 import yaml
 
 from configs import EngineConfig
+from deployments.sglang import dllm_algorithm
+from deployments.single_machine import check_port_free, start_local_ray
 
 APP_NAME = "blockserve"
 NONE_WORDS = {"none", "null"}
@@ -76,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
                        default=argparse.SUPPRESS,
                        help="tp > 1: STRICT_PACK (default) keeps a replica's ranks on one node, PACK may span nodes")
     _add_engine_flags(serve)
+    dllm_algorithm.add_flags(serve)
     return parser
 
 
@@ -103,19 +110,36 @@ def app_args(ns: argparse.Namespace) -> dict[str, Any]:
             args[section] = {**(args.get(section) or {}), name: value}
         elif key in ("served_model_name", "num_replicas", "placement_strategy"):
             args[key] = value
+    dllm_algorithm.apply(ns, args)
     return args
 
 
+def preflight(args: dict[str, Any], host: str, port: int) -> None:
+    """What can be checked before Ray starts: the HTTP port (for a new local cluster; one that RAY_ADDRESS
+    names has its own proxies) and the model. Exits with one line naming the problem."""
+    from engine.model.source import resolve_model_path
+
+    try:
+        if not os.environ.get("RAY_ADDRESS"):
+            check_port_free(host, port)
+        resolve_model_path(str(args["model"]))
+    except (OSError, ValueError) as e:  # PortInUseError, a model not found, CheckpointError
+        raise SystemExit(f"blockserve serve: {e}") from None
+
+
 def serve(args: dict[str, Any], host: str, port: int) -> None:
-    """Run the app on the cluster RAY_ADDRESS names (else a new local one) until Ctrl-C. An app that
-    cannot be built (bad args, a model not found, resources no node offers) exits with the reason."""
+    """Run the app on the cluster RAY_ADDRESS names (else a new local one, on loopback) until Ctrl-C. An
+    app that cannot be built (bad args, a model not found, resources no node offers) exits with the
+    reason."""
+    if not os.environ.get("RAY_ADDRESS"):
+        start_local_ray()  # before `import ray`: a new cluster on loopback, never one a `ray start` left
     import ray
     from ray import serve as ray_serve
 
     from deployments.app import build_app
 
-    # "local": without RAY_ADDRESS a new cluster, never one that a `ray start` left on this machine
-    ray.init(address=None if os.environ.get("RAY_ADDRESS") else "local")
+    if not ray.is_initialized():
+        ray.init()  # the cluster RAY_ADDRESS names
     try:
         app = build_app(args)
     except (ValueError, FileNotFoundError) as e:  # PlacementError is a ValueError
@@ -136,7 +160,9 @@ def serve(args: dict[str, Any], host: str, port: int) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     ns = build_parser().parse_args(argv)
-    serve(app_args(ns), ns.host, ns.port)
+    args = app_args(ns)
+    preflight(args, ns.host, ns.port)
+    serve(args, ns.host, ns.port)
 
 
 if __name__ == "__main__":

@@ -2,9 +2,10 @@
 Serve deployment.
 
 HTTP: SGLang's /generate (`sglang/`), OpenAI's /v1/* (`openai/`), the RL control routes (`rl/`),
-/health and /metrics (`admin`). Each protocol's routes mixin lists its routes (`ROUTES`), and this
-module adds them to the FastAPI app, as Ray Serve LLM's `make_fastapi_ingress` does with its
-endpoint maps. Bad input is a 4xx `{"error": {"message", "type", "param"}}`, never a 5xx.
+/health and /metrics (`admin`), the denoising viewer page /viewer (`viewer/`). Each protocol's
+routes mixin lists its routes (`ROUTES`), and this module adds them to the FastAPI app, as Ray Serve
+LLM's `make_fastapi_ingress` does with its endpoint maps. Bad input is a 4xx
+`{"error": {"message", "type", "param"}}`, never a 5xx.
 
 Handles (other Ray jobs): `generate(dict) -> dict` returns exactly the HTTP unary JSON, and
 `generate_stream(dict)` yields exactly the SSE deltas; the RL control methods take the HTTP route's
@@ -33,8 +34,12 @@ from deployments.openai.routes import OpenAIRoutes
 from deployments.rl.routes import RLRoutes
 from deployments.sglang.protocol import GenerateRequest, NativeGenerateRequest
 from deployments.sglang.routes import SGLangRoutes
+from deployments.single_machine import keep_replica_grpc_on_loopback
 from deployments.tokens import TokenText
+from deployments.viewer import add_viewer
 from engine.tokenizer import load_tokenizer
+
+keep_replica_grpc_on_loopback()  # a replica on a loopback node listens on loopback only
 
 ROUTE_MIXINS = (SGLangRoutes, OpenAIRoutes, RLRoutes, AdminRoutes)
 REQUEST_MODELS = (GenerateRequest, NativeGenerateRequest, CompletionRequest, ChatCompletionRequest)
@@ -51,6 +56,7 @@ for _mixin in ROUTE_MIXINS:
                           **_route.options)
 app.openapi = functools.partial(openapi_schema, app, REQUEST_MODELS)
 add_docs(app)
+add_viewer(app)
 
 
 @app.exception_handler(StarletteHTTPException)

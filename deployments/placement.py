@@ -5,6 +5,11 @@ Serve never fails a replica whose resources no node can offer: it waits, the app
 DEPLOYING and an HTTP request hangs. So the application builder checks first (`check_fits`) and
 refuses with the resources that are missing.
 
+The ingress replicas go on the head node by default (`INGRESS_ACTOR_OPTIONS`): the head holds the
+cluster's GCS and a Serve proxy, so losing a worker node takes only engine replicas, whose requests
+end with 503 + Retry-After or an error chunk, never an ingress with requests in flight (which Ray's
+proxy would answer with a bare 500).
+
 Strategies for a tensor-parallel group (one placement group per replica, one bundle per rank):
 `STRICT_PACK` (the default) puts every rank on one node, as NCCL over NVLink wants; `PACK` lets
 Ray spread the bundles over several nodes when one is not enough (gloo on CPU, or NCCL across
@@ -21,6 +26,10 @@ Strategy = Literal["STRICT_PACK", "PACK"]
 
 # Resource names Ray accounts for but that are not asked for by count here.
 _IGNORED = ("memory", "object_store_memory")
+
+# Ray's resource of the head node (1 unit there, none elsewhere); a sliver of it pins an actor there.
+HEAD_NODE = {"node:__internal_head__": 0.001}
+INGRESS_ACTOR_OPTIONS = {"num_cpus": 0.5, "resources": HEAD_NODE}
 
 
 class PlacementError(ValueError):

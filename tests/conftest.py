@@ -66,9 +66,10 @@ def serve_cluster():
     import ray
     from ray import serve
 
-    # address="local": always a cluster of our own, never one another process started on this machine
-    ctx = ray.init(address="local", num_cpus=16, include_dashboard=False, configure_logging=True,
-                   logging_level="warning")
+    from deployments.single_machine import start_local_ray
+
+    # always a cluster of our own (never one another process started on this machine), on loopback
+    ctx = start_local_ray(num_cpus=16, include_dashboard=False, configure_logging=True, logging_level="warning")
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config=QUIET)
     yield ServeCluster(url=f"http://127.0.0.1:{port}", address=ctx.address_info["address"])

@@ -8,7 +8,8 @@ each with logical CPUs and custom resources that force where replicas go. Prints
   at build time with the missing resources named; PACK places rank 0 and rank 1 on different nodes.
 - loss: two replicas on nodes C and D (resource `loss`; node E joins with a spare unit); streams in
   flight on both, generation paused in place (so what the loss hits is known whenever it lands), then
-  node C is removed without warning and generation continues. Every request is answered (lost = 0);
+  node C is removed without warning and generation continues. The ingress is where the app's default
+  puts it, on the head node. Every request is answered (lost = 0);
   the ones C held end with an explicit error, all others complete; new requests succeed once Serve
   replaced the replica on E.
 - unschedulable: an app whose engine replica needs a resource that exists (so it passes the build-time
@@ -32,7 +33,6 @@ from ray_env import QUIET, SERVE_ENGINE, set_test_ray_environment
 
 set_test_ray_environment()
 ENGINE = SERVE_ENGINE
-HEAD_ONLY = {"num_cpus": 0.5, "resources": {"head": 0.01}}  # ingress replicas stay on the head node
 PROMPTS = ["Hello world", "Question: what is 7 * 8? Answer:", "Once upon a time", "def f(x):", "1, 2, 3,", "abc"]
 # Fast node-failure detection: the GCS declares a silent node dead after ~3 s instead of ~30 s.
 SYSTEM_CONFIG = {"health_check_initial_delay_ms": 0, "health_check_period_ms": 1000,
@@ -62,10 +62,10 @@ def _alive_actors() -> list[dict[str, Any]]:
     return [a for a in ray._private.state.actors().values() if a["State"] == "ALIVE"]
 
 
-def _replica_nodes(app: str) -> dict[str, str]:
-    """EngineServer replica id -> node id, for the app's live replicas."""
+def _replica_nodes(app: str, deployment: str = "EngineServer") -> dict[str, str]:
+    """Replica id -> node id, for the live replicas of one of the app's deployments."""
     return {a["Name"].split("#")[-1]: a["Address"]["NodeID"] for a in _alive_actors()
-            if a["ActorClassName"] == f"ServeReplica:{app}:EngineServer"}
+            if a["ActorClassName"] == f"ServeReplica:{app}:{deployment}"}
 
 
 def _generate(url: str, prompt: str) -> dict[str, Any]:
@@ -77,11 +77,9 @@ def spread(url: str, ckpt: str, nodes: dict[str, str]) -> dict[str, Any]:
     from ray import serve
 
     ref = _deploy(url, "ref", {"model": ckpt, "engine": ENGINE, "ray_actor_options": {"num_cpus": 1,
-                                                                                       "resources": {"head": 0.01}},
-                               "ingress": {"ray_actor_options": HEAD_ONLY}})
+                                                                                       "resources": {"head": 0.01}}})
     two = _deploy(url, "spread", {"model": ckpt, "engine": ENGINE, "num_replicas": 2,
-                                  "ray_actor_options": {"num_cpus": 1, "resources": {"spread": 1}},
-                                  "ingress": {"ray_actor_options": HEAD_ONLY}})
+                                  "ray_actor_options": {"num_cpus": 1, "resources": {"spread": 1}}})
     expected = [_generate(ref, p)["output_ids"] for p in PROMPTS]
     got = [_generate(two, p)["output_ids"] for p in PROMPTS]  # distinct prefixes: spread over both replicas
     stats = serve.get_app_handle("spread").engine_stats.remote().result()
@@ -97,8 +95,7 @@ def tp(url: str, ckpt: str, nodes: dict[str, str]) -> dict[str, Any]:
 
     from deployments.placement import PlacementError
 
-    args = {"model": ckpt, "engine": dict(ENGINE, tp=2), "ray_actor_options": {"num_cpus": 1, "resources": {"tp": 1}},
-            "ingress": {"ray_actor_options": HEAD_ONLY}}
+    args = {"model": ckpt, "engine": dict(ENGINE, tp=2), "ray_actor_options": {"num_cpus": 1, "resources": {"tp": 1}}}
     try:
         _deploy(url, "tp_strict", args)
         strict_error = None
@@ -161,9 +158,9 @@ def loss(url: str, ckpt: str, nodes: dict[str, str], cluster, victim) -> dict[st
 
     app = _deploy(url, "loss", {"model": ckpt, "engine": ENGINE, "num_replicas": 2, "request_router": "power_of_two",
                                 "ray_actor_options": {"num_cpus": 1, "resources": {"loss": 1}},
-                                "health_check_period_s": 1.0, "health_check_timeout_s": 5.0,
-                                "ingress": {"ray_actor_options": HEAD_ONLY}})
+                                "health_check_period_s": 1.0, "health_check_timeout_s": 5.0})
     placed = {rid: nodes[n] for rid, n in _replica_nodes("loss").items()}
+    ingress_nodes = sorted(nodes[n] for n in _replica_nodes("loss", "Ingress").values())  # the default placement
     nodes[cluster.add_node(num_cpus=3, resources={"loss": 1}).node_id] = "E"
     cluster.wait_for_nodes()
     handle = serve.get_app_handle("loss")
@@ -194,7 +191,7 @@ def loss(url: str, ckpt: str, nodes: dict[str, str], cluster, victim) -> dict[st
             recovered = all(_generate(app, p).get("output_ids") for p in PROMPTS)
             break
         time.sleep(1)
-    result.update(replica_nodes_before=sorted(placed.values()), new_requests_ok=recovered,
+    result.update(replica_nodes_before=sorted(placed.values()), ingress_nodes=ingress_nodes, new_requests_ok=recovered,
                   replica_nodes_after=sorted(nodes.get(n, "?") for n in _replica_nodes("loss").values()))
     return result
 
@@ -214,8 +211,7 @@ def unschedulable(url: str, ckpt: str) -> dict[str, Any]:
 
     holder = ray.remote(resources={"busy": 1})(Holder).remote()
     ray.get(holder.ready.remote())
-    args = {"model": ckpt, "engine": ENGINE, "ray_actor_options": {"num_cpus": 1, "resources": {"busy": 1}},
-            "ingress": {"ray_actor_options": HEAD_ONLY}}
+    args = {"model": ckpt, "engine": ENGINE, "ray_actor_options": {"num_cpus": 1, "resources": {"busy": 1}}}
     serve._run(build_app(args), _blocking=False, name="stuck", route_prefix="/stuck", logging_config=QUIET)
     answers: list[dict[str, Any]] = []
     deadline = time.monotonic() + 60

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 
+from deployments.single_machine import LOOPBACK_ENV
+
 QUIET = {"log_level": "WARNING", "enable_access_log": False}  # Serve's logging_config for test apps
 
 # Small engines for tiny checkpoints (EngineConfig field names).
@@ -16,6 +18,8 @@ def set_test_ray_environment() -> None:
     """Settings the Ray processes read at start; call before starting a cluster. Values already in the
     environment win."""
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    for name, value in LOOPBACK_ENV.items():  # every port of the tests' clusters on 127.0.0.1 (read at `import ray`)
+        os.environ.setdefault(name, value)
     # Ray starts its workers at nice 15, so any busy normal-priority process on a shared machine starves
     # the cluster under test; the tests' own cluster runs its workers at normal priority.
     os.environ.setdefault("RAY_worker_niceness", "0")

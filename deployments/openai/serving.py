@@ -18,6 +18,7 @@ from deployments.generation import (
     output_fields,
     rows,
     top_rows,
+    weight_meta,
 )
 from deployments.openai.protocol import ChatCompletionRequest, CompletionRequest, OpenAIFields
 from deployments.wire import EngineRequest, Prompt
@@ -182,7 +183,7 @@ class ChoiceFormatter:
                                   else self._chat_logprobs(out))
         choice["finish_reason"] = out.get("finish_reason")
         choice["step_map"] = None if out.get("step_map") is None else list(out["step_map"])
-        choice["weight_version"] = out.get("weight_version")
+        choice.update(weight_meta(out))
         choice.update(dllm_steps(out))
         choice.update(on_request_meta(out))
         self.first = False

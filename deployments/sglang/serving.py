@@ -19,6 +19,7 @@ from deployments.generation import (
     on_request_meta,
     output_fields,
     top_rows,
+    weight_meta,
 )
 from deployments.sglang.protocol import GenerateRequest, NativeGenerateRequest, is_native, sglang_body
 from deployments.wire import EngineRequest, Prompt
@@ -170,7 +171,7 @@ def generate_body(out: Mapping[str, Any], req: GenerationConfig,
             "input_top_logprobs": None if input_top is None else [_triples(r, token_text) for r in input_top],
             "step_map": None if out.get("step_map") is None else list(out["step_map"]),
             "step_trace": None if out.get("step_trace") is None else [dict(e) for e in out["step_trace"]],
-            "weight_version": out.get("weight_version"),
+            **weight_meta(out),
             **dllm_steps(out),
             **on_request_meta(out),
         },

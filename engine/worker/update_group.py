@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import datetime
+import socket
+import time
+from urllib.parse import urlsplit
 
 from torch.distributed.distributed_c10d import (
     Backend,
@@ -18,6 +21,25 @@ from engine.errors import WeightUpdateError
 WEIGHT_OP_TIMEOUT_S = 1800.0  # staging by broadcast waits for the trainer: far longer than a forward
 GROUP_JOIN_TIMEOUT_S = 120.0  # how long the members of a new update group have to meet
 _JOINED_KEY = "blockserve/joined/"  # set by every non-trainer rank of ours once it reached the store
+_PROBE_INTERVAL_S = 0.5
+
+
+def _store_answers(init_method: str, timeout_s: float) -> bool:
+    """Whether the TCP store at a `tcp://host:port` init method accepts a connection within `timeout_s`
+    (True for other init methods: nothing to probe). Probed with a plain socket first because torch's
+    own store client logs every failed try with a page of C++ stack."""
+    url = urlsplit(init_method)
+    if url.scheme != "tcp" or url.hostname is None or url.port is None:
+        return True
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((url.hostname, url.port), timeout=max(0.1, min(2.0, timeout_s))):
+                return True
+        except OSError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(_PROBE_INTERVAL_S)
 
 
 def init_custom_process_group(backend: str, init_method: str, world_size: int, rank: int, group_name: str,
@@ -33,6 +55,9 @@ def init_custom_process_group(backend: str, init_method: str, world_size: int, r
     join_s = timeout_s if join_timeout_s is None else join_timeout_s
     join = datetime.timedelta(seconds=join_s)
     where = f"{group_name!r} at {init_method} (world_size {world_size})"
+    if rank != 0 and not _store_answers(init_method, join_s):
+        raise WeightUpdateError(f"weight update group {where}: rank 0 (the trainer) never connected within "
+                                f"{join_s:g}s (nothing accepts connections at {init_method})")
     try:
         store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=join))
     except RuntimeError as e:  # DistNetworkError / DistStoreError: nobody hosts the store there
