@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from configs import EngineConfig, GenerationConfig
 from engine.carrier import OutputChunk, Response
 from engine.core.llm_engine import LLMEngine
+from engine.worker.runner import MEMORY_TAGS
 from engine.worker.weight_sources import DiskWeights, tensor_source
 
 Prompt = str | list[int]
@@ -68,16 +69,40 @@ class Pipeline:
 
     def stream(self, prompt: Prompt, gen_config: GenerationConfig | None = None) -> Iterator[OutputChunk]:
         """Yield one request's OutputChunk deltas as the engine makes them (one sample: n must be 1)."""
-        if gen_config is not None and gen_config.n != 1:
-            raise ValueError("stream() follows one sample: use n=1 (or pipe(...) for n samples)")
-        rid = self.engine.add_request(prompt, gen_config)
-        finished = False
+        for _, chunk in self.stream_batch([prompt], [gen_config]):
+            yield chunk
+
+    def stream_batch(self, prompts: list[Prompt], gen_configs: list[GenerationConfig | None],
+                     max_active: int | None = None) -> Iterator[tuple[int, OutputChunk]]:
+        """Yield `(prompt index, OutputChunk delta)` for every prompt as the engine makes them, the
+        prompts decoded together: at most `max_active` in the engine at once (None: all), the next
+        one added as soon as one finishes. One sample per prompt (n must be 1). Requests still in the
+        engine when the caller stops iterating are aborted."""
+        if len(gen_configs) != len(prompts):
+            raise ValueError(f"gen_configs: one GenerationConfig per prompt ({len(prompts)}), got {len(gen_configs)}")
+        if any(c is not None and c.n != 1 for c in gen_configs):
+            raise ValueError("streaming follows one sample per prompt: use n=1 (or pipe(...) for n samples)")
+        if max_active is not None and max_active < 1:
+            raise ValueError(f"max_active={max_active}: must be at least 1")
+        limit = max_active or max(len(prompts), 1)
+        queued = iter(enumerate(zip(prompts, gen_configs)))
+        active: dict[str, int] = {}  # request id -> prompt index
         try:
-            for chunk in self._drain({rid}):
-                finished = chunk.finished
-                yield chunk
+            while True:
+                while len(active) < limit and (nxt := next(queued, None)) is not None:
+                    index, (prompt, config) = nxt
+                    active[self.engine.add_request(prompt, config)] = index
+                if not active:
+                    return
+                for chunk in self.engine.step():
+                    index = active.get(chunk.request_id)
+                    if index is None:
+                        continue
+                    if chunk.finished:
+                        del active[chunk.request_id]
+                    yield index, chunk
         finally:
-            if not finished:
+            for rid in active:
                 self.engine.abort(rid)
 
     def _drain(self, pending: set[str]) -> Iterator[OutputChunk]:
@@ -97,6 +122,15 @@ class Pipeline:
                                    load_format: str | None = None) -> str:
         """Swap in full tensors by checkpoint name (or SGLang's `flattened_bucket` payload)."""
         return self.engine.update_weights(tensor_source(named_tensors, load_format), weight_version)
+
+    def release_memory(self, tags: list[str] | None = None) -> None:
+        """Free the weights and/or the KV cache (`["weights", "kv_cache"]`, None = both) until
+        `resume_memory`; requests running keep their tokens and resume after."""
+        self.engine.release_memory(list(MEMORY_TAGS if tags is None else tags))
+
+    def resume_memory(self, tags: list[str] | None = None) -> None:
+        """Restore what `release_memory` freed (None = both)."""
+        self.engine.resume_memory(list(MEMORY_TAGS if tags is None else tags))
 
     def close(self) -> None:
         for rid in list(self.engine.seqs):

@@ -197,6 +197,13 @@ def test_serve_configs_named_exist_and_hold_valid_args():
     for name in configs:
         data = yaml.safe_load((ROOT / name).read_text())
         for application in data["applications"]:
+            if application["import_path"] == "deployments.llm:build_openai_app":  # a Ray Serve LLM config
+                from deployments.llm.config import LLMServingArgs
+                from deployments.llm.config import app_args as llm_app_args
+
+                for config in LLMServingArgs.model_validate(application["args"]).llm_configs:
+                    _valid_app_args(llm_app_args(config))
+                continue
             assert application["import_path"] == "deployments.app:build_app"
             _valid_app_args(application["args"])
 

@@ -13,7 +13,7 @@ HEAVY = ("engine.model", "engine.worker", "engine.executor", "engine.core", "eng
 
 
 def test_importing_the_ingress_loads_no_model_code():
-    code = ("import json, sys; import deployments.ingress; "
+    code = ("import json, sys; import deployments.ingress, deployments.llm.router, deployments.llm.forwarding; "
             "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in ('engine', 'ops', 'torch'))))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
