@@ -19,9 +19,10 @@ from pathlib import Path
 
 from bench.local_cluster import _free_port
 from configs import EngineConfig, GenerationConfig
-from deployments.single_machine import start_local_ray, use_loopback
+from deployments.single_machine import start_local_ray
 from engine.async_engine import AsyncEngine
 from engine.carrier import Response
+from engine.local_ray import use_loopback
 from engine.model.checkpoint import iter_weights
 from tools.tiny_checkpoint import write_tiny_checkpoint
 

@@ -2,16 +2,11 @@
 benches): reachable from this machine only, and refused before they start when their HTTP port is
 taken.
 
-Loopback: Ray's single-machine mode (`RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`, Ray's default on macOS
-and Windows) gives the node the IP 127.0.0.1, and every Ray process of the node then listens on it:
-the GCS, the raylet and its object manager, the workers, the dashboard and metrics agents, Serve's
-proxy and controller. Naming 127.0.0.1 as the node IP (`ray start --node-ip-address`,
-`ray.init(_node_ip_address=...)`) is not enough on Linux: Ray replaces a loopback node IP with the
-machine's address. A cluster in this mode takes no other nodes (`ray start --address` refuses), so a
-multi-node cluster is started by hand (docs/deploy.md).
-
-The variable is read when `ray` is imported, so it is set before that; a process that imported Ray
-earlier gets an error from `start_local_ray` rather than a cluster open to the network.
+Loopback: Ray's single-machine mode (engine.local_ray) gives the node the IP 127.0.0.1, and
+every Ray process of the node then listens on it: the GCS, the raylet and its object manager, the
+workers, the dashboard and metrics agents, Serve's proxy and controller. A cluster in this mode takes
+no other nodes (`ray start --address` refuses), so a multi-node cluster is started by hand
+(docs/deploy.md).
 
 One listener ignores the node IP: every Serve replica opens a gRPC server for calls between
 deployments on all interfaces (`[::]:0`), unauthenticated when Ray's token auth is off.
@@ -26,48 +21,26 @@ The HTTP port: `check_port_free` before a new cluster starts (`blockserve serve`
 from __future__ import annotations
 
 import functools
-import ipaddress
 import os
 import socket
 import sys
 from collections.abc import Callable
 from typing import Any
 
-LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+from engine.local_ray import is_loopback
+from engine.local_ray import start_local_ray as start_loopback_ray
 
 
 class PortInUseError(ValueError):
     """The HTTP port the application would be served on is taken (a configuration to change)."""
 
 
-def use_loopback() -> None:
-    """Make the Ray clusters this process starts listen on 127.0.0.1 only (before `import ray`)."""
-    os.environ.update(LOOPBACK_ENV)
-
-
-def is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
-
-
 def start_local_ray(**init_kwargs: Any) -> Any:
-    """`ray.init` of a new cluster on this machine (never one a `ray start` left running), every port on
-    loopback. Returns Ray's context; its address (`ctx.address_info["address"]`) is 127.0.0.1:PORT."""
-    use_loopback()
-    # One node, one Serve proxy: it binds its port alone, so a later server on that port fails to start
-    # instead of sharing the port (SO_REUSEPORT) and taking part of this one's traffic.
+    """A new Ray cluster on this machine, every port on loopback (engine.local_ray), whose Serve
+    proxy binds its HTTP port alone: a later server on that port fails to start instead of sharing it
+    (SO_REUSEPORT) and taking part of this one's traffic. Returns Ray's context."""
     os.environ["SERVE_SOCKET_REUSE_PORT_ENABLED"] = "0"
-    import ray
-
-    ctx = ray.init(address="local", **init_kwargs)
-    node_ip = ctx.address_info["node_ip_address"]
-    if not is_loopback(node_ip):
-        ray.shutdown()
-        raise RuntimeError(f"the new Ray cluster would listen on {node_ip}, not on loopback: Ray was imported "
-                           f"before {', '.join(LOOPBACK_ENV)} was set; set it in the environment")
-    return ctx
+    return start_loopback_ray(**init_kwargs)
 
 
 def check_port_free(host: str, port: int) -> None:

@@ -32,8 +32,11 @@ def _is_single(prompts: Prompt | list[Prompt]) -> bool:
 
 
 class Pipeline:
-    def __init__(self, model_path: str, engine_config: EngineConfig | None = None):
-        self.engine = LLMEngine(model_path, engine_config or EngineConfig())
+    def __init__(self, model_path: str, engine_config: EngineConfig | None = None, executor_factory=None):
+        """`executor_factory(spec, config)` builds how the engine reaches its ranks: None runs tp=1 in this
+        process; `engine.executor.ray_tp.RayTPExecutor` runs `config.tp` shards as Ray actors of the Ray
+        cluster this process is connected to."""
+        self.engine = LLMEngine(model_path, engine_config or EngineConfig(), executor_factory)
 
     @property
     def tokenizer(self):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from deployments.single_machine import LOOPBACK_ENV
+from engine.local_ray import LOOPBACK_ENV
 
 QUIET = {"log_level": "WARNING", "enable_access_log": False}  # Serve's logging_config for test apps
 

@@ -122,3 +122,19 @@ def test_bad_sampling_params_name_jetengines_field(llm):
         llm.generate(["Hi"], SamplingParams(topp=0.0))
     with pytest.raises(ValueError, match="SamplingParams.block_length"):
         llm.generate(["Hi"], SamplingParams(block_length=8))
+
+
+def test_tensor_parallel_size_2_runs_on_ray_and_equals_tp1(serve_cluster, dllm_ckpt, llm):
+    """`tensor_parallel_size=2`: rank 1 is a Ray actor of the cluster this process is connected to; the
+    rollouts (tokens, trajectories) equal tp=1's."""
+    sp = SamplingParams(temperature=0.0, max_tokens=8, remasking_strategy="low_confidence_dynamic", block_length=4,
+                        denoising_steps=4, dynamic_threshold=0.9)
+    prompts = ["Explain reinforcement learning.", [5, 6, 7, 8, 9, 10]]
+    sharded = LLM(dllm_ckpt, tensor_parallel_size=2, mask_token_id=mask_id(dllm_ckpt), block_length=4, **KV)
+    try:
+        assert sharded._pipe.engine.load()["executor"] == "ray_tp"
+        outs = sharded.generate(prompts, sp)
+    finally:
+        sharded.shutdown()
+    want = llm.generate(prompts, sp)
+    assert [(o["token_ids"], o["trajectory"]) for o in outs] == [(o["token_ids"], o["trajectory"]) for o in want]

@@ -14,12 +14,15 @@ with `offload_parameters()` / `free_all_resources()`; the next reload brings the
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import Any
 
 from configs import GenerationConfig
 from configs.trajectory import DllmTrajectory
 from engine.carrier import Response
 from engine.jetengine.params import Config, SamplingParams, to_engine_config, to_generation_config
+from engine.local_ray import start_local_ray
 from engine.model.checkpoint import load_model_spec
 from engine.model.source import resolve_model_path
 from engine.offline import Pipeline
@@ -52,7 +55,9 @@ class LLM:
         path = resolve_model_path(model)
         engine_config = to_engine_config(self.config, load_model_spec(path).max_position_embeddings,
                                          on_cuda=torch.cuda.is_available())
-        self._pipe = Pipeline(path, engine_config.model_copy(update={"logprobs_mode": "processed_logprobs"}))
+        self._own_ray = False
+        self._pipe = Pipeline(path, engine_config.model_copy(update={"logprobs_mode": "processed_logprobs"}),
+                              self._tp_executor() if engine_config.tp > 1 else None)
         engine = self._pipe.engine
         if not engine.is_dllm:
             self._pipe.close()
@@ -63,6 +68,19 @@ class LLM:
             raise ValueError(f"mask_token_id={self.config.mask_token_id}: the checkpoint's mask token is "
                              f"{engine.mask_id}; pass that (or leave mask_token_id unset)")
         self._released: list[str] = []
+
+    def _tp_executor(self) -> Any:
+        """The Ray executor for `tensor_parallel_size > 1`: ranks 1.. as Ray actors of the cluster this
+        process is connected to, else of a new one on this machine that listens on loopback only (shut
+        down with the LLM)."""
+        ray = sys.modules.get("ray")
+        if ray is None or not ray.is_initialized():
+            start_local_ray(num_cpus=max(self.config.tensor_parallel_size, os.cpu_count() or 1),
+                            include_dashboard=False, logging_level="warning", log_to_driver=False)
+            self._own_ray = True
+        from engine.executor.ray_tp import RayTPExecutor
+
+        return RayTPExecutor
 
     @property
     def tokenizer(self) -> Any:
@@ -140,5 +158,10 @@ class LLM:
 
     def shutdown(self) -> None:
         self._pipe.close()
+        if self._own_ray:
+            import ray
+
+            ray.shutdown()
+            self._own_ray = False
 
     exit = shutdown
