@@ -14,6 +14,7 @@ from typing import Any
 from ray import serve
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
+from deployments.batch_calls import BatchCalls
 from deployments.errors import ApiError, is_error_item, unavailable
 from deployments.http import engine_call_error
 from deployments.wire import EngineRequest
@@ -76,6 +77,7 @@ class EngineClient:
     def _init_engine_client(self, max_batch_size: int, batch_wait_timeout_s: float) -> None:
         self._engine_seen_at = 0.0  # when an engine replica was last seen running
         self._info: dict[str, Any] | None = None
+        self._batch_calls = BatchCalls(self._broadcast)  # aborts the requests whose callers left
         self._batched_generate.set_max_batch_size(max_batch_size)
         self._batched_generate.set_batch_wait_timeout_s(batch_wait_timeout_s)
 
@@ -84,7 +86,7 @@ class EngineClient:
         self.metrics.batches.inc()
         self.metrics.batched.inc(len(requests))
         try:
-            return await self.engine.generate_batch.remote(requests)
+            return await self._batch_calls.run(self.engine.generate_batch, requests)
         except Exception as e:  # full, died or unreachable: every request in the batch fails
             if not isinstance(e, BackPressureError):
                 log.exception("generate_batch failed")
@@ -141,7 +143,11 @@ class EngineClient:
         """The folded result dict of one request; ApiError for refusals and engine failures (503: the
         engine replica failed under the request; Serve replaces it, so a retry is the remedy)."""
         await self._require_engine()
-        out = await self._batched_generate(req.model_dump())
+        try:
+            out = await self._batched_generate(req.model_dump())
+        except asyncio.CancelledError:  # the client left: abort the request in the engine, as a stream's
+            self._batch_calls.abandon(req.request_id)
+            raise
         if is_error_item(out):
             raise ApiError.from_item(out)
         self._count(out)
@@ -168,13 +174,20 @@ class EngineClient:
             raise ApiError.from_item(first)
 
         async def deltas() -> AsyncIterator[dict[str, Any]]:
-            last = first
+            last, message = first, "the engine replica ended the stream without finishing the request"
             try:
                 yield first
                 if first.get("finish_reason") is None:
                     async for item in gen:
+                        if is_error_item(item):  # a refusal after the first delta ends the request
+                            message = item["rejected"].get("message") or message
+                            break
                         last = item
                         yield item
+                if last.get("finish_reason") is None:  # every request ends with a finish reason or an error
+                    log.error("stream %s ended without a finish reason: %s", req.request_id, message)
+                    last = _error_result(req.request_id, message, last)
+                    yield last
             except Exception as e:  # noqa: BLE001 - the replica died mid-stream
                 log.exception("stream %s failed", req.request_id)
                 last = _error_result(req.request_id, f"the engine replica failed: {type(e).__name__}: {e}", last)

@@ -16,7 +16,10 @@ phases across replicas (`stage_weights` everywhere, then `commit_weights` everyw
 
 Test hooks (`debug_hooks=True` in the app args, off by default): `debug_stall(seconds)` makes the
 engine loop sleep, as a hung forward would, so fault drills can watch the health check catch it;
-`debug_fail_next_stage(message)` makes this replica refuse the next weight staging. They are
+`debug_fail_next_stage(message)` makes this replica refuse the next weight staging;
+`debug_cut_streams()` ends the streams in flight without their finishing delta (a stream cut short
+on the way, which the ingress must turn into an explicit error); `debug_leak(mb)` keeps memory for
+good (the leak the soak's verdict must catch). They are
 methods of this deployment, reachable only through a Ray handle from inside the cluster:
 the HTTP ingress has no route to them.
 """
@@ -32,12 +35,14 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import ray
 from pydantic import ValidationError
 from ray import serve
 
 from configs import EngineConfig
 from deployments.errors import ApiError, request_error, validation_error
 from deployments.metrics import RequestMetrics
+from deployments.single_machine import keep_replica_grpc_on_loopback
 from deployments.wire import EngineRequest
 from engine.async_engine import AsyncEngine
 from engine.carrier import OutputChunk, Response
@@ -45,6 +50,8 @@ from engine.errors import EngineDeadError, EngineHeldError, RequestError
 from engine.heap import freeze_startup_heap
 from engine.worker.update_group import WEIGHT_OP_TIMEOUT_S
 from engine.worker.weight_sources import WeightSource, broadcast_source, disk_source, tensor_source
+
+keep_replica_grpc_on_loopback()  # a replica on a loopback node listens on loopback only
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +90,16 @@ def weight_source(kind: str, payload: dict[str, Any]) -> WeightSource:
     raise ValueError(f"unknown weight source {kind!r}")
 
 
+async def _fetched(payload: dict[str, Any]) -> dict[str, Any]:
+    """The payload with `named_tensors` fetched when they came by reference (`ray.put(named_tensors)`):
+    such tensors travel from the trainer's object store to each replica and never through the
+    ingress, which then loads no torch."""
+    named = payload.get("named_tensors")
+    if isinstance(named, ray.ObjectRef):
+        return payload | {"named_tensors": await named}
+    return payload
+
+
 def _refusal(e: Exception) -> dict[str, Any]:
     """A control operation's failure as its answer (plain data). `refused`: the input was refused
     (a ValueError, WeightUpdateError included), rather than the replica failing."""
@@ -114,6 +131,8 @@ class EngineServer:
         self._staged: dict[str, str] = {}  # update id (the ingress's) -> the engine's staging token
         self._fail_next_stage: str | None = None  # debug hook: refuse the next stage with this message
         self._live: set[str] = set()  # the ids of the requests in flight here (for abort_request by rid)
+        self._cut: set[str] = set()  # debug hook: streams to end at their next delta, unfinished
+        self._ballast: list[bytearray] = []  # debug hook: memory kept on purpose (a leak to detect)
         log.info("EngineServer %s ready: %s (%s), tp=%d", self.replica, model, self.engine.spec.model_type,
                  config.tp)
 
@@ -166,6 +185,9 @@ class EngineServer:
                 yield item
                 return
             yield item[0].to_dict()
+            if self._cut and item[0].request_id in self._cut:  # debug hook: end it without its last delta
+                self._cut.discard(item[0].request_id)
+                return
 
     async def generate(self, request: dict[str, Any]) -> dict[str, Any]:
         """The folded result dict of one request, or an error item."""
@@ -226,6 +248,7 @@ class EngineServer:
         """Phase one of an update across replicas: stage the new weights on every TP rank without
         serving them. `success: False` names what was refused (nothing is staged then)."""
         try:
+            payload = await _fetched(payload)
             if self._fail_next_stage is not None:
                 message, self._fail_next_stage = self._fail_next_stage, None
                 if kind == "distributed":  # the trainer's broadcast must still complete
@@ -285,16 +308,32 @@ class EngineServer:
     # ---- test hooks (debug_hooks=True only; Ray handle only, no HTTP route) ---------------------
     async def debug_stall(self, seconds: float) -> bool:
         """Make the engine loop sleep `seconds` (a hung forward, as far as anyone can tell)."""
-        if not self.debug_hooks:
-            raise PermissionError("debug hooks are off: deploy with debug_hooks=True to use debug_stall")
+        self._require_debug_hooks("debug_stall")
         log.warning("debug_stall: the engine loop sleeps %.1fs", seconds)
         self._stall = asyncio.ensure_future(self.engine.run(lambda _: time.sleep(seconds)))
         return True
 
+    def debug_cut_streams(self) -> int:
+        """End every stream in flight here at its next delta without its finishing one (as a transport
+        that drops the end of a stream would); returns how many."""
+        self._require_debug_hooks("debug_cut_streams")
+        self._cut |= self._live
+        return len(self._live)
+
+    def debug_leak(self, megabytes: float) -> int:
+        """Keep `megabytes` more of this process's memory for good (a leak, for the soak's verdict);
+        returns the MB kept so far."""
+        self._require_debug_hooks("debug_leak")
+        self._ballast.append(bytearray(b"\x01" * int(megabytes * (1 << 20))))
+        return sum(len(b) for b in self._ballast) >> 20
+
+    def _require_debug_hooks(self, name: str) -> None:
+        if not self.debug_hooks:
+            raise PermissionError(f"debug hooks are off: deploy with debug_hooks=True to use {name}")
+
     def debug_fail_next_stage(self, message: str) -> bool:
         """Make this replica refuse the next weight staging with `message` (a replica failing mid-update)."""
-        if not self.debug_hooks:
-            raise PermissionError("debug hooks are off: deploy with debug_hooks=True to use debug_fail_next_stage")
+        self._require_debug_hooks("debug_fail_next_stage")
         self._fail_next_stage = message
         return True
 

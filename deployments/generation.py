@@ -113,6 +113,16 @@ def on_request_meta(out: Mapping[str, Any]) -> dict[str, Any]:
     return {k: out[k] for k in ON_REQUEST_META if out.get(k) is not None}
 
 
+def weight_meta(out: Mapping[str, Any]) -> dict[str, Any]:
+    """The weights behind a result dict: `weight_version`, the last version it ran under, and
+    `weight_versions`, every version in order (more than one when an in-place pause and an update
+    fell inside the request). A delta lists only the versions new since the previous delta, so the
+    deltas concatenate to the whole list."""
+    versions = out.get("weight_versions")
+    return {"weight_version": out.get("weight_version"),
+            "weight_versions": None if versions is None else list(versions)}
+
+
 def top_rows(entry: Mapping[int, float], k: int) -> list[list]:
     """The top-k of one logprob entry ({chosen: v, top1: v, ...}) as [[value, id], ...], best first."""
     return [[v, t] for t, v in sorted(entry.items(), key=lambda kv: (-kv[1], kv[0]))[:k]]

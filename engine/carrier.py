@@ -50,6 +50,9 @@ class _CarrierFields:
     generate_token_len: int = 0  # cumulative: tokens generated so far
     num_steps: int | None = None  # cumulative (block diffusion): denoising steps taken so far
     weight_version: str | None = None  # the weights that produced this delta
+    # the versions the request ran under since the previous delta, in order (a step that emitted no
+    # delta counts too), so the sum of the deltas lists every version a sample mixed
+    weight_versions: list[str] | None = None
     # final block replay (block diffusion, on request; in the last chunk only)
     dllm_replay_token_ids: list[int] | None = None
     dllm_replay_step_maps: list[int] | None = None
@@ -88,6 +91,7 @@ class Response(_CarrierFields):
         self.step_trace = _extend(self.step_trace, chunk.step_trace)
         self.block_step_map = _extend(self.block_step_map, chunk.block_step_map)
         self.entropy = _extend(self.entropy, chunk.entropy)
+        self.weight_versions = _extend(self.weight_versions, chunk.weight_versions)
         for name in ("finish_reason", "matched", "error", "num_steps", "weight_version", "dllm_replay_token_ids",
                      "dllm_replay_step_maps", "dllm_stop_length", "queue_time_s"):
             value = getattr(chunk, name)

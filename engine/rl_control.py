@@ -180,16 +180,19 @@ class RLControlMixin:
     async def pause_generation(self, mode: str = "abort") -> dict[str, Any]:
         """Stop stepping. `abort`: every request in the engine ends now (finish_reason "abort", with
         its partial output). `retract`: running requests give back their KV pages and wait, keeping
-        their tokens (recomputed on continue). `in_place`: everything stays as it is."""
+        their tokens (recomputed on continue). `in_place`: everything stays as it is. `requests`
+        in the answer counts the requests the pause touched: those ended, retracted, or (in place)
+        every request the engine holds, running or waiting."""
         if mode not in PAUSE_MODES:
             raise ValueError(f"mode={mode!r}: pause_generation takes one of {', '.join(PAUSE_MODES)}")
 
         def pause() -> dict[str, Any]:
-            affected = 0
             if mode == "abort":
                 affected = self._abort_everything()
             elif mode == "retract":
                 affected = self.engine.retract_all()
+            else:
+                affected = len(self.engine.seqs)
             self._paused = mode
             return {"message": f"generation paused ({mode})", "requests": affected}
 

@@ -105,10 +105,10 @@ class ReplicaControl:
         received by every replica either way (the trainer's collective completes)."""
         if kind == "tensor":
             if req.serialized_named_tensors is not None or req.named_tensors is None:
-                raise ApiError("update_weights_from_tensor takes `named_tensors` ([[name, torch.Tensor], ...]) "
-                               "through the Serve handle: serve.get_app_handle(app).update_weights_from_tensor"
-                               ".remote({...}); serialized (pickled) tensors over HTTP are not accepted",
-                               "named_tensors")
+                raise ApiError("update_weights_from_tensor takes `named_tensors` ([[name, torch.Tensor], ...], or "
+                               "ray.put() of that list so the tensors go straight to the engine replicas) through "
+                               "the Serve handle: serve.get_app_handle(app).update_weights_from_tensor.remote({...}); "
+                               "serialized (pickled) tensors over HTTP are not accepted", "named_tensors")
             payload = {"named_tensors": req.named_tensors, "load_format": req.load_format}
         else:
             payload = req.model_dump(exclude={"weight_version", "abort_all_requests"})

@@ -38,8 +38,9 @@ class UpdateWeightsFromDiskRequest(_Update):
 
 class UpdateWeightsFromTensorRequest(_Update):
     """Handle only: `named_tensors` are [[name, torch.Tensor], ...] (or SGLang's flattened_bucket payload
-    with load_format="flattened_bucket"), carried by Ray. SGLang's HTTP `serialized_named_tensors`
-    (pickles) are refused."""
+    with load_format="flattened_bucket"), carried by Ray; given as `ray.put(named_tensors)` (an
+    ObjectRef) they are fetched by each engine replica and never deserialized in the ingress, which
+    then never loads torch. SGLang's HTTP `serialized_named_tensors` (pickles) are refused."""
 
     model_config = ConfigDict(extra="ignore", strict=False, arbitrary_types_allowed=True)
 

@@ -26,6 +26,8 @@ class OutputBuilder:
         self.pending_input_rows: list[tuple[float, int]] = []
         self.pending_input_top: list[list[tuple[float, int]]] = []
         self.first = True
+        self.version: str | None = None  # the weights of the last step this request ran
+        self.pending_versions: list[str] = []  # versions run under since the last chunk
 
     # ---- inputs from the engine -------------------------------------------------------------
     def add_trace(self, event: StepEvent) -> None:
@@ -41,8 +43,12 @@ class OutputBuilder:
     def build(self, finished: bool, weight_version: str) -> OutputChunk | None:
         """The delta since the last chunk (None when there is nothing new). Tokens are final once
         the stop rule has read them; `finished` ends the request with `seq.finish_reason`;
-        `weight_version` names the weights the engine runs now."""
+        `weight_version` names the weights the engine runs now; every change of it is kept, so a
+        request that spans an update lists both versions even when no chunk went out in between."""
         seq = self.seq
+        if weight_version != self.version:
+            self.version = weight_version
+            self.pending_versions.append(weight_version)
         stop = seq.stop
         end = seq.num_output if seq.num_output is not None else stop.num_consumed
         if end == self.sent_tokens and not (finished or self.pending_trace):
@@ -73,6 +79,7 @@ class OutputBuilder:
             generate_token_len=end,
             num_steps=seq.step_counter if self.is_dllm else None,
             weight_version=weight_version,
+            weight_versions=self.pending_versions,
             queue_time_s=seq.admitted_at - seq.added_at if self.first and seq.admitted_at is not None else None,
         )
         if finished and self.want_replay:
@@ -84,6 +91,7 @@ class OutputBuilder:
             self.pending_input_rows, self.pending_input_top = [], []
         self.first = False
         self.pending_trace = []
+        self.pending_versions = []
         self.sent_tokens = end
         self.sent_text = max(self.sent_text, text_end)
         return chunk

@@ -48,7 +48,8 @@ def add_view_rows(batch: ForwardBatch, it: ScheduledSeq, page_size: int) -> None
     state: TrajectoryState = seq.trajectory
     params = state.params
     scratch = iter(state.scratch.pages)
-    it.score_first = first_row = len(batch.score_rows)
+    it.score_first = len(batch.score_rows)
+    filtered: list[list[int]] = []  # [first row, count] of the runs of rows the sampling filters apply to
     for v in it.views:
         base, end = len(batch.input_ids), v.start + len(v.tokens)
         shared = v.start // page_size
@@ -69,10 +70,15 @@ def add_view_rows(batch: ForwardBatch, it: ScheduledSeq, page_size: int) -> None
             if v.penalty_ids is not None or any(suppress):
                 batch.score_penalties.append(RowPenalty(len(batch.score_rows), params.repetition_penalty,
                                                         v.penalty_ids or [], suppress, state.stop_ids))
+        if not v.argmax:  # an argmax step's row was never filtered
+            if filtered and sum(filtered[-1]) == len(batch.score_rows):
+                filtered[-1][1] += len(v.rows)
+            else:
+                filtered.append([len(batch.score_rows), len(v.rows)])
         batch.score_rows += [base + r for r in v.rows]
         batch.score_targets += v.targets
     if state.processed and not params.is_greedy:
-        batch.score_filters.append(RowFilter(first_row, len(batch.score_rows) - first_row, params))
+        batch.score_filters += [RowFilter(first, count, params) for first, count in filtered]
     batch.score_top_k = max(batch.score_top_k, params.logprobs or 0)
     batch.score_entropy |= state.entropy is not None
 
@@ -135,5 +141,6 @@ class TrajectoryOutput:
             generate_token_len=len(out),
             num_steps=max(state.step_map) if scored else 0,
             weight_version=weight_version,
+            weight_versions=[weight_version],
             queue_time_s=seq.admitted_at - seq.added_at if seq.admitted_at is not None else None,
         )
