@@ -203,7 +203,9 @@ def build_app_with(args: dict[str, Any], ingress: Deployment) -> Application:
         check_fits(placement_groups(options, parsed.ingress), nodes)
         check_serve_port_not_shared()
     server = EngineServer.options(**options).bind(
-        model, config.model_dump(), tp_timeout_s=parsed.tp_timeout_s, stall_timeout_s=parsed.stall_timeout_s,
+        # only the fields given: the engine applies the model family's decoding defaults to the others
+        model, config.model_dump(exclude_unset=True), tp_timeout_s=parsed.tp_timeout_s,
+        stall_timeout_s=parsed.stall_timeout_s,
         tp_worker_options=tp_worker_options(options), debug_hooks=parsed.debug_hooks,
         hold_timeout_s=parsed.hold_timeout_s)
     ing = parsed.ingress

@@ -101,9 +101,12 @@ def main(argv: list[str] | None = None) -> int:
         colour = not args.no_colour and sys.stdout.isatty()
         print(args.prompt + render(pipe.tokenizer, response, colour=colour))
         print()
+        written: set[int] = set()  # positions written so far: a second write is a token edit
         for event in response.step_trace or []:
             pieces = [pipe.tokenizer.decode([t]) for t in event["token_ids"]]
-            print(f"step {event['step']:3d}: " + ", ".join(f"{p}={s!r}" for p, s in zip(event["positions"], pieces)))
+            print(f"step {event['step']:3d}: " + ", ".join(f"{p}={s!r}" + (" (edit)" if p in written else "")
+                                                        for p, s in zip(event["positions"], pieces)))
+            written.update(event["positions"])
         n = len(response.token_ids)
         print(f"\n{n} tokens in {len(set(response.step_map))} steps "
               f"({n / max(1, len(set(response.step_map))):.2f} tokens/step), finish_reason={response.finish_reason}")

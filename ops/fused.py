@@ -34,7 +34,7 @@ from collections.abc import Callable
 
 import torch
 
-from ops.layers import add_rms_norm, qk_norm_rope, rms_norm, silu_and_mul
+from ops.layers import add_rms_norm, qk_norm_rope, qk_rope, rms_norm, silu_and_mul
 
 log = logging.getLogger(__name__)
 
@@ -46,10 +46,11 @@ class Elementwise:
     rms_norm: Callable[..., torch.Tensor]
     add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     qk_norm_rope: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    qk_rope: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     silu_and_mul: Callable[..., torch.Tensor]
 
 
-EAGER = Elementwise(rms_norm=rms_norm, add_rms_norm=add_rms_norm, qk_norm_rope=qk_norm_rope,
+EAGER = Elementwise(rms_norm=rms_norm, add_rms_norm=add_rms_norm, qk_norm_rope=qk_norm_rope, qk_rope=qk_rope,
                     silu_and_mul=silu_and_mul)
 
 

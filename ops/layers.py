@@ -57,6 +57,13 @@ def qk_norm_rope(
     return apply_rope(rms_norm(q, q_weight, eps), cos, sin), apply_rope(rms_norm(k, k_weight, eps), cos, sin)
 
 
+def qk_rope(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotary embedding of the queries and keys [T, heads, head_dim] (Qwen2: no per-head norm)."""
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+
 def row_max(x: torch.Tensor, chunk: int = 2048) -> tuple[torch.Tensor, torch.Tensor]:
     """(values, indices) of each row's maximum of a 2-D tensor, exactly as `x.max(-1)` (the first index
     on ties). On CPU `max(dim)` / `argmax` track indices element by element (~21 ms for 85 x 151,936

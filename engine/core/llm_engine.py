@@ -117,7 +117,8 @@ class LLMEngine:
         if not params.ignore_eos:
             stop_ids |= self.spec.eos_token_ids
         stop_ids = frozenset(stop_ids)
-        trajectory = plan_trajectory(prompt_ids, params, self.limits, self.mask_id, stop_ids) \
+        trajectory = plan_trajectory(prompt_ids, params, self.limits, self.mask_id, stop_ids,
+                                     self.spec.family.predicts_next) \
             if params.dllm_trajectory is not None else None
         # unseeded requests draw a fresh seed: distinct on every replica and after every restart
         seed = params.random_seed if params.random_seed is not None else secrets.randbits(63)
@@ -397,11 +398,12 @@ class LLMEngine:
         groups, ks = [], []
         any_logprobs = False
         for sl in fwd.slices:
-            seq, params, n = sl.seq, sl.seq.params, len(sl.positions)
+            seq, params, n = sl.seq, self.decoding.row_params(sl.seq), len(sl.positions)
             groups.append((sl.first, n, RowGroup(
                 params, seq.seed, seq.num_draws,
                 sorted(seq.penalty_ids) if params.repetition_penalty != 1.0 else [],
-                self._suppressed(seq, sl.positions), seq.stop_ids, self.decoding.wants_entropy(seq))))
+                self._suppressed(seq, sl.positions), seq.stop_ids, self.decoding.wants_entropy(seq),
+                self.decoding.lowered_logits(seq, sl.positions))))
             ks += [params.logprobs] * n
             any_logprobs = any_logprobs or params.logprobs is not None
         processed = any_logprobs and self.config.logprobs_mode in ("processed_logprobs", "processed_logits")

@@ -1,10 +1,10 @@
 """Turning logits rows into tokens, confidences, entropies and logprob entries.
 
 Order of processing (AR and block diffusion alike): logits processors that change what greedy picks
-(repetition penalty, stop-id suppression before `min_new_tokens`), then -- only when sampling --
-temperature, top-k, top-p and min-p filters. The candidate is drawn from (or is the argmax of) the
-processed distribution and its confidence is its probability under that same distribution, so
-block-diffusion unmasking ranks exactly what the sampler drew from.
+(repetition penalty, token editing's λ penalty, stop-id suppression before `min_new_tokens`), then
+-- only when sampling -- temperature, top-k, top-p and min-p filters. The candidate is drawn from
+(or is the argmax of) the processed distribution and its confidence is its probability under that
+same distribution, so block-diffusion unmasking ranks exactly what the sampler drew from.
 
 Randomness is drawn on the host: the k-th draw of a request is a uniform number computed from
 (its seed, k) by a counter-based generator, and the token is found by inverse-CDF on the device.
@@ -56,6 +56,8 @@ class RowGroup:
     suppress: list[bool]  # per row: mask the stop ids (min_new_tokens not reached yet)
     stop_ids: frozenset[int]
     want_entropy: bool = False
+    #: token editing's λ penalty: (amount, per row the token whose logit is lowered by it, -1 for none)
+    lowered: tuple[float, list[int]] | None = None
 
 
 @dataclass
@@ -125,7 +127,7 @@ CPU_CHUNK_ROWS = 8  # rows per batched pass on the CPU
 
 
 def _is_plain_greedy(g: RowGroup) -> bool:
-    return g.params.is_greedy and g.params.repetition_penalty == 1.0 and not any(g.suppress)
+    return g.params.is_greedy and g.params.repetition_penalty == 1.0 and not any(g.suppress) and g.lowered is None
 
 
 def pick_tokens(logits: torch.Tensor, groups: list[tuple[int, int, RowGroup]], need_confidence: bool = True,
@@ -184,12 +186,15 @@ class _BatchSettings:
     penalty_rows: list[int]  # repetition penalty entries: (output row, token id, penalty)
     penalty_ids: list[int]
     penalty_values: list[float]
+    lowered_rows: list[int]  # λ penalty entries: (output row, token id, amount subtracted)
+    lowered_ids: list[int]
+    lowered_values: list[float]
     suppress_rows: list[int]  # stop ids set to -inf: (output row, token id)
     suppress_ids: list[int]
 
 
 def _settings(groups: list[tuple[int, int, RowGroup]], vocab: int) -> _BatchSettings:
-    b = _BatchSettings([], [], [], [], [], [], [], [], [], [], [], [], [])
+    b = _BatchSettings([], [], [], [], [], [], [], [], [], [], [], [], [], [], [], [])
     for first, count, g in groups:
         p, out = g.params, len(b.rows)
         b.rows += range(first, first + count)
@@ -207,6 +212,12 @@ def _settings(groups: list[tuple[int, int, RowGroup]], vocab: int) -> _BatchSett
                 b.penalty_rows += [r] * len(ids)
                 b.penalty_ids += ids
             b.penalty_values += [p.repetition_penalty] * (len(ids) * count)
+        if g.lowered is not None:
+            amount, ids = g.lowered
+            rows = [(r, i) for r, i in enumerate(ids, start=out) if 0 <= i < vocab]
+            b.lowered_rows += [r for r, _ in rows]
+            b.lowered_ids += [i for _, i in rows]
+            b.lowered_values += [amount] * len(rows)
         stop = [i for i in g.stop_ids if i < vocab]
         for r, suppressed in enumerate(g.suppress, start=out):
             if suppressed and stop:
@@ -224,19 +235,19 @@ def _pick_batch(logits: torch.Tensor, groups: list[tuple[int, int, RowGroup]], w
     (integers, floats); no value comes back to the host."""
     device, vocab = logits.device, logits.shape[-1]
     b = _settings(groups, vocab)
-    n, n_pen, n_sup = len(b.rows), len(b.penalty_rows), len(b.suppress_rows)
+    n, n_pen, n_sup, n_low = len(b.rows), len(b.penalty_rows), len(b.suppress_rows), len(b.lowered_rows)
     sampled = [r for r, g in enumerate(b.greedy) if not g]
     n_s = len(sampled)
     top_p_rows = [i for i, r in enumerate(sampled) if b.top_p[r] < 1.0]  # positions among the sampled rows
     ints = torch.tensor([*b.rows, *b.want_entropy, *b.penalty_rows, *b.penalty_ids, *b.suppress_rows,
-                         *b.suppress_ids, *sampled, *(b.top_k[r] for r in sampled), *top_p_rows],
-                        dtype=torch.long).to(device, non_blocking=True)
-    rows_i, want_h, pen_r, pen_i, sup_r, sup_i, sampled_i, top_k, top_p_i = ints.split(
-        [n, n, n_pen, n_pen, n_sup, n_sup, n_s, n_s, len(top_p_rows)])
-    floats = torch.tensor([*b.penalty_values, *(v for r in sampled for v in (b.temperature[r], b.top_p[r],
-                                                                            b.min_p[r], b.uniforms[r]))],
+                         *b.suppress_ids, *sampled, *(b.top_k[r] for r in sampled), *top_p_rows,
+                         *b.lowered_rows, *b.lowered_ids], dtype=torch.long).to(device, non_blocking=True)
+    rows_i, want_h, pen_r, pen_i, sup_r, sup_i, sampled_i, top_k, top_p_i, low_r, low_i = ints.split(
+        [n, n, n_pen, n_pen, n_sup, n_sup, n_s, n_s, len(top_p_rows), n_low, n_low])
+    floats = torch.tensor([*b.penalty_values, *b.lowered_values,
+                           *(v for r in sampled for v in (b.temperature[r], b.top_p[r], b.min_p[r], b.uniforms[r]))],
                           dtype=torch.float64).to(device, non_blocking=True)
-    pen_v, per_sampled = floats.split([n_pen, 4 * n_s])
+    pen_v, low_v, per_sampled = floats.split([n_pen, n_low, 4 * n_s])
     temperature, top_p, min_p, us = per_sampled.view(n_s, 4).unbind(1)
     in_order = b.rows == list(range(logits.shape[0]))
     x = logits.clone() if in_order else logits.index_select(0, rows_i)
@@ -244,6 +255,8 @@ def _pick_batch(logits: torch.Tensor, groups: list[tuple[int, int, RowGroup]], w
         picked = x[pen_r, pen_i]
         penalty = pen_v.float()
         x[pen_r, pen_i] = torch.where(picked > 0, picked / penalty, picked * penalty)
+    if n_low:
+        x[low_r, low_i] -= low_v.float()
     if n_sup:
         x[sup_r, sup_i] = float("-inf")
     every_row = n_s == n

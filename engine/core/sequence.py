@@ -31,6 +31,8 @@ class DLLMBlock:
     masked: list[int]  # absolute positions still masked, ascending
     num_masked_at_start: int
     step_index: int = 0  # the block's own step counter s (0-based)
+    post_edit_steps: int = 0  # token editing: steps taken since the block's last mask was revealed
+    ended: bool = False  # token editing: a step wrote nothing (or the post-edit budget ran out)
 
 
 @dataclass

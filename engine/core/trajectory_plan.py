@@ -34,6 +34,7 @@ class View:
     targets: list[int]  # their token ids
     scratch_pages: int  # private KV pages: from the page holding the block's first position to its end
     penalty_ids: list[int] | None = None  # tokens seen before the step (repetition penalty only)
+    argmax: bool = False  # the step took the argmax whatever the sampling (a token shift's inherited token)
 
 
 @dataclass
@@ -99,9 +100,10 @@ def _check_steps(generated_steps: list[int], num_output: int, first_block: int, 
 
 
 def plan_trajectory(prompt: list[int], params: GenerationConfig, limits: ModelLimits, mask_id: int,
-                    stop_ids: frozenset[int]) -> TrajectoryState:
+                    stop_ids: frozenset[int], predicts_next: bool = False) -> TrajectoryState:
     """Check the trajectory against the model (RequestError naming the field) and lay out its context
-    and views."""
+    and views. `predicts_next` (a token shift: row i-1 proposes token i): a view scores the rows before
+    its tokens, and a block's first token is scored on the view of the finished block before it."""
     t = params.dllm_trajectory
     b, prompt_len = limits.block_length, len(prompt)
     out, steps = list(t.output_ids), list(t.step_map)
@@ -167,12 +169,19 @@ def plan_trajectory(prompt: list[int], params: GenerationConfig, limits: ModelLi
         start = (prompt_len + revealed[0]) // b * b
         rows = [g for g in revealed if g < len(out)]
         if rows:
+            offsets = [prompt_len + g - start for g in rows]
+            inherited = predicts_next and offsets == [0]
+            if inherited:  # a block's first token: the last row of the finished block before it
+                start, offsets = start - b, [b]
+            if predicts_next:
+                offsets = [o - 1 for o in offsets]
             tokens = [prompt[p] if p < prompt_len
                       else generated[p - prompt_len] if 0 < generated_steps[p - prompt_len] < step else mask_id
                       for p in range(start, start + b)]
             page = limits.kv_page_size
-            views.append(View(start, tokens, step, [prompt_len + g - start for g in rows], rows, [out[g] for g in rows],
-                              -(-(start + b) // page) - start // page, sorted(seen) if penalized else None))
+            views.append(View(start, tokens, step, offsets, rows, [out[g] for g in rows],
+                              -(-(start + b) // page) - start // page, sorted(seen) if penalized else None,
+                              inherited))
         seen.update(generated[g] for g in revealed)
     pages = -(-last_block * b // limits.kv_page_size) + max(v.scratch_pages for v in views)
     if pages > limits.num_kv_pages:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from torch import nn
 
 from engine.model.checkpoint import ModelSpec
+from engine.model.llada2 import LLaDA2MoeModelLM
 from engine.model.qwen3 import Qwen3ForCausalLM, TPContext
 
 NETWORKS: dict[str, type[nn.Module]] = {
@@ -18,6 +19,8 @@ NETWORKS: dict[str, type[nn.Module]] = {
     "qwen3_moe": Qwen3ForCausalLM,
     "sdar": Qwen3ForCausalLM,
     "sdar_moe": Qwen3ForCausalLM,
+    "llada2_moe": LLaDA2MoeModelLM,
+    "Fast_dLLM_Qwen": Qwen3ForCausalLM,  # Qwen2 layers: the Qwen3 stack without q/k norm (spec.qk_norm)
 }
 
 

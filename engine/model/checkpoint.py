@@ -20,6 +20,7 @@ from safetensors import safe_open
 
 from engine.errors import CheckpointError
 from engine.model.families import FAMILIES, ModelFamily, family_of
+from engine.model.llada2_config import llada2_fields
 
 SUPPORTED_MODEL_TYPES = {name: family.paradigm for name, family in FAMILIES.items()}
 _FLOAT_DTYPES = ("float32", "bfloat16", "float16")
@@ -194,6 +195,9 @@ def _block_size(cfg: dict, family: ModelFamily) -> int | None:
 FAMILY_FIELDS: dict[str, Callable[[dict], dict[str, Any]]] = {
     "qwen3_moe": lambda cfg: {"moe": _moe_fields(cfg)},
     "sdar_moe": lambda cfg: {"moe": _moe_fields(cfg)},
+    "llada2_moe": llada2_fields,
+    # Qwen2 layers: q/k/v biased (o not), no q/k norm; `conplemenrary_mask` and `max_window_layers` change nothing
+    "Fast_dLLM_Qwen": lambda cfg: {"qk_norm": False, "attention_bias": True},
 }
 
 

@@ -49,6 +49,14 @@ FAMILIES: dict[str, ModelFamily] = {f.model_type: f for f in (
     ModelFamily("qwen3_moe", "AR", predicts_next=True),
     ModelFamily("sdar", **_SDAR),
     ModelFamily("sdar_moe", **_SDAR),
+    # inclusionAI's LLaDA2.x: blocks of 32, `<|mask|>`, SGLang's LowConfidence defaults (t = 0.95, S = B)
+    ModelFamily("llada2_moe", "DLLM", predicts_next=False, block_decoding="block", default_block_length=32,
+                mask_token_texts=("<|mask|>",),
+                decoding_defaults={"dllm_confidence_threshold": 0.95,
+                                   "dllm_unmasking_strategy": "low_confidence_dynamic"}),
+    ModelFamily("Fast_dLLM_Qwen", "DLLM", predicts_next=True, block_decoding="sub_block",
+                block_length_keys=("bd_size",), default_block_length=32, mask_token_texts=("|<MASK>|",),
+                decoding_defaults={"dllm_confidence_threshold": 0.9}),
 )}
 
 

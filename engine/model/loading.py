@@ -3,9 +3,11 @@ reads a checkpoint's tensors into it.
 
 Parameter names equal the checkpoint's tensor names except for routed experts, which are stacked
 per layer (`w13` = gate and up, `w2` = down). Under tensor parallelism each tensor is split by its
-kind: column-parallel projections (q/k/v, gate/up) by output rows, row-parallel ones (o, down) by
-input columns, the embedding and LM head by vocabulary rows (the last rank zero-padded), everything
-else replicated. Each rank reads only its own slice (the weights may be lazy safetensors slices).
+kind: column-parallel projections (q/k/v, gate/up) by output rows, a fused QKV projection by output
+rows of each of its three parts (a rank's query, key and value heads), row-parallel ones (o, down,
+LLaDA2's `dense`) by input columns, the embedding and LM head by vocabulary rows (the last rank
+zero-padded), everything else replicated. Each rank reads only its own slice (the weights may be
+lazy safetensors slices).
 
 `checked_shards` is used both to load a model (`Qwen3ForCausalLM.load_weights`) and to stage a
 weight update (engine.worker.weight_staging), so both apply the same skip rule (a tied LM head is
@@ -28,7 +30,9 @@ if TYPE_CHECKING:
 
 _EXPERT_TENSOR = re.compile(r"^(model\.layers\.\d+\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
-_ROW = ("o_proj", "down_proj")
+_ROW = ("o_proj", "down_proj", "dense")  # `dense`: LLaDA2's attention output projection
+_VOCAB = ("embed_tokens.weight", "word_embeddings.weight", "lm_head.weight")
+_FUSED_QKV = "query_key_value"  # LLaDA2: the query heads, then the key heads, then the value heads
 
 
 @dataclass
@@ -56,8 +60,10 @@ def checkpoint_names(model: Qwen3ForCausalLM) -> list[str]:
 
 def _split_kind(name: str) -> str:
     parts = name.split(".")
-    if name.endswith(("embed_tokens.weight", "lm_head.weight")):
+    if name.endswith(_VOCAB):
         return "vocab"
+    if len(parts) >= 2 and parts[-2] == _FUSED_QKV:
+        return "qkv"
     if len(parts) >= 2 and parts[-2] in _COLUMN:
         return "column"
     if len(parts) >= 2 and parts[-2] in _ROW and parts[-1] == "weight":
@@ -69,7 +75,7 @@ def _full_shape(model: Qwen3ForCausalLM, kind: str, local: tuple[int, ...]) -> t
     n = model.tp.size
     if kind == "vocab":
         return (model.spec.vocab_size, *local[1:])
-    if kind == "column":
+    if kind in ("column", "qkv"):
         return (local[0] * n, *local[1:])
     if kind == "row":
         return (local[0], local[1] * n)
@@ -87,6 +93,11 @@ def _read_shard(model: Qwen3ForCausalLM, kind: str, weight: WeightSlice, local: 
         return torch.cat([rows, rows.new_zeros(local[0] - rows.shape[0], *local[1:])])
     if kind == "column":
         return weight[r * local[0] : (r + 1) * local[0]]
+    if kind == "qkv":  # this rank's query heads, then its key heads, then its value heads
+        spec, n = model.spec, model.tp.size
+        q, kv = spec.num_attention_heads * spec.head_dim, spec.num_key_value_heads * spec.head_dim
+        parts = [(0, q // n), (q, kv // n), (q + kv, kv // n)]
+        return torch.cat([weight[start + r * size : start + (r + 1) * size] for start, size in parts])
     return weight[:, r * local[1] : (r + 1) * local[1]]
 
 

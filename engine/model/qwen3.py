@@ -1,5 +1,6 @@
 """The Qwen3 layer stack shared by `qwen3` / `qwen3_moe` (causal) and `sdar` / `sdar_moe`
-(block-causal), tensor-parallel ready.
+(block-causal), tensor-parallel ready. With `ModelSpec.qk_norm` off and biased q/k/v projections it
+is the Qwen2 stack (`Fast_dLLM_Qwen`, block-causal).
 
 Parameter names equal the checkpoint's tensor names except for routed experts (stacked per layer,
 see engine/model/moe.py), so loading (engine/model/loading.py) is a name lookup plus, under tensor parallelism, a slice:
@@ -71,8 +72,10 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, d, bias=False)
-        self.q_norm = RMSNorm(self.head_dim, spec.rms_norm_eps)
-        self.k_norm = RMSNorm(self.head_dim, spec.rms_norm_eps)
+        self.qk_norm = spec.qk_norm  # Qwen3 normalises each head of q and k; Qwen2 (Fast-dLLM v2) does not
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, spec.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, spec.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, backend: AttentionBackend
@@ -81,7 +84,10 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        q, k = self.ops.qk_norm_rope(q, k, cos, sin, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+        if self.qk_norm:
+            q, k = self.ops.qk_norm_rope(q, k, cos, sin, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+        else:
+            q, k = self.ops.qk_rope(q, k, cos, sin)
         out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.tp.all_reduce(self.o_proj(out.reshape(t, -1)))
 

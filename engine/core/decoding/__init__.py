@@ -10,6 +10,7 @@ from configs import EngineConfig
 from engine.core.decoding.autoregressive import AutoregressiveDecoding
 from engine.core.decoding.base import DecodingStrategy, PickedRows
 from engine.core.decoding.block_diffusion import BlockDiffusionDecoding
+from engine.core.decoding.sub_block import SubBlockDecoding
 from engine.model.families import ModelFamily
 
 
@@ -19,8 +20,11 @@ def strategy_for(family: ModelFamily, config: EngineConfig, mask_id: int | None)
         return AutoregressiveDecoding()
     if family.block_decoding == "block":
         return BlockDiffusionDecoding(config.dllm_block_length, mask_id, config.dllm_commit_fusion)
+    if family.block_decoding == "sub_block":
+        return SubBlockDecoding.from_config(config, mask_id)
     raise ValueError(f"model_type {family.model_type!r}: no decoding strategy for block_decoding="
                      f"{family.block_decoding!r}")
 
 
-__all__ = ["AutoregressiveDecoding", "BlockDiffusionDecoding", "DecodingStrategy", "PickedRows", "strategy_for"]
+__all__ = ["AutoregressiveDecoding", "BlockDiffusionDecoding", "DecodingStrategy", "PickedRows", "SubBlockDecoding",
+           "strategy_for"]

@@ -70,7 +70,8 @@ class DecodingStrategy(ABC):
 
     @abstractmethod
     def advance(self, seq: Sequence, rows: PickedRows) -> list[int]:
-        """Apply the picked tokens; returns the generated indices revealed, ascending."""
+        """Apply the picked tokens; returns the generated indices written (revealed, or rewritten by a
+        token-editing rule), ascending."""
 
     @abstractmethod
     def num_final(self, seq: Sequence) -> int:
@@ -82,3 +83,13 @@ class DecodingStrategy(ABC):
 
     def wants_entropy(self, seq: Sequence) -> bool:
         return False
+
+    def lowered_logits(self, seq: Sequence, positions: list[int]) -> tuple[float, list[int]] | None:
+        """(amount, per sampled position the token whose logit is lowered by it, -1 for none) when this
+        step's sampling lowers logits (token editing's λ penalty), else None."""
+        return None
+
+    def row_params(self, seq: Sequence) -> GenerationConfig:
+        """The sampling parameters of the sequence's rows in its next forward: the request's, unless this
+        step picks greedily whatever the request asks (Fast-dLLM v2's inherited token)."""
+        return seq.params

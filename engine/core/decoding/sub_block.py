@@ -1,0 +1,121 @@
+"""Shifted sub-block decoding (Fast-dLLM v2): the logits of row i-1 propose token i, and a block is
+decoded sub-block by sub-block, left to right.
+
+Blocks are [kB, (k+1)B) as for block diffusion; sub-blocks of a block are [kB + sS, kB + (s+1)S).
+Two kinds of step:
+
+- *Inherit*: when a block's first position kB is generated, it is the argmax of row kB-1 of the
+  forward over x[:kB]. That forward is the prompt prefill (P % B == 0) or the forward that commits
+  the previous block's final tokens, so the inherited token costs no forward of its own: the commit
+  forward is the step that reveals it (argmax even when sampling; its logprob comes from row kB-1).
+- *Sub-block step*: a forward over x[:(k+1)B] (the block with its masks; a partial prompt block
+  attends to its own masks). Each still-masked position i of the current sub-block (the first one
+  that holds a mask) proposes the pick of row i-1; every candidate with probability strictly above
+  the threshold is revealed, else the single most confident one (ties: the lower position).
+
+Every step reveals at least one token, so the step counter behind `step_map` rises on every step;
+an inherited token has its own value, below the rest of its block. The block bookkeeping (opening
+blocks, writing tokens, finality) is block diffusion's.
+"""
+
+from __future__ import annotations
+
+from configs import EngineConfig, GenerationConfig
+from engine.core.decoding.base import PickedRows
+from engine.core.decoding.block_diffusion import BlockDiffusionDecoding
+from engine.core.decoding.unmasking import UnmaskingSettings
+from engine.core.sequence import Sequence
+from engine.errors import RequestError
+
+# request fields of other unmasking rules that this decoding has no use for
+_NOT_APPLICABLE = ("dllm_denoising_steps", "dllm_entropy_threshold", "dllm_edit_threshold",
+                   "dllm_max_post_edit_steps", "dllm_penalty_lambda")
+
+
+def above_threshold_or_best(confidence: list[float], threshold: float) -> list[int]:
+    """Indices of the candidates with confidence strictly above `threshold`; when none is, the single
+    most confident one (ties: the lowest index)."""
+    chosen = [i for i, c in enumerate(confidence) if c > threshold]
+    return chosen or [max(range(len(confidence)), key=lambda i: (confidence[i], -i))]
+
+
+class SubBlockDecoding(BlockDiffusionDecoding):
+    def __init__(self, block_length: int, sub_block_length: int, mask_id: int):
+        if sub_block_length < 1 or block_length % sub_block_length:
+            raise ValueError(f"dllm_sub_block_length={sub_block_length} must be >= 1 and divide the block "
+                             f"length {block_length}")
+        super().__init__(block_length, mask_id, commit_fusion=False)
+        self.sub_block_length = sub_block_length
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, mask_id: int) -> SubBlockDecoding:
+        """The strategy of an engine config whose `dllm_block_length` is resolved; engine-wide knobs that
+        do not apply to sub-block decoding are a ValueError naming them."""
+        if config.dllm_unmasking_strategy != "low_confidence_dynamic":
+            raise ValueError(f"dllm_unmasking_strategy={config.dllm_unmasking_strategy!r} does not apply to this "
+                             "model (sub-block decoding with dllm_confidence_threshold); leave it unset")
+        if config.dllm_denoising_steps is not None:
+            raise ValueError("dllm_denoising_steps does not apply to this model (a sub-block takes as many steps as "
+                             "its threshold needs); leave it unset")
+        return cls(config.dllm_block_length, config.dllm_sub_block_length, mask_id)
+
+    def check_request(self, params: GenerationConfig, settings: UnmaskingSettings) -> None:
+        if settings.strategy != "low_confidence_dynamic":
+            raise RequestError(f"dllm_unmasking_strategy={settings.strategy!r} does not apply to this model: it "
+                               "reveals every position of the current sub-block above dllm_confidence_threshold, "
+                               "else the most confident one; leave it unset or use low_confidence_dynamic",
+                               "dllm_unmasking_strategy")
+        for name in _NOT_APPLICABLE:
+            if getattr(params, name) is not None:
+                raise RequestError(f"{name} does not apply to this model (sub-block decoding takes only "
+                                   "dllm_confidence_threshold); leave it unset", name)
+
+    @staticmethod
+    def _inheriting(seq: Sequence) -> bool:
+        """The block's first position is generated and not revealed yet (its token is inherited)."""
+        block = seq.block
+        return bool(block.masked) and block.masked[0] == block.start
+
+    def _current_sub_block(self, seq: Sequence) -> list[int]:
+        """The masked positions of the leftmost sub-block that still holds a mask."""
+        masked, s = seq.block.masked, self.sub_block_length
+        first = masked[0] - (masked[0] - seq.block.start) % s
+        return [p for p in masked if p < first + s]
+
+    def feed_target(self, seq: Sequence) -> tuple[int, bool]:
+        block = seq.block
+        return (block.start if self._inheriting(seq) else block.end), True
+
+    def cacheable_prefix(self, seq: Sequence) -> int:
+        # an inherited token needs row kB-1 computed in this forward
+        return seq.block.start - 1 if self._inheriting(seq) else seq.block.start
+
+    def sample_positions(self, seq: Sequence, end: int) -> list[int]:
+        if self._inheriting(seq):
+            return [seq.block.start - 1]
+        return [p - 1 for p in self._current_sub_block(seq)]
+
+    def row_params(self, seq: Sequence) -> GenerationConfig:
+        params = seq.params
+        if self._inheriting(seq) and not params.is_greedy:  # the inherited token is the argmax
+            return params.model_copy(update={"do_sample": False})
+        return params
+
+    def token_index(self, seq: Sequence, position: int) -> int:
+        return position + 1 - seq.prompt_len  # row p proposes token p + 1
+
+    def wants_entropy(self, seq: Sequence) -> bool:
+        return False
+
+    def advance(self, seq: Sequence, rows: PickedRows) -> list[int]:
+        block = seq.block
+        if self._inheriting(seq):
+            chosen = [0]
+        else:
+            chosen = above_threshold_or_best(rows.confidence, seq.unmasking.confidence_threshold)
+        seq.step_counter += 1
+        block.step_index += 1
+        revealed = [self.write(seq, rows.positions[i] + 1, rows.tokens[i], rows.logprobs[i]) for i in chosen]
+        written = {seq.prompt_len + g for g in revealed}
+        block.masked = [p for p in block.masked if p not in written]
+        return revealed

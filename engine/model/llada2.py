@@ -1,0 +1,141 @@
+"""The LLaDA2 network (`llada2_moe`, inclusionAI's `LLaDA2MoeModelLM`), tensor-parallel ready.
+
+Against a Qwen3 layer it differs in: one fused `attention.query_key_value` projection (the query
+heads, then the key heads, then the value heads; split per rank by head, see engine.model.loading),
+per-head RMSNorm of q and k (`query_layernorm` / `key_layernorm`) before a NeoX rotary embedding on
+only the first `rotary_dim` dims of each head, an output projection `attention.dense` that may carry
+a bias (added once, after the all-reduce), dense MLPs in the first `first_k_dense_replace` layers and
+LLaDA2's routed + shared experts (engine.model.moe.GroupLimitedMoeBlock) in the others. Logits at a
+position predict the token at that position (no shift); attention is block-causal like SDAR's, which
+the attention backend applies from the runner's block length.
+
+Parameter names equal the checkpoint's (the embedding is `model.word_embeddings`; routed experts are
+stacked per layer as for Qwen3-MoE). The forward, logits, `materialize` and compiled elementwise
+switch are Qwen3ForCausalLM's: only the layers differ.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from engine.model.checkpoint import ModelSpec
+from engine.model.llada2_config import LLaDA2Spec
+from engine.model.moe import GroupLimitedMoeBlock, MoEStats
+from engine.model.qwen3 import (
+    MLP,
+    DecoderLayer,
+    Qwen3ForCausalLM,
+    RMSNorm,
+    RotaryEmbedding,
+    TPContext,
+    VocabParallelEmbedding,
+)
+from ops.attention import AttentionBackend, AttentionMetadata
+from ops.fused import EAGER, Elementwise
+from ops.layers import apply_rope
+
+
+class _BiasAfterReduce(nn.Linear):
+    """A row-parallel projection with a bias: each rank computes its partial product only; the caller
+    adds the bias once, after the all-reduce. (Not a plain nn.Linear, so the CPU path leaves it unpacked.)"""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class LLaDA2Attention(nn.Module):
+    ops: Elementwise = EAGER
+
+    def __init__(self, spec: ModelSpec, tp: TPContext):
+        super().__init__()
+        extra: LLaDA2Spec = spec.extra
+        self.tp = tp
+        self.num_heads = spec.num_attention_heads // tp.size
+        self.num_kv_heads = spec.num_key_value_heads // tp.size
+        self.head_dim, self.rotary_dim = spec.head_dim, extra.rotary_dim
+        self.scale = spec.head_dim**-0.5
+        d = spec.hidden_size
+        self.query_key_value = nn.Linear(d, (self.num_heads + 2 * self.num_kv_heads) * self.head_dim,
+                                         bias=spec.attention_bias)
+        self.qk_norm = spec.qk_norm
+        if spec.qk_norm:
+            self.query_layernorm = RMSNorm(self.head_dim, spec.rms_norm_eps)
+            self.key_layernorm = RMSNorm(self.head_dim, spec.rms_norm_eps)
+        dense = _BiasAfterReduce if extra.dense_bias else nn.Linear
+        self.dense = dense(self.num_heads * self.head_dim, d, bias=extra.dense_bias)
+
+    def _rotate(self, x: torch.Tensor, norm: RMSNorm | None, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if norm is not None:
+            x = self.ops.rms_norm(x, norm.weight, norm.eps)
+        r = self.rotary_dim
+        return torch.cat((apply_rope(x[..., :r], cos, sin), x[..., r:]), dim=-1) if r < self.head_dim \
+            else apply_rope(x, cos, sin)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, backend: AttentionBackend
+                ) -> torch.Tensor:
+        t = x.shape[0]
+        qkv = self.query_key_value(x).view(t, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
+        q = self._rotate(q, self.query_layernorm if self.qk_norm else None, cos, sin)
+        k = self._rotate(k, self.key_layernorm if self.qk_norm else None, cos, sin)
+        out = backend.forward(q, k, v.contiguous(), kv_cache[0], kv_cache[1], meta, self.scale)
+        out = self.tp.all_reduce(self.dense(out.reshape(t, -1)))
+        return out if self.dense.bias is None else out + self.dense.bias
+
+
+class LLaDA2Layer(DecoderLayer):
+    """Qwen3's pre-norm layer (its forward: residual adds fused with the next norm) with LLaDA2's
+    attention under the checkpoint's name `attention`, and its dense or routed MLP."""
+
+    def __init__(self, spec: ModelSpec, tp: TPContext, index: int, moe_stats: MoEStats):
+        nn.Module.__init__(self)
+        extra: LLaDA2Spec = spec.extra
+        self.attention = LLaDA2Attention(spec, tp)
+        if extra.is_sparse(index):
+            self.mlp = GroupLimitedMoeBlock(spec.hidden_size, extra, tp.size, tp.all_reduce, moe_stats)
+        else:
+            self.mlp = MLP(spec, tp)
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+    @property
+    def self_attn(self) -> LLaDA2Attention:
+        """The attention under the name the inherited forward calls."""
+        return self.attention
+
+
+class LLaDA2Backbone(nn.Module):
+    def __init__(self, spec: ModelSpec, tp: TPContext, moe_stats: MoEStats):
+        super().__init__()
+        self.word_embeddings = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, tp)
+        self.layers = nn.ModuleList(LLaDA2Layer(spec, tp, i, moe_stats) for i in range(spec.num_hidden_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+    @property
+    def embed_tokens(self) -> VocabParallelEmbedding:
+        """The embedding under the name the runner and the shared forward use."""
+        return self.word_embeddings
+
+
+class LLaDA2MoeModelLM(Qwen3ForCausalLM):
+    """LLaDA2's layers under Qwen3ForCausalLM's forward and logits."""
+
+    def __init__(self, spec: ModelSpec, tp: TPContext | None = None):
+        nn.Module.__init__(self)
+        tp = tp or TPContext()
+        for name, n in (("num_attention_heads", spec.num_attention_heads),
+                        ("num_key_value_heads", spec.num_key_value_heads),
+                        ("intermediate_size", spec.intermediate_size)):
+            if n % tp.size:
+                raise ValueError(f"tp={tp.size} must divide the model's {name} ({n})")
+        self.spec, self.tp = spec, tp
+        self.moe_stats = MoEStats()
+        self.model = LLaDA2Backbone(spec, tp, self.moe_stats)
+        self.lm_head = nn.Linear(spec.hidden_size, self.model.embed_tokens.shard, bias=False)
+        # the rotary tables span only the rotated dims (frequencies over rotary_dim, as transformers')
+        self.rotary = RotaryEmbedding(replace(spec, head_dim=spec.extra.rotary_dim))

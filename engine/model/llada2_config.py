@@ -1,0 +1,82 @@
+"""The LLaDA2 family's own config.json fields (`model_type: llada2_moe`), read into `LLaDA2Spec`.
+
+LLaDA2 layers differ from Qwen3's in ways the common reading cannot express: a fused QKV
+projection, a rotary embedding on only part of each head, dense first layers, and a sigmoid router
+with an expert bias, expert groups, a scaling factor and shared experts. Every field that changes
+the math is honoured by `engine.model.llada2` or refused here by name. A field a config leaves out
+takes the value of the family's published configuration class (e.g. `use_bias` true, 8 expert groups).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from engine.errors import CheckpointError
+
+
+@dataclass(frozen=True)
+class LLaDA2Spec:
+    """LLaDA2 architecture facts (`ModelSpec.extra` of a `llada2_moe` checkpoint)."""
+
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    num_shared_experts: int
+    n_group: int
+    topk_group: int
+    routed_scaling_factor: float
+    #: layers below this index keep a dense MLP of `intermediate_size`
+    first_k_dense_replace: int
+    #: leading dims of each head the (NeoX, rotate-half) rotary embedding turns
+    rotary_dim: int
+    #: bias on the attention output projection (`attention.dense`)
+    dense_bias: bool
+
+    def is_sparse(self, layer: int) -> bool:
+        return layer >= self.first_k_dense_replace
+
+
+# config.json fields whose non-default values this engine does not compute: (field, accepted values)
+_ONLY = (
+    ("hidden_act", ("silu",)),
+    ("score_function", ("sigmoid",)),
+    ("router_dtype", ("fp32", "float32")),
+    ("norm_head", (False,)),
+    ("moe_router_enable_expert_bias", (True,)),
+    ("rope_scaling", (None,)),
+)
+
+
+def llada2_fields(cfg: dict) -> dict[str, Any]:
+    """ModelSpec fields of a `llada2_moe` config.json (CheckpointError naming any field it cannot honour)."""
+    for name, accepted in _ONLY:
+        if name in cfg and cfg[name] not in accepted:
+            raise CheckpointError(f"config.json {name}={cfg[name]!r} is not supported for llada2_moe "
+                                  f"(supported: {', '.join(map(repr, accepted))})")
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    rotary_dim = int(head_dim * cfg.get("partial_rotary_factor", 0.5))
+    if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
+        raise CheckpointError(f"config.json partial_rotary_factor={cfg.get('partial_rotary_factor')!r} gives "
+                              f"{rotary_dim} rotary dims of head_dim={head_dim}: it must be even and in (0, head_dim]")
+    num_experts, top_k = cfg["num_experts"], cfg["num_experts_per_tok"]
+    n_group, topk_group = cfg.get("n_group", 8), cfg.get("topk_group", 4)
+    if num_experts % n_group or not 1 <= topk_group <= n_group:
+        raise CheckpointError(f"config.json n_group={n_group}, topk_group={topk_group}: n_group must divide "
+                              f"num_experts={num_experts} and topk_group be between 1 and n_group")
+    if num_experts // n_group < 2:
+        raise CheckpointError(f"config.json n_group={n_group}: a group's score is the sum of its two best "
+                              f"experts, so each group needs at least 2 of num_experts={num_experts}")
+    if not 1 <= top_k <= num_experts * topk_group // n_group:
+        raise CheckpointError(f"config.json num_experts_per_tok={top_k} must be between 1 and the experts of "
+                              f"topk_group={topk_group} groups ({num_experts * topk_group // n_group})")
+    extra = LLaDA2Spec(
+        num_experts=num_experts, num_experts_per_tok=top_k, moe_intermediate_size=cfg["moe_intermediate_size"],
+        num_shared_experts=cfg.get("num_shared_experts") or 0, n_group=n_group, topk_group=topk_group,
+        routed_scaling_factor=float(cfg.get("routed_scaling_factor", 2.5)),
+        first_k_dense_replace=cfg.get("first_k_dense_replace", 0), rotary_dim=rotary_dim,
+        dense_bias=bool(cfg.get("use_bias", True)),
+    )
+    return {"head_dim": head_dim, "attention_bias": bool(cfg.get("use_qkv_bias", False)),
+            "qk_norm": bool(cfg.get("use_qk_norm", True)), "extra": extra}

@@ -1,0 +1,66 @@
+"""A second, independent reference for the LLaDA2 decoding loop: diffusers' `LLaDA2Pipeline` (with its
+`BlockRefinementScheduler`), run over the full-recompute network of tests/llada2_reference.py, gives
+the tokens that reference's own loop gives, on the cases both define: greedy, no λ penalty, the
+output ending on a block boundary (diffusers masks the positions past it), no early stop.
+
+Where they differ by design, the engine follows SGLang: diffusers disables editing at edit threshold 0
+(SGLang: edit everything that changed) and applies the edits of the step that exceeds the post-edit
+budget before ending the block (SGLang: that step writes nothing). The cases below (edit threshold 0.9,
+blocks that settle within the budget) avoid both."""
+
+from __future__ import annotations
+
+import json
+import random
+import types
+
+import pytest
+import torch
+from diffusers import BlockRefinementScheduler, LLaDA2Pipeline
+from llada2_reference import LLaDA2Reference, reference_generate
+
+from tools.tiny_llada2 import MASK_TEXT, write_tiny_llada2
+
+B = 32
+
+
+class _Network(torch.nn.Module):
+    """The reference network under the call diffusers makes: `model(x, attention_mask, position_ids).logits`
+    (x spans whole blocks: the reference's block-causal mask is the model's own)."""
+
+    def __init__(self, ref: LLaDA2Reference):
+        super().__init__()
+        self.ref = ref
+        self.device, self.dtype = torch.device("cpu"), torch.float32  # what the pipeline asks its modules
+
+    def forward(self, x: torch.Tensor, attention_mask=None, position_ids=None) -> types.SimpleNamespace:
+        return types.SimpleNamespace(logits=torch.stack([self.ref.logits(row.tolist(), B) for row in x]))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    path = write_tiny_llada2(tmp_path_factory.mktemp("llada2_diffusers"), use_qkv_bias=True, use_bias=True, seed=0)
+    added = json.loads((path / "tokenizer.json").read_text())["added_tokens"]
+    mask_id = next(t["id"] for t in added if t["content"] == MASK_TEXT)
+    return LLaDA2Reference(path), mask_id
+
+
+@pytest.mark.parametrize("rule,edit_threshold", [("low_confidence", None), ("joint_threshold", 0.9)])
+def test_reference_loop_equals_diffusers_pipeline(reference, rule, edit_threshold):
+    ref, mask_id = reference
+    pipe = LLaDA2Pipeline(model=_Network(ref), scheduler=BlockRefinementScheduler(), tokenizer=None)
+    pipe.set_progress_bar_config(disable=True)
+    edits = 0
+    for n in (3, 35):
+        prompt = [random.Random(n).randrange(300) for _ in range(n)]
+        gen = 2 * B - n  # the output ends on a block boundary
+        out = pipe(input_ids=torch.tensor([prompt]), use_chat_template=False, gen_length=gen, block_length=B,
+                   num_inference_steps=B, temperature=0.0, sampling_method="greedy", threshold=0.95,
+                   editing_threshold=edit_threshold, max_post_steps=16, eos_early_stop=False, mask_token_id=mask_id,
+                   output_type="seq")
+        knobs = {} if edit_threshold is None else {"edit_threshold": edit_threshold, "max_post_edit_steps": 16}
+        want = reference_generate(ref, prompt, rule=rule, block_length=B, mask_id=mask_id, max_new_tokens=gen,
+                                  stop_ids=set(), threshold=0.95, **knobs)
+        assert out.sequences[0].tolist() == want.token_ids, (rule, n)
+        edits += sum(len(e["positions"]) for e in want.trace) - len(want.token_ids)
+    assert rule == "low_confidence" or edits > 0, "the editing cases edit tokens"
