@@ -125,17 +125,11 @@ class LLaDA2Backbone(nn.Module):
 class LLaDA2MoeModelLM(Qwen3ForCausalLM):
     """LLaDA2's layers under Qwen3ForCausalLM's forward and logits."""
 
-    def __init__(self, spec: ModelSpec, tp: TPContext | None = None):
-        nn.Module.__init__(self)
-        tp = tp or TPContext()
-        for name, n in (("num_attention_heads", spec.num_attention_heads),
-                        ("num_key_value_heads", spec.num_key_value_heads),
-                        ("intermediate_size", spec.intermediate_size)):
-            if n % tp.size:
-                raise ValueError(f"tp={tp.size} must divide the model's {name} ({n})")
-        self.spec, self.tp = spec, tp
-        self.moe_stats = MoEStats()
-        self.model = LLaDA2Backbone(spec, tp, self.moe_stats)
-        self.lm_head = nn.Linear(spec.hidden_size, self.model.embed_tokens.shard, bias=False)
+    @staticmethod
+    def backbone(spec: ModelSpec, tp: TPContext, moe_stats: MoEStats) -> nn.Module:
+        return LLaDA2Backbone(spec, tp, moe_stats)
+
+    @staticmethod
+    def rotary_embedding(spec: ModelSpec) -> RotaryEmbedding:
         # the rotary tables span only the rotated dims (frequencies over rotary_dim, as transformers')
-        self.rotary = RotaryEmbedding(replace(spec, head_dim=spec.extra.rotary_dim))
+        return RotaryEmbedding(replace(spec, head_dim=spec.extra.rotary_dim))

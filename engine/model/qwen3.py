@@ -224,9 +224,18 @@ class Qwen3ForCausalLM(nn.Module):
                 raise ValueError(f"tp={tp.size} must divide the model's {name} ({n})")
         self.spec, self.tp = spec, tp
         self.moe_stats = MoEStats()
-        self.model = Qwen3Backbone(spec, tp, self.moe_stats)
+        self.model = self.backbone(spec, tp, self.moe_stats)
         self.lm_head = nn.Linear(spec.hidden_size, self.model.embed_tokens.shard, bias=False)
-        self.rotary = RotaryEmbedding(spec)
+        self.rotary = self.rotary_embedding(spec)
+
+    @staticmethod
+    def backbone(spec: ModelSpec, tp: TPContext, moe_stats: MoEStats) -> nn.Module:
+        """The embedding, layers and final norm (a family with other layers overrides this)."""
+        return Qwen3Backbone(spec, tp, moe_stats)
+
+    @staticmethod
+    def rotary_embedding(spec: ModelSpec) -> RotaryEmbedding:
+        return RotaryEmbedding(spec)
 
     def materialize(self, device: torch.device, dtype: torch.dtype) -> Qwen3ForCausalLM:
         """Allocate every parameter (uninitialised) in `dtype` on `device`; tie the LM head if asked.
