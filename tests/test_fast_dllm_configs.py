@@ -14,24 +14,9 @@ import torch
 from engine.model.architectures import build_network
 from engine.model.checkpoint import CheckpointError, load_model_spec
 from engine.model.loading import checkpoint_names
+from tools.published_checkpoints import PUBLISHED as RELEASES
 
-_COMMON = {
-    "architectures": ["Fast_dLLM_QwenForCausalLM"], "attention_dropout": 0.0,
-    "auto_map": {"AutoConfig": "configuration.Fast_dLLM_QwenConfig",
-                 "AutoModelForCausalLM": "modeling.Fast_dLLM_QwenForCausalLM"},
-    "bd_size": 32, "bos_token_id": 151643, "conplemenrary_mask": False, "eos_token_id": 151645, "hidden_act": "silu",
-    "initializer_range": 0.02, "max_position_embeddings": 32768, "model_type": "Fast_dLLM_Qwen",
-    "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000.0, "sliding_window": None,
-    "torch_dtype": "bfloat16", "transformers_version": "4.53.0", "use_cache": True, "use_sliding_window": False,
-}
-PUBLISHED = {
-    "1.5B": {**_COMMON, "hidden_size": 1536, "intermediate_size": 8960, "num_attention_heads": 12,
-             "num_key_value_heads": 2, "num_hidden_layers": 28, "max_window_layers": 21, "tie_word_embeddings": True,
-             "vocab_size": 151936},
-    "7B": {**_COMMON, "hidden_size": 3584, "intermediate_size": 18944, "num_attention_heads": 28,
-           "num_key_value_heads": 4, "num_hidden_layers": 28, "max_window_layers": 28, "tie_word_embeddings": False,
-           "vocab_size": 152064},
-}
+PUBLISHED = {"1.5B": RELEASES["Fast_dLLM_v2_1.5B"], "7B": RELEASES["Fast_dLLM_v2_7B"]}
 
 
 def qwen2_tensors(cfg: dict) -> dict[str, tuple[int, ...]]:

@@ -20,6 +20,7 @@ from engine.model.architectures import build_network
 from engine.model.checkpoint import CheckpointError, load_model_spec
 from engine.model.loading import checkpoint_names
 from engine.model.qwen3 import TPContext
+from tools.published_checkpoints import PUBLISHED as RELEASES
 from tools.tiny_llada2 import write_tiny_llada2
 
 TOL = 1e-4
@@ -30,33 +31,7 @@ STOP = {"low_confidence": 241, "joint_threshold": 155}
 JOINT = {"full": dict(edit_threshold=0.0, max_post_edit_steps=16, penalty_lambda=0.0),
          "damped": dict(edit_threshold=0.6, max_post_edit_steps=4, penalty_lambda=1.0)}
 
-# config.json of the releases: every field they carry (LLaDA2.1 adds nothing that changes the math)
-_RELEASE = {
-    "architectures": ["LLaDA2MoeModelLM"], "model_type": "llada2_moe",
-    "auto_map": {"AutoConfig": "configuration_llada2_moe.LLaDA2MoeConfig",
-                 "AutoModel": "modeling_llada2_moe.LLaDA2MoeModel",
-                 "AutoModelForCausalLM": "modeling_llada2_moe.LLaDA2MoeModelLM"},
-    "vocab_size": 157184, "head_dim": 128, "hidden_act": "silu", "use_qkv_bias": False, "use_qk_norm": True,
-    "use_bias": False, "rms_norm_eps": 1e-06, "norm_head": False, "tie_word_embeddings": False,
-    "embedding_dropout": 0.0, "attention_dropout": 0.0, "output_dropout": 0.0, "initializer_range": 0.02,
-    "rope_theta": 600000, "use_cache": True, "use_sliding_window": False, "sliding_window": 4096,
-    "max_window_layers": 28, "rope_scaling": None, "pad_token_id": 156892, "eos_token_id": 156892,
-    "num_experts": 256, "num_shared_experts": 1, "num_experts_per_tok": 8, "n_group": 8, "topk_group": 4,
-    "routed_scaling_factor": 2.5, "first_k_dense_replace": 1, "output_router_logits": False,
-    "partial_rotary_factor": 0.5, "score_function": "sigmoid", "moe_router_enable_expert_bias": True,
-    "router_dtype": "fp32", "norm_topk_prob": True, "torch_dtype": "bfloat16",
-}
-PUBLISHED = {
-    "LLaDA2.0-mini": {**_RELEASE, "hidden_size": 2048, "intermediate_size": 5120, "moe_intermediate_size": 512,
-                      "num_hidden_layers": 20, "num_attention_heads": 16, "num_key_value_heads": 4,
-                      "max_position_embeddings": 16384},
-    "LLaDA2.1-mini": {**_RELEASE, "hidden_size": 2048, "intermediate_size": 5120, "moe_intermediate_size": 512,
-                      "num_hidden_layers": 20, "num_attention_heads": 16, "num_key_value_heads": 4,
-                      "max_position_embeddings": 32768},
-    "LLaDA2.0-flash": {**_RELEASE, "hidden_size": 4096, "intermediate_size": 9216, "moe_intermediate_size": 1024,
-                       "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 4,
-                       "max_position_embeddings": 16384},
-}
+PUBLISHED = {name: cfg for name, cfg in RELEASES.items() if cfg["model_type"] == "llada2_moe"}
 
 
 def prompt_of(length: int, seed: int) -> list[int]:
