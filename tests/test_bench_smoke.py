@@ -22,7 +22,7 @@ from bench.plan import plan
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKED_HERE = {"bench", "bench.memory", "bench.overhead", "bench.moe", "bench.weight_sync", "bench.prefix_routing",
-               "bench.load", "bench.outputs", "bench.fused_elementwise"}
+               "bench.load", "bench.outputs", "bench.fused_elementwise", "bench.published_configs"}
 SMOKED_ELSEWHERE = {"bench.gpu_check": "test_gpu_check.py", "bench.trajectory_scoring": "test_trajectory_scoring.py",
                     "bench.fast_dllm": "test_fast_dllm.py", "bench.soak": "test_soak.py"}
 
@@ -142,3 +142,11 @@ def test_load_against_running_apps(served_apps, capsys):
     argv = ["-n", "8", "--sdar-url", served_apps["sdar"].url, "--qwen3-url", served_apps["qwen3"].url]
     assert load.main(argv) == 0
     assert json.loads(capsys.readouterr().out)["ok"] == 8
+
+
+def test_published_configs_loader(dllm_ckpt):
+    """bench.published_configs' measuring part, on the tiny checkpoint (the releases take minutes)."""
+    from bench.published_configs import load_once
+
+    figures = load_once(dllm_ckpt)
+    assert figures["tokens"] == 8 and figures["load_s"] > 0 and figures["peak_rss_gb"] > 0
