@@ -24,7 +24,8 @@ ROOT = Path(__file__).resolve().parents[1]
 SMOKED_HERE = {"bench", "bench.memory", "bench.overhead", "bench.moe", "bench.weight_sync", "bench.prefix_routing",
                "bench.load", "bench.outputs", "bench.fused_elementwise", "bench.published_configs"}
 SMOKED_ELSEWHERE = {"bench.gpu_check": "test_gpu_check.py", "bench.trajectory_scoring": "test_trajectory_scoring.py",
-                    "bench.fast_dllm": "test_fast_dllm.py", "bench.soak": "test_soak.py"}
+                    "bench.fast_dllm": "test_fast_dllm.py", "bench.soak": "test_soak.py",
+                    "bench.llada2": "test_llada2_diffusers.py"}
 
 
 def _run_module(*args: str) -> dict:

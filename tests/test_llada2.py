@@ -10,7 +10,6 @@ import random
 
 import pytest
 import torch
-from llada2_reference import LLaDA2Reference, reference_generate
 from pydantic import ValidationError
 
 from configs import EngineConfig
@@ -20,6 +19,7 @@ from engine.model.architectures import build_network
 from engine.model.checkpoint import CheckpointError, load_model_spec
 from engine.model.loading import checkpoint_names
 from engine.model.qwen3 import TPContext
+from tools.llada2_reference import LLaDA2Reference, reference_generate
 from tools.published_checkpoints import PUBLISHED as RELEASES
 from tools.tiny_llada2 import write_tiny_llada2
 

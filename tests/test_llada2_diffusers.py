@@ -17,8 +17,8 @@ import types
 import pytest
 import torch
 from diffusers import BlockRefinementScheduler, LLaDA2Pipeline
-from llada2_reference import LLaDA2Reference, reference_generate
 
+from tools.llada2_reference import LLaDA2Reference, reference_generate
 from tools.tiny_llada2 import MASK_TEXT, write_tiny_llada2
 
 B = 32
@@ -64,3 +64,20 @@ def test_reference_loop_equals_diffusers_pipeline(reference, rule, edit_threshol
         assert out.sequences[0].tolist() == want.token_ids, (rule, n)
         edits += sum(len(e["positions"]) for e in want.trace) - len(want.token_ids)
     assert rule == "low_confidence" or edits > 0, "the editing cases edit tokens"
+
+
+def test_bench_sides_agree_under_low_confidence(tmp_path):
+    """bench.llada2's two sides, small: diffusers' loop over the reference network and the engine give the
+    same tokens (LowConfidence, one block of prompt, two blocks out)."""
+    from bench.llada2 import CountingNetwork, run_diffusers
+    from engine import EngineConfig, GenerationConfig, pipeline
+
+    path = write_tiny_llada2(tmp_path / "ckpt", seed=1)
+    added = json.loads((path / "tokenizer.json").read_text())["added_tokens"]
+    mask_id = next(t["id"] for t in added if t["content"] == MASK_TEXT)
+    prompt = [random.Random(7).randrange(300) for _ in range(B)]
+    net = CountingNetwork(LLaDA2Reference(path))
+    theirs = run_diffusers(net, [prompt], 2 * B, mask_id, None)
+    with pipeline(str(path), EngineConfig(max_model_len=4 * B, num_kv_blocks=32)) as pipe:
+        mine = pipe(prompt, GenerationConfig(max_new_tokens=2 * B, ignore_eos=True))
+    assert mine.token_ids == theirs[0] and net.calls > 2

@@ -1,0 +1,116 @@
+"""LLaDA2 decoding: the engine vs diffusers' `LLaDA2Pipeline`, the offline loop a user picks today.
+
+`python -m bench.llada2 [--tokens 256] [--toy]` writes a small llada2_moe checkpoint (4 layers of the
+released shape family: fused QKV, QK norm, partial rotary, a dense first layer, 16 sigmoid-routed
+experts in 4 groups plus a shared one), then decodes 8 prompts of one block (32 tokens) greedily to
+`--tokens` new tokens with SGLang's LowConfidence (threshold 0.95) and JointThreshold (threshold 0.95,
+edit threshold 0.9), at 1 and 8 concurrent requests on both sides:
+
+- **diffusers**: `LLaDA2Pipeline` with its `BlockRefinementScheduler`, one request at a time, over a
+  straightforward full-recompute float32 implementation of the architecture (tools/llada2_reference.py,
+  what a published modeling file computes: every step a forward over the whole sequence so far);
+- **engine**: the offline pipeline, all requests of a round in flight together.
+
+It prints one JSON object: seconds per side and round, forwards per block on each side (the engine's
+batched: at 8 concurrent one forward serves every request),
+and whether the tokens are identical. Under LowConfidence they must be. Under JointThreshold they
+differ where a block runs out of post-edit steps: diffusers applies the edits of the step past the
+budget, SGLang (and this engine) end the block writing nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import tempfile
+import time
+import types
+from pathlib import Path
+
+import torch
+from diffusers import BlockRefinementScheduler, LLaDA2Pipeline
+
+from engine import EngineConfig, GenerationConfig, pipeline
+from tools.llada2_reference import LLaDA2Reference
+from tools.tiny_llada2 import MASK_TEXT, write_tiny_llada2
+
+B = 32
+RULES = {"low_confidence": {}, "joint_threshold": {"dllm_edit_threshold": 0.9}}
+SHAPE = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, head_dim=32,
+             intermediate_size=512, moe_intermediate_size=128, num_experts=16, num_experts_per_tok=4, n_group=4,
+             topk_group=2)
+
+
+class CountingNetwork(torch.nn.Module):
+    """The full-recompute network under the call diffusers makes (`model(x, ...).logits`), counting calls."""
+
+    def __init__(self, ref: LLaDA2Reference):
+        super().__init__()
+        self.ref, self.calls = ref, 0
+        self.device, self.dtype = torch.device("cpu"), torch.float32
+
+    def forward(self, x: torch.Tensor, attention_mask=None, position_ids=None) -> types.SimpleNamespace:
+        self.calls += 1
+        return types.SimpleNamespace(logits=torch.stack([self.ref._forward(row.tolist(), B) for row in x]))
+
+
+def run_diffusers(net: CountingNetwork, prompts: list[list[int]], tokens: int, mask_id: int,
+                  edit_threshold: float | None) -> list[list[int]]:
+    pipe = LLaDA2Pipeline(model=net, scheduler=BlockRefinementScheduler(), tokenizer=None)
+    pipe.set_progress_bar_config(disable=True)
+    outs = []
+    for prompt in prompts:
+        out = pipe(input_ids=torch.tensor([prompt]), use_chat_template=False, gen_length=tokens, block_length=B,
+                   num_inference_steps=B, temperature=0.0, sampling_method="greedy", threshold=0.95,
+                   editing_threshold=edit_threshold, max_post_steps=16, eos_early_stop=False, mask_token_id=mask_id,
+                   output_type="seq")
+        outs.append(out.sequences[0].tolist())
+    return outs
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, default=256, help="new tokens per request (a multiple of 32)")
+    parser.add_argument("--toy", action="store_true", help="the tests' tiny shape and 64 tokens (seconds)")
+    args = parser.parse_args(argv)
+    tokens = 64 if args.toy else args.tokens
+    path = write_tiny_llada2(Path(tempfile.mkdtemp(prefix="bench-llada2-")), seed=1, **({} if args.toy else SHAPE))
+    added = json.loads((path / "tokenizer.json").read_text())["added_tokens"]
+    mask_id = next(t["id"] for t in added if t["content"] == MASK_TEXT)
+    prompts = [[random.Random(i).randrange(300) for _ in range(B)] for i in range(8)]
+    net = CountingNetwork(LLaDA2Reference(path))
+    result: dict = {"tokens": tokens, "shape": "toy" if args.toy else SHAPE, "threads": torch.get_num_threads()}
+    with pipeline(str(path), EngineConfig(max_model_len=B + tokens, num_kv_blocks=8 * (B + tokens) // 16 + 16,
+                                          max_batch_size=8)) as engine:
+        for rule, knobs in RULES.items():
+            config = GenerationConfig(max_new_tokens=tokens, ignore_eos=True, dllm_unmasking_strategy=(
+                "joint_threshold" if rule == "joint_threshold" else None), **knobs)
+            for concurrent in (1, 8):
+                batch = prompts[:concurrent]
+                engine(batch, config)  # warm-up: the first forwards of a shape pack weights, grow buffers
+                forwards = engine.engine.stats.forwards
+                t0 = time.perf_counter()
+                mine = engine(batch, config)
+                engine_s = time.perf_counter() - t0
+                engine_forwards = engine.engine.stats.forwards - forwards
+                net.calls = 0
+                t0 = time.perf_counter()
+                theirs = run_diffusers(net, batch, tokens, mask_id, knobs.get("dllm_edit_threshold"))
+                diffusers_s = time.perf_counter() - t0
+                blocks = concurrent * tokens // B
+                result[f"{rule}/{concurrent}"] = {
+                    "engine_s": round(engine_s, 2), "diffusers_s": round(diffusers_s, 2),
+                    "speedup": round(diffusers_s / engine_s, 1),
+                    # engine: batched forwards per block of the round (at 1 concurrent: the request's own);
+                    # diffusers: a request's forwards per block (one request at a time)
+                    "forwards_per_block": {"engine": round(engine_forwards / (tokens // B), 2),
+                                           "diffusers": round(net.calls / blocks, 2)},
+                    "identical_tokens": [m.token_ids for m in mine] == theirs,
+                }
+                print(json.dumps({rule: result[f"{rule}/{concurrent}"], "concurrent": concurrent}), flush=True)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
