@@ -82,15 +82,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("model", help="checkpoint directory of a block-diffusion (sdar) model")
     ap.add_argument("prompt")
     ap.add_argument("--max-new-tokens", type=int, default=32)
-    ap.add_argument("--strategy", default="low_confidence_dynamic")
-    ap.add_argument("--threshold", type=float, default=0.85)
+    ap.add_argument("--strategy", default=None, help="unmasking strategy (default: the model family's)")
+    ap.add_argument("--threshold", type=float, default=None, help="confidence threshold (default: the family's)")
     ap.add_argument("--steps", type=int, default=None, help="denoising steps per block (default B)")
     ap.add_argument("--no-colour", action="store_true", help="no ANSI colours (the default when not a terminal)")
     ap.add_argument("--png", help="write a step_map heat strip here")
     ap.add_argument("--json", help="save the request here for the /viewer page (a /generate body with its step trace)")
     args = ap.parse_args(argv)
-    config = EngineConfig(dllm_unmasking_strategy=args.strategy, dllm_confidence_threshold=args.threshold,
-                          dllm_denoising_steps=args.steps)
+    given = {"dllm_unmasking_strategy": args.strategy, "dllm_confidence_threshold": args.threshold,
+             "dllm_denoising_steps": args.steps}
+    config = EngineConfig(**{k: v for k, v in given.items() if v is not None})  # the rest: the family's defaults
     with pipeline(args.model, config) as pipe:
         if not pipe.engine.is_dllm:
             print(f"{args.model} is an AR model: there is no decoding order to show", file=sys.stderr)
@@ -114,7 +115,9 @@ def main(argv: list[str] | None = None) -> int:
             write_heat_strip(response, pipe.tokenizer, args.png)
             print(f"wrote {args.png}")
         if args.json:
-            settings = {"dllm_unmasking_strategy": args.strategy, "dllm_confidence_threshold": args.threshold,
+            used = pipe.engine.config
+            settings = {"dllm_unmasking_strategy": used.dllm_unmasking_strategy,
+                        "dllm_confidence_threshold": used.dllm_confidence_threshold,
                         "dllm_denoising_steps": args.steps, "max_new_tokens": args.max_new_tokens, "temperature": 0}
             body = trace_body(response, pipe.tokenizer, args.prompt, args.model, pipe.engine.config.dllm_block_length,
                               settings)
