@@ -11,4 +11,8 @@
     replicas; `http`: error responses, API key, body limit, admission, SSE; `tokens`: the tokenizer.
 - `errors`: ApiError and request validation; `wire`: the ingress <-> EngineServer request type.
 - `router`: the prefix-aware request router; `placement`: placement-group checks; `metrics`.
+- `batch_calls`: ties batched unary calls to their clients (a client that leaves aborts its request);
+  `single_machine`: loopback-only clusters, the HTTP port checks, the replicas' gRPC bind.
+- `viewer/`: the denoising viewer page (`GET /viewer`, static files); `llm/`: Ray Serve LLM's
+  `build_openai_app` / `LLMConfig` onto `build_app`, several models in one app.
 """
