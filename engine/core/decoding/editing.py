@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine.core.decoding.unmasking import UnmaskingSettings
+from engine.core.decoding.unmasking import UnmaskingSettings, above_threshold_or_best
 
 
 @dataclass
@@ -44,8 +44,7 @@ def joint_threshold(rows: BlockRows, post_edit_steps: int, settings: UnmaskingSe
     masked = [i for i, m in enumerate(rows.masked) if m]
     if masked:
         t = settings.confidence_threshold
-        reveals = [i for i in masked if rows.confidence[i] > t]
-        reveals = reveals or [min(masked, key=lambda i: (-rows.confidence[i], i))]
+        reveals = [masked[j] for j in above_threshold_or_best([rows.confidence[i] for i in masked], t)]
     elif post_edit_steps > settings.max_post_edit_steps:
         return None
     else:

@@ -23,20 +23,13 @@ from __future__ import annotations
 from configs import EngineConfig, GenerationConfig
 from engine.core.decoding.base import PickedRows
 from engine.core.decoding.block_diffusion import BlockDiffusionDecoding
-from engine.core.decoding.unmasking import UnmaskingSettings
+from engine.core.decoding.editing import EDITING_FIELDS
+from engine.core.decoding.unmasking import UnmaskingSettings, above_threshold_or_best
 from engine.core.sequence import Sequence
 from engine.errors import RequestError
 
 # request fields of other unmasking rules that this decoding has no use for
-_NOT_APPLICABLE = ("dllm_denoising_steps", "dllm_entropy_threshold", "dllm_edit_threshold",
-                   "dllm_max_post_edit_steps", "dllm_penalty_lambda")
-
-
-def above_threshold_or_best(confidence: list[float], threshold: float) -> list[int]:
-    """Indices of the candidates with confidence strictly above `threshold`; when none is, the single
-    most confident one (ties: the lowest index)."""
-    chosen = [i for i, c in enumerate(confidence) if c > threshold]
-    return chosen or [max(range(len(confidence)), key=lambda i: (confidence[i], -i))]
+_NOT_APPLICABLE = ("dllm_denoising_steps", "dllm_entropy_threshold", *EDITING_FIELDS)
 
 
 class SubBlockDecoding(BlockDiffusionDecoding):

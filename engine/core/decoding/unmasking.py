@@ -88,6 +88,13 @@ def random_order(confidence: list[float], entropy: list[float], n: int, settings
     return random.Random(step_seed).sample(range(len(confidence)), n)
 
 
+def above_threshold_or_best(confidence: list[float], threshold: float) -> list[int]:
+    """Indices of the candidates with confidence strictly above `threshold`; when none is, the single
+    most confident one (ties: the lowest index)."""
+    chosen = [i for i, c in enumerate(confidence) if c > threshold]
+    return chosen or [max(range(len(confidence)), key=lambda i: (confidence[i], -i))]
+
+
 Rule = Callable[[list[float], list[float], int, UnmaskingSettings, int], list[int]]
 
 RULES: dict[str, Rule] = {
