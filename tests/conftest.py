@@ -260,8 +260,9 @@ def engine_totals(app_name: str) -> dict[str, int]:
     return {k: sum(s[k] for s in stats) for k in keys} | {"replicas": len(stats)}
 
 
-def wait_idle(app_name: str, timeout: float = 30.0) -> dict[str, int]:
-    """Engine totals once no request is running or waiting (or the timeout passed)."""
+def wait_idle(app_name: str, timeout: float = 300.0) -> dict[str, int]:
+    """Engine totals once no request is running or waiting. The timeout is a hang guard only: on a
+    loaded machine an abort or a drain can take long, and tests judge by counts, never by time."""
     import time
 
     deadline = time.monotonic() + timeout

@@ -44,7 +44,6 @@ def test_node_loss_fails_its_requests_explicitly_and_the_rest_succeed(report):
     assert loss["replica_nodes_before"] == ["C", "D"]
     assert loss["ingress_nodes"] == ["head"]  # by default: a lost worker node takes only engine replicas
     assert loss["lost"] == 0  # every request answered: a result or an explicit error
-    assert loss["max_error_s_after_kill"] < 10
     held = loss["held_at_kill"]  # generation was paused in place: no request finished between count and kill
     assert held.get("C", 0) > 0 and held.get("D", 0) > 0, held
     assert loss["failed"] == held["C"]  # the lost node's requests: explicit errors, every one of them

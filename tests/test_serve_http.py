@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import time
-
 import httpx
 import pytest
-from conftest import sse_events, without_ids
-from ray import serve
+from conftest import sse_events, wait_idle, without_ids
 
 from configs import EngineConfig, GenerationConfig
 from deployments.sglang.serving import fold_cumulative_chunks
@@ -308,25 +305,10 @@ def test_oversized_body_is_413_and_server_still_serves(served_apps):
     assert ok.status_code == 200 and len(ok.json()["output_ids"]) == 4
 
 
-def _engine_totals(app_name: str) -> tuple[int, int, int]:
-    stats = serve.get_app_handle(app_name).engine_stats.remote().result()
-    return (sum(s["kv_pages_free"] for s in stats), sum(s["running"] + s["waiting"] for s in stats),
-            sum(s["generated_tokens"] for s in stats))
-
-
-def _wait_idle(app_name: str, timeout: float = 30.0) -> tuple[int, int, int]:
-    deadline = time.monotonic() + timeout
-    while True:
-        free, busy, generated = _engine_totals(app_name)
-        if busy == 0 or time.monotonic() > deadline:
-            return free, busy, generated
-        time.sleep(0.05)
-
-
 @pytest.mark.parametrize("app", ["sdar", "qwen3"])
 def test_disconnect_mid_stream_frees_pages(served_apps, app):
-    free0, busy0, gen0 = _wait_idle(app)
-    assert busy0 == 0
+    start = wait_idle(app)
+    assert start["running"] + start["waiting"] == 0
     max_tokens = 480
     body = {"prompt": "Tell me a long story.", "max_tokens": max_tokens, "temperature": 3.0, "seed": 1,
             "ignore_eos": True, "stream": True}
@@ -335,7 +317,9 @@ def test_disconnect_mid_stream_frees_pages(served_apps, app):
         for line in r.iter_lines():
             if line.startswith("data: "):
                 break  # leave after the first delta: closing the response drops the connection
-    free, busy, generated = _wait_idle(app)
-    assert busy == 0, "the aborted request is still in the engine"
-    assert free == free0, f"KV pages leaked: {free0 - free}"
-    assert generated - gen0 < max_tokens, "the request ran to completion instead of being aborted"
+    end = wait_idle(app)  # aborted, or (the defect) run to completion: the token count tells which
+    assert end["running"] + end["waiting"] == 0, "the aborted request is still in the engine"
+    leaked = start["kv_pages_free"] - end["kv_pages_free"]
+    assert leaked == 0, f"KV pages leaked: {leaked}"
+    assert end["generated_tokens"] - start["generated_tokens"] < max_tokens, \
+        "the request ran to completion instead of being aborted"

@@ -130,19 +130,19 @@ def test_a_directory_that_is_not_a_checkpoint_is_refused_naming_what_it_lacks(ti
 async def _leave_while_running(url: str, body: dict, app: str, stay: dict | None = None) -> tuple[dict, float,
                                                                                                    dict | None]:
     """Send `body` (and `stay`, in the same batching window); once the engine runs them, the client of
-    `body` leaves. Returns the engine totals once idle (or 2 s after the client left), the seconds that
-    took, and `stay`'s answer."""
+    `body` leaves. Returns the engine totals once idle (aborted, or everything generated: the
+    token count tells which), the seconds that took, and `stay`'s answer."""
     async with httpx.AsyncClient(timeout=120) as client:
         leaving = asyncio.ensure_future(client.post(url + "/generate", json=body))
         staying = asyncio.ensure_future(client.post(url + "/generate", json=stay)) if stay else None
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 300  # a hang guard
         while (await asyncio.to_thread(engine_totals, app))["running"] < 1:
             assert time.monotonic() < deadline and not leaving.done(), "the request never ran"
             await asyncio.sleep(0.05)
         await asyncio.sleep(0.3)
         leaving.cancel()  # the client closes its connection
         left = time.monotonic()
-        idle = await asyncio.to_thread(wait_idle, app, 2.0)
+        idle = await asyncio.to_thread(wait_idle, app, 300.0)  # a hang guard
         seconds = time.monotonic() - left
         return idle, seconds, (await staying).json() if staying else None
 
@@ -163,7 +163,7 @@ def test_a_unary_request_whose_client_left_is_aborted_in_the_engine(served_apps)
         generated = idle["generated_tokens"] - before
         print(f"{'with a batch mate' if stay else 'alone'}: engine idle {seconds:.2f}s after the client left, "
               f"{generated} of {everything} tokens generated")
-        assert idle["running"] + idle["waiting"] == 0, idle  # within 2 s of the client leaving
+        assert idle["running"] + idle["waiting"] == 0, idle
         assert generated < everything  # aborted, not finished
         if stay:
             assert answer["meta_info"]["completion_tokens"] == 24  # the batch mate answered in full
