@@ -13,9 +13,10 @@ edit threshold 0.9), at 1 and 8 concurrent requests on both sides:
 
 It prints one JSON object: seconds per side and round, forwards per block on each side (the engine's
 batched: at 8 concurrent one forward serves every request),
-and whether the tokens are identical. Under LowConfidence they must be. Under JointThreshold they
-differ where a block runs out of post-edit steps: diffusers applies the edits of the step past the
-budget, SGLang (and this engine) end the block writing nothing.
+and whether the tokens are identical (they must be, under both rules). The post-edit budgets count one
+apart: diffusers applies the edits of the step that exceeds its `max_post_steps` before ending the
+block, SGLang (and this engine) end the block at that step writing nothing, so diffusers'
+`max_post_steps=16` is the engine's `dllm_max_post_edit_steps=17`.
 """
 
 from __future__ import annotations
@@ -36,7 +37,9 @@ from tools.llada2_reference import LLaDA2Reference
 from tools.tiny_llada2 import MASK_TEXT, write_tiny_llada2
 
 B = 32
-RULES = {"low_confidence": {}, "joint_threshold": {"dllm_edit_threshold": 0.9}}
+DIFFUSERS_MAX_POST_STEPS = 16
+RULES = {"low_confidence": {},
+         "joint_threshold": {"dllm_edit_threshold": 0.9, "dllm_max_post_edit_steps": DIFFUSERS_MAX_POST_STEPS + 1}}
 SHAPE = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, head_dim=32,
              intermediate_size=512, moe_intermediate_size=128, num_experts=16, num_experts_per_tok=4, n_group=4,
              topk_group=2)
@@ -63,8 +66,8 @@ def run_diffusers(net: CountingNetwork, prompts: list[list[int]], tokens: int, m
     for prompt in prompts:
         out = pipe(input_ids=torch.tensor([prompt]), use_chat_template=False, gen_length=tokens, block_length=B,
                    num_inference_steps=B, temperature=0.0, sampling_method="greedy", threshold=0.95,
-                   editing_threshold=edit_threshold, max_post_steps=16, eos_early_stop=False, mask_token_id=mask_id,
-                   output_type="seq")
+                   editing_threshold=edit_threshold, max_post_steps=DIFFUSERS_MAX_POST_STEPS, eos_early_stop=False,
+                   mask_token_id=mask_id, output_type="seq")
         outs.append(out.sequences[0].tolist())
     return outs
 

@@ -1,12 +1,15 @@
 """A second, independent reference for the LLaDA2 decoding loop: diffusers' `LLaDA2Pipeline` (with its
 `BlockRefinementScheduler`), run over the full-recompute network of tests/llada2_reference.py, gives
 the tokens that reference's own loop gives, on the cases both define: greedy, no λ penalty, the
-output ending on a block boundary (diffusers masks the positions past it), no early stop.
+output ending on a block boundary (diffusers masks the positions past it) and at least a block long
+(diffusers caps its steps per block at the output's length, so a shorter output reveals more than one
+token a step), no early stop.
 
 Where they differ by design, the engine follows SGLang: diffusers disables editing at edit threshold 0
-(SGLang: edit everything that changed) and applies the edits of the step that exceeds the post-edit
-budget before ending the block (SGLang: that step writes nothing). The cases below (edit threshold 0.9,
-blocks that settle within the budget) avoid both."""
+(SGLang: edit everything that changed). Their post-edit budgets count one apart: diffusers applies the
+edits of the step that exceeds `max_post_steps` before ending the block, SGLang ends the block at that
+step writing nothing, so diffusers' `max_post_steps=m` decodes what SGLang's `max_post_edit_steps=m+1`
+does, blocks that run out of budget included."""
 
 from __future__ import annotations
 
@@ -45,25 +48,53 @@ def reference(tmp_path_factory):
     return LLaDA2Reference(path), mask_id
 
 
+def _diffusers(ref: LLaDA2Reference, mask_id: int, prompt: list[int], gen: int, edit_threshold: float | None,
+               max_post_steps: int = 16) -> list[int]:
+    pipe = LLaDA2Pipeline(model=_Network(ref), scheduler=BlockRefinementScheduler(), tokenizer=None)
+    pipe.set_progress_bar_config(disable=True)
+    out = pipe(input_ids=torch.tensor([prompt]), use_chat_template=False, gen_length=gen, block_length=B,
+               num_inference_steps=B, temperature=0.0, sampling_method="greedy", threshold=0.95,
+               editing_threshold=edit_threshold, max_post_steps=max_post_steps, eos_early_stop=False,
+               mask_token_id=mask_id, output_type="seq")
+    return out.sequences[0].tolist()
+
+
+def _prompt(n: int) -> list[int]:
+    return [random.Random(n).randrange(300) for _ in range(n)]
+
+
+def _output_length(n: int) -> int:
+    """At least one block, ending on a block boundary, after a prompt of n tokens."""
+    return B + -n % B
+
+
 @pytest.mark.parametrize("rule,edit_threshold", [("low_confidence", None), ("joint_threshold", 0.9)])
 def test_reference_loop_equals_diffusers_pipeline(reference, rule, edit_threshold):
     ref, mask_id = reference
-    pipe = LLaDA2Pipeline(model=_Network(ref), scheduler=BlockRefinementScheduler(), tokenizer=None)
-    pipe.set_progress_bar_config(disable=True)
     edits = 0
     for n in (3, 35):
-        prompt = [random.Random(n).randrange(300) for _ in range(n)]
-        gen = 2 * B - n  # the output ends on a block boundary
-        out = pipe(input_ids=torch.tensor([prompt]), use_chat_template=False, gen_length=gen, block_length=B,
-                   num_inference_steps=B, temperature=0.0, sampling_method="greedy", threshold=0.95,
-                   editing_threshold=edit_threshold, max_post_steps=16, eos_early_stop=False, mask_token_id=mask_id,
-                   output_type="seq")
-        knobs = {} if edit_threshold is None else {"edit_threshold": edit_threshold, "max_post_edit_steps": 16}
-        want = reference_generate(ref, prompt, rule=rule, block_length=B, mask_id=mask_id, max_new_tokens=gen,
+        gen = _output_length(n)
+        knobs = {} if edit_threshold is None else {"edit_threshold": edit_threshold, "max_post_edit_steps": 17}
+        want = reference_generate(ref, _prompt(n), rule=rule, block_length=B, mask_id=mask_id, max_new_tokens=gen,
                                   stop_ids=set(), threshold=0.95, **knobs)
-        assert out.sequences[0].tolist() == want.token_ids, (rule, n)
+        assert _diffusers(ref, mask_id, _prompt(n), gen, edit_threshold) == want.token_ids, (rule, n)
         edits += sum(len(e["positions"]) for e in want.trace) - len(want.token_ids)
     assert rule == "low_confidence" or edits > 0, "the editing cases edit tokens"
+
+
+def test_diffusers_post_step_budget_m_is_sglangs_m_plus_one(reference):
+    """With a budget of one post-edit step blocks run out of it (the same budget on both sides gives
+    other tokens), and diffusers' 1 decodes what the reference's 2 does."""
+    ref, mask_id = reference
+    budget_mattered = False
+    for n in (3, 35):
+        gen = _output_length(n)
+        theirs = _diffusers(ref, mask_id, _prompt(n), gen, 0.5, max_post_steps=1)
+        knobs = {"rule": "joint_threshold", "block_length": B, "mask_id": mask_id, "max_new_tokens": gen,
+                 "stop_ids": set(), "threshold": 0.95, "edit_threshold": 0.5}
+        assert theirs == reference_generate(ref, _prompt(n), max_post_edit_steps=2, **knobs).token_ids, n
+        budget_mattered |= theirs != reference_generate(ref, _prompt(n), max_post_edit_steps=1, **knobs).token_ids
+    assert budget_mattered, "no block ran out of its post-edit budget: the case checks nothing"
 
 
 def test_bench_sides_agree_under_low_confidence(tmp_path):

@@ -66,11 +66,13 @@ def _ready_line(server: subprocess.Popen, timeout: float) -> str:
 
 
 def test_blockserve_serve_listens_on_loopback_only_and_refuses_a_taken_port(tmp_path):
+    """At tp=2, so the tensor-parallel group's TCP store and gloo pairs are among the sockets."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_AUTH_MODE": "disabled"}
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
-    server = subprocess.Popen([str(BLOCKSERVE), "serve", "models/sdar-tiny", "--port", str(port)], cwd=ROOT, env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    server = subprocess.Popen([str(BLOCKSERVE), "serve", "models/sdar-tiny", "--port", str(port), "--tp", "2",
+                               "--num-cpus", "0.5"],
+                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         ready = _ready_line(server, timeout=300)
         address = re.search(r"RAY_ADDRESS=(\S+) ", ready).group(1)
@@ -83,7 +85,7 @@ def test_blockserve_serve_listens_on_loopback_only_and_refuses_a_taken_port(tmp_
         assert int(address.rsplit(":", 1)[1]) in {p for _, _, p in sockets}  # the GCS, at the printed address
         exposed = [s for s in sockets if not _is_loopback(s[1])]
         assert not exposed, f"listening beyond loopback: {exposed}"
-        print(f"{len(sockets)} listening sockets, all on loopback")
+        print(f"{len(sockets)} listening sockets, all on loopback: {sorted(set(name for name, _, _ in sockets))}")
 
         # A second server on the same port: refused before Ray starts, naming the port.
         ray_dir = tmp_path / "second-ray"

@@ -1,7 +1,9 @@
 """Tensor-parallel executor on Ray: rank 0 runs in the EngineServer replica's process (so logits never
 cross a process boundary); ranks 1..tp-1 are `TPWorker` actors placed in bundles 1..tp-1 of the
 replica's placement group. The ranks join one torch.distributed group (gloo on CPU, nccl on CUDA)
-through a TCP address chosen by rank 0.
+through the TCP store rank 0 hosts, on a socket bound to the node's Ray address only: a store bound by
+port alone listens on every interface, and whoever reaches it could join or disturb the group (on a
+single machine served over loopback the store is reachable from this machine only).
 
 Every rank must run the same forwards in the same order (the layers all-reduce / all-gather): each
 `execute` sends the batch to the workers first (`.remote()`: an actor runs one caller's calls in
@@ -45,26 +47,32 @@ class TPExecutorError(RuntimeError):
     fatal = True
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
+def _store_socket(ip: str) -> socket.socket:
+    """A listening socket for rank 0's TCP store on `ip` alone (a free port)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind((ip, 0))
+    sock.listen(128)
+    return sock
 
 
-def _join_group(backend: str, init_method: str, rank: int, size: int, timeout_s: float) -> None:
-    dist.init_process_group(backend=backend, init_method=init_method, rank=rank, world_size=size,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+def _join_group(backend: str, address: tuple[str, int], rank: int, size: int, timeout_s: float,
+                listen_fd: int | None = None) -> None:
+    """Join the group through the store at `address`; rank 0 hosts it on `listen_fd`."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(address[0], address[1], size, rank == 0, timeout, master_listen_fd=listen_fd)
+    dist.init_process_group(backend=backend, store=store, rank=rank, world_size=size, timeout=timeout)
 
 
 class TPShard:
     """One rank's model shard and KV cache (the body of a worker actor; rank 0 uses it in-process)."""
 
-    def __init__(self, spec: ModelSpec, config: EngineConfig, rank: int, init_method: str, timeout_s: float):
+    def __init__(self, spec: ModelSpec, config: EngineConfig, rank: int, address: tuple[str, int], timeout_s: float,
+                 listen_fd: int | None = None):
         device = resolve_device(config)
         backend = "nccl" if device.type == "cuda" else "gloo"
         if device.type == "cuda":
             torch.cuda.set_device(0)  # Ray exposes exactly this actor's GPU as cuda:0
-        _join_group(backend, init_method, rank, config.tp, timeout_s)
+        _join_group(backend, address, rank, config.tp, timeout_s, listen_fd)
         self.runner = ModelRunner(spec, config, TPContext(rank=rank, size=config.tp, group=None))
 
     @property
@@ -80,8 +88,8 @@ class TPShard:
 class TPWorker:
     """Rank 1..tp-1: executes every batch rank 0 executes; returns nothing (rank 0 has the logits)."""
 
-    def __init__(self, spec: ModelSpec, config: EngineConfig, rank: int, init_method: str, timeout_s: float):
-        self.args = (spec, config, rank, init_method, timeout_s)
+    def __init__(self, spec: ModelSpec, config: EngineConfig, rank: int, address: tuple[str, int], timeout_s: float):
+        self.args = (spec, config, rank, address, timeout_s)
         self.shard: TPShard | None = None
 
     def setup(self) -> int:
@@ -115,11 +123,11 @@ class RayTPExecutor:
         self.timeout_s = timeout_s
         size = config.tp
         device = resolve_device(config)
-        ip = ray.util.get_node_ip_address()
-        init_method = f"tcp://{ip}:{_free_port()}"
         pg = get_current_placement_group()
         if pg is not None and len(pg.bundle_specs) < size:
             raise ValueError(f"tp={size} needs {size} placement-group bundles, the replica has {len(pg.bundle_specs)}")
+        store_socket = _store_socket(ray.util.get_node_ip_address())
+        address = store_socket.getsockname()[:2]
         resources = worker_options or ({"num_cpus": 1, "num_gpus": 1} if device.type == "cuda" else {"num_cpus": 1})
         group_id = uuid.uuid4().hex[:12]
         self.worker_names: list[str] = []
@@ -131,18 +139,19 @@ class RayTPExecutor:
                     placement_group=pg, placement_group_bundle_index=rank)
             options["name"] = f"blockserve-tp-{group_id}-rank{rank}"  # findable for debugging / fault drills
             self.worker_names.append(options["name"])
-            self.workers.append(TPWorker.options(**options).remote(spec, config, rank, init_method, timeout_s))
+            self.workers.append(TPWorker.options(**options).remote(spec, config, rank, address, timeout_s))
         setups = [w.setup.remote() for w in self.workers]
         try:
-            self.shard = TPShard(spec, config, 0, init_method, timeout_s)
+            self.shard = TPShard(spec, config, 0, address, timeout_s, store_socket.detach())
             pages = ray.get(setups, timeout=timeout_s + 600)
         except BaseException:
+            store_socket.close()  # unless the store took it over
             self._kill_workers()
             raise
         # Shards of one model get the same page count unless memory differs (CUDA fractions): use
         # the smallest so every rank has every page the engine may address.
         self._num_pages = min([self.shard.num_pages, *pages])
-        log.info("tensor-parallel group ready: tp=%d (%s), %d KV pages", size, init_method, self._num_pages)
+        log.info("tensor-parallel group ready: tp=%d (store at %s:%d), %d KV pages", size, *address, self._num_pages)
 
     @property
     def num_pages(self) -> int:
