@@ -149,5 +149,5 @@ def test_published_configs_loader(dllm_ckpt):
     """bench.published_configs' measuring part, on the tiny checkpoint (the releases take minutes)."""
     from bench.published_configs import load_once
 
-    figures = load_once(dllm_ckpt)
+    figures = load_once(dllm_ckpt, "bfloat16")
     assert figures["tokens"] == 8 and figures["load_s"] > 0 and figures["peak_rss_gb"] > 0
