@@ -466,6 +466,7 @@ class LLMEngine:
         the step; True once the request is finished."""
         seq.num_draws += len(rows.positions)
         revealed = self.decoding.advance(seq, rows)
+        budget_limit = seq.stop_bound  # the output's bound before the stop rule reads this step's tokens
         self.stats.generated_tokens += len(revealed)
         self.stats.unmasking_steps += self.is_dllm
         base = seq.prompt_len
@@ -474,8 +475,11 @@ class LLMEngine:
         if decision is not None:
             seq.finish(decision.reason, decision.num_tokens, decision.matched)
         output = self.outputs[seq.request_id]
-        if output.want_trace:  # the trace shows what this step revealed inside the (possible) output
-            limit = seq.num_output if seq.num_output is not None else seq.stop_bound
+        if output.want_trace:  # the step's writes inside the (possible) output
+            if self.decoding.provisional_writes(seq) or seq.num_output is None:
+                limit = budget_limit
+            else:
+                limit = seq.num_output
             shown = [g for g in revealed if g < limit]
             if shown:
                 output.add_trace({

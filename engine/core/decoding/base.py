@@ -84,6 +84,12 @@ class DecodingStrategy(ABC):
     def wants_entropy(self, seq: Sequence) -> bool:
         return False
 
+    def provisional_writes(self, seq: Sequence) -> bool:
+        """Whether a step's writes stay provisional until their block ends (token editing). The step
+        trace shows such writes inside the token budget, even where the stop rule then ends the output
+        before them; final writes it shows inside the output only."""
+        return False
+
     def lowered_logits(self, seq: Sequence, positions: list[int]) -> tuple[float, list[int]] | None:
         """(amount, per sampled position the token whose logit is lowered by it, -1 for none) when this
         step's sampling lowers logits (token editing's λ penalty), else None."""

@@ -20,16 +20,18 @@ every generated position of the block is sampled each step, a step may also rewr
 tokens, and the block ends only on a step that writes nothing (or past its post-edit budget). So a
 block's tokens are final only when it ends: `num_final` stops at the block's start until then, the
 stop rule sees only final tokens, and a stop id written inside the block bounds nothing by itself.
-`step_map` holds the step of each token's last write, its logprob that step's. The forward of the
-ending step fed exactly the final tokens, so its K/V are kept: the block commits without a forward
-of its own.
+`step_map` holds the step of each token's last write, its logprob that step's. The forward of a
+step that writes nothing fed exactly the final tokens, so its K/V are kept: the block commits without
+a forward of its own. A block that spends its post-edit budget ends with that step's writes (the next
+step could only end it) and commits like a block after its last reveal, in the next block's first
+forward: no block spends a forward only to end or to persist.
 """
 
 from __future__ import annotations
 
 from configs import GenerationConfig
 from engine.core.decoding.base import DecodingStrategy, PickedRows
-from engine.core.decoding.editing import EDITING_FIELDS, EDITING_RULES, BlockRows
+from engine.core.decoding.editing import EDITING_FIELDS, EDITING_RULES, BlockRows, budget_spent
 from engine.core.decoding.unmasking import NEEDS_ENTROPY, RULES, UnmaskingSettings, choose_rows, tokens_this_step
 from engine.core.sequence import DLLMBlock, Sequence
 from engine.errors import RequestError
@@ -118,6 +120,9 @@ class BlockDiffusionDecoding(DecodingStrategy):
     def wants_entropy(self, seq: Sequence) -> bool:
         return seq.unmasking.strategy in NEEDS_ENTROPY
 
+    def provisional_writes(self, seq: Sequence) -> bool:
+        return self.edits(seq)
+
     def advance(self, seq: Sequence, rows: PickedRows) -> list[int]:
         if self.edits(seq):
             return self._edit(seq, rows)
@@ -151,6 +156,10 @@ class BlockDiffusionDecoding(DecodingStrategy):
         block.step_index += 1
         written = [self.write(seq, positions[i], rows.tokens[i], rows.logprobs[i], final=False) for i in writes]
         block.masked = [p for p in positions if seq.tokens[p] == self.mask_id]
+        if not block.masked and budget_spent(block.post_edit_steps, seq.unmasking):
+            # the next step could only end the block: its tokens are final now, and their K/V ride on
+            # the next block's first forward (as after a last reveal), which spares that step's forward
+            block.ended = True
         return written
 
     @staticmethod

@@ -15,6 +15,10 @@ e = `edit_threshold`, m = `max_post_edit_steps`:
 - in both cases: edit every revealed position whose candidate differs from its token with p > e;
 - a step that writes nothing ends the block.
 
+A block whose last mask is gone and whose budget is spent (`budget_spent`) can only end at its next
+step, whatever that step sees: the engine ends it with the writes of the step that spent the budget,
+without that forward.
+
 The λ penalty (`penalty_lambda`) lowers, at every position but the block's first, the logit of the
 token at the position before it; it is applied to the logits before the sampler picks (see
 `engine.core.sampler`), so the candidates and confidences here already include it.
@@ -54,6 +58,12 @@ def joint_threshold(rows: BlockRows, post_edit_steps: int, settings: UnmaskingSe
              if not m and rows.candidates[i] != rows.tokens[i] and rows.confidence[i] > e]
     writes = sorted(reveals + edits)
     return writes or None
+
+
+def budget_spent(post_edit_steps: int, settings: UnmaskingSettings) -> bool:
+    """Whether a block without masks, after `post_edit_steps` post-edit steps, ends at its next step
+    writing nothing: that step would exceed `max_post_edit_steps`."""
+    return post_edit_steps >= settings.max_post_edit_steps
 
 
 EditingRule = Callable[[BlockRows, int, UnmaskingSettings], "list[int] | None"]
