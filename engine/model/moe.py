@@ -5,9 +5,9 @@ float32, the top `num_experts_per_tok` probabilities (renormalised to sum 1 when
 cast back to the activation dtype; a token's output is the weighted sum of its experts' outputs.
 
 Only routed work is computed: the (token, expert) pairs are sorted by expert id, each active expert
-runs one GEMM pair over exactly its rows (or, for a few dozen tokens, one batched GEMM pair over the
-experts padded to the busiest one's rows), and the weighted rows are scattered back with one
-`index_add_` in expert order (the order Hugging Face adds them in).
+runs one GEMM pair over exactly its rows, and the weighted rows are scattered back with one
+`index_add_` in expert order (the order Hugging Face adds them in). An expert no token picked costs
+nothing.
 
 Tensor parallelism splits every expert's intermediate dimension: rank r holds rows
 `[r*I/tp, (r+1)*I/tp)` of each expert's gate/up projection and the same columns of its down
@@ -82,38 +82,23 @@ class SparseMoeBlock(nn.Module):
         flat = experts.flatten()
         order = torch.argsort(flat, stable=True)
         token_of = order // self.top_k
-        counts = torch.bincount(flat, minlength=self.num_experts)
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        rows = x[token_of]
+        out_rows = torch.empty_like(rows)
         start_time = time.perf_counter() if self.stats.timed else 0.0
-        out_rows = self._expert_rows(x[token_of], flat[order], counts)
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            gate, up = F.linear(rows[start : start + n], self.w13[e]).split(self.inter, dim=-1)
+            out_rows[start : start + n] = F.linear(self.ops.silu_and_mul(gate, up), self.w2[e])
+            start += n
         if self.stats.timed:
             self.stats.expert_seconds += time.perf_counter() - start_time
         self.stats.routed_rows += len(flat)
         self.stats.tokens += x.shape[0]
         out_rows *= weights.flatten()[order, None]
         return torch.zeros_like(x).index_add_(0, token_of, out_rows)
-
-    def _expert_rows(self, rows: torch.Tensor, expert_of: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """Each row (sorted by expert, `expert_of`) through its expert's SwiGLU. When padding every
-        expert to the busiest one's row count at most doubles the rows (few tokens, or even routing),
-        two batched GEMMs over [E, most rows] do it: one call each instead of two per active expert,
-        which at a few dozen tokens costs less than the extra rows. Otherwise one GEMM pair per
-        active expert over exactly its rows."""
-        most = int(counts.max())
-        if self.num_experts * most <= 2 * len(rows):
-            slot = torch.arange(len(rows), device=rows.device) - (torch.cumsum(counts, 0) - counts)[expert_of]
-            padded = rows.new_zeros(self.num_experts, most, rows.shape[1])
-            padded[expert_of, slot] = rows
-            gate, up = torch.bmm(padded, self.w13.transpose(1, 2)).split(self.inter, dim=-1)
-            return torch.bmm(self.ops.silu_and_mul(gate, up), self.w2.transpose(1, 2))[expert_of, slot]
-        out_rows = torch.empty_like(rows)
-        start = 0
-        for e, n in enumerate(counts.tolist()):
-            if n == 0:
-                continue
-            gate, up = F.linear(rows[start : start + n], self.w13[e]).split(self.inter, dim=-1)
-            out_rows[start : start + n] = F.linear(self.ops.silu_and_mul(gate, up), self.w2[e])
-            start += n
-        return out_rows
 
 
 class SwiGLU(nn.Module):
