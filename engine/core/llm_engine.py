@@ -466,7 +466,6 @@ class LLMEngine:
         the step; True once the request is finished."""
         seq.num_draws += len(rows.positions)
         revealed = self.decoding.advance(seq, rows)
-        budget_limit = seq.stop_bound  # the output's bound before the stop rule reads this step's tokens
         self.stats.generated_tokens += len(revealed)
         self.stats.unmasking_steps += self.is_dllm
         base = seq.prompt_len
@@ -476,11 +475,10 @@ class LLMEngine:
             seq.finish(decision.reason, decision.num_tokens, decision.matched)
         output = self.outputs[seq.request_id]
         if output.want_trace:  # the step's writes inside the (possible) output
-            if self.decoding.provisional_writes(seq) or seq.num_output is None:
-                limit = budget_limit
-            else:
-                limit = seq.num_output
-            shown = [g for g in revealed if g < limit]
+            # provisional writes (token editing) show inside the token budget (`stop_bound`), even
+            # where the stop rule just ended the output before them
+            ended = seq.num_output is not None and not self.decoding.provisional_writes(seq)
+            shown = [g for g in revealed if g < (seq.num_output if ended else seq.stop_bound)]
             if shown:
                 output.add_trace({
                     "step": seq.step_counter, "positions": shown, "token_ids": [seq.tokens[base + g] for g in shown],
