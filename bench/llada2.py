@@ -61,15 +61,17 @@ class CountingNetwork(torch.nn.Module):
         return types.SimpleNamespace(logits=torch.stack([self.ref._forward(row.tolist(), B) for row in x]))
 
 
-def run_diffusers(net: CountingNetwork, prompts: list[list[int]], tokens: int, mask_id: int,
-                  edit_threshold: float | None) -> list[list[int]]:
+def run_diffusers(net: torch.nn.Module, prompts: list[list[int]], tokens: int, mask_id: int,
+                  edit_threshold: float | None, max_post_steps: int = DIFFUSERS_MAX_POST_STEPS) -> list[list[int]]:
+    """Greedy `LLaDA2Pipeline` runs (threshold 0.95, B-step blocks, no early stop), one prompt at a time,
+    over `net` (called as `net(x, attention_mask, position_ids).logits`)."""
     pipe = LLaDA2Pipeline(model=net, scheduler=BlockRefinementScheduler(), tokenizer=None)
     pipe.set_progress_bar_config(disable=True)
     outs = []
     for prompt in prompts:
         out = pipe(input_ids=torch.tensor([prompt]), use_chat_template=False, gen_length=tokens, block_length=B,
                    num_inference_steps=B, temperature=0.0, sampling_method="greedy", threshold=0.95,
-                   editing_threshold=edit_threshold, max_post_steps=DIFFUSERS_MAX_POST_STEPS, eos_early_stop=False,
+                   editing_threshold=edit_threshold, max_post_steps=max_post_steps, eos_early_stop=False,
                    mask_token_id=mask_id, output_type="seq")
         outs.append(out.sequences[0].tolist())
     return outs

@@ -1,5 +1,5 @@
 """A second, independent reference for the LLaDA2 decoding loop: diffusers' `LLaDA2Pipeline` (with its
-`BlockRefinementScheduler`), run over the full-recompute network of tests/llada2_reference.py, gives
+`BlockRefinementScheduler`), run over the full-recompute network of tools/llada2_reference.py, gives
 the tokens that reference's own loop gives, on the cases both define: greedy, no λ penalty, the
 output ending on a block boundary (diffusers masks the positions past it) and at least a block long
 (diffusers caps its steps per block at the output's length, so a shorter output reveals more than one
@@ -19,8 +19,8 @@ import types
 
 import pytest
 import torch
-from diffusers import BlockRefinementScheduler, LLaDA2Pipeline
 
+from bench.llada2 import run_diffusers
 from tools.llada2_reference import LLaDA2Reference, reference_generate
 from tools.tiny_llada2 import MASK_TEXT, write_tiny_llada2
 
@@ -50,13 +50,7 @@ def reference(tmp_path_factory):
 
 def _diffusers(ref: LLaDA2Reference, mask_id: int, prompt: list[int], gen: int, edit_threshold: float | None,
                max_post_steps: int = 16) -> list[int]:
-    pipe = LLaDA2Pipeline(model=_Network(ref), scheduler=BlockRefinementScheduler(), tokenizer=None)
-    pipe.set_progress_bar_config(disable=True)
-    out = pipe(input_ids=torch.tensor([prompt]), use_chat_template=False, gen_length=gen, block_length=B,
-               num_inference_steps=B, temperature=0.0, sampling_method="greedy", threshold=0.95,
-               editing_threshold=edit_threshold, max_post_steps=max_post_steps, eos_early_stop=False,
-               mask_token_id=mask_id, output_type="seq")
-    return out.sequences[0].tolist()
+    return run_diffusers(_Network(ref), [prompt], gen, mask_id, edit_threshold, max_post_steps)[0]
 
 
 def _prompt(n: int) -> list[int]:
@@ -100,7 +94,7 @@ def test_diffusers_post_step_budget_m_is_sglangs_m_plus_one(reference):
 def test_bench_sides_agree_under_low_confidence(tmp_path):
     """bench.llada2's two sides, small: diffusers' loop over the reference network and the engine give the
     same tokens (LowConfidence, one block of prompt, two blocks out)."""
-    from bench.llada2 import CountingNetwork, run_diffusers
+    from bench.llada2 import CountingNetwork
     from engine import EngineConfig, GenerationConfig, pipeline
 
     path = write_tiny_llada2(tmp_path / "ckpt", seed=1)
