@@ -41,6 +41,7 @@ from configs import EngineConfig, GenerationConfig
 from engine.carrier import OutputChunk
 from engine.core.llm_engine import LLMEngine
 from engine.errors import EngineDeadError, EngineHeldError
+from engine.executor.base import ExecutorFactory
 from engine.rl_control import CommandKind, RLControlMixin
 from engine.worker.update_group import WEIGHT_OP_TIMEOUT_S
 
@@ -50,8 +51,9 @@ _Command = tuple[Callable[[], Any], concurrent.futures.Future]
 
 
 class AsyncEngine(RLControlMixin):
-    def __init__(self, model_path: str, config: EngineConfig | None = None, executor_factory=None,
-                 stall_timeout_s: float = 60.0, hold_timeout_s: float | None = None):
+    def __init__(self, model_path: str, config: EngineConfig | None = None,
+                 executor_factory: ExecutorFactory | None = None, stall_timeout_s: float = 60.0,
+                 hold_timeout_s: float | None = None):
         self.engine = LLMEngine(model_path, config, executor_factory)
         self.stall_timeout_s = stall_timeout_s
         self.hold_timeout_s = hold_timeout_s

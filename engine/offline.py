@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from configs import EngineConfig, GenerationConfig
 from engine.carrier import OutputChunk, Response
 from engine.core.llm_engine import LLMEngine
+from engine.executor.base import ExecutorFactory
 from engine.worker.runner import MEMORY_TAGS
 from engine.worker.weight_sources import DiskWeights, tensor_source
 
@@ -32,7 +33,8 @@ def _is_single(prompts: Prompt | list[Prompt]) -> bool:
 
 
 class Pipeline:
-    def __init__(self, model_path: str, engine_config: EngineConfig | None = None, executor_factory=None):
+    def __init__(self, model_path: str, engine_config: EngineConfig | None = None,
+                 executor_factory: ExecutorFactory | None = None):
         """`executor_factory(spec, config)` builds how the engine reaches its ranks: None runs tp=1 in this
         process; `engine.executor.ray_tp.RayTPExecutor` runs `config.tp` shards as Ray actors of the Ray
         cluster this process is connected to."""

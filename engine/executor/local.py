@@ -1,11 +1,12 @@
 """The in-process executor (tp=1): the runner lives in the engine's own process.
 
-Every executor has this surface: `num_pages`, `set_dllm_block_length`, `execute(batch)`,
-`run_on_ranks(method, *args)` and `shutdown`; engine.executor.ray_tp runs tensor-parallel ranks as
-Ray actors behind the same one.
+It implements `engine.executor.base.Executor`, the surface the engine uses;
+engine.executor.ray_tp runs tensor-parallel ranks as Ray actors behind the same one.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from configs import EngineConfig
 from engine.model.checkpoint import ModelSpec
@@ -14,7 +15,7 @@ from engine.worker.runner import ModelRunner
 
 
 class LocalExecutor:
-    """Runs the model in this process (tp=1). Ray's tensor-parallel executor has the same surface."""
+    """An `Executor` running the model in this process (tp=1)."""
 
     def __init__(self, spec: ModelSpec, config: EngineConfig):
         if config.tp != 1:
@@ -32,11 +33,11 @@ class LocalExecutor:
     def execute(self, batch: ForwardBatch) -> ForwardOutput:
         return self.runner.execute(batch)
 
-    def run_on_ranks(self, method: str, *args, timeout_s: float | None = None) -> list:
+    def run_on_ranks(self, method: str, *args: Any, timeout_s: float | None = None) -> list[Any]:
         """`ModelRunner.<method>(*args)` on every rank (here the only one); the results in rank order."""
         return [getattr(self.runner, method)(*args)]
 
-    def describe(self) -> dict:
+    def describe(self) -> dict[str, Any]:
         return {"executor": "local"}
 
     def shutdown(self) -> None:

@@ -34,7 +34,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from configs import EngineConfig
 from engine.model.checkpoint import ModelSpec
-from engine.model.qwen3 import TPContext
+from engine.model.layers.parallel import TPContext
 from engine.worker.forward_batch import ForwardBatch, ForwardOutput
 from engine.worker.runner import ModelRunner, resolve_device
 
@@ -115,8 +115,7 @@ class TPWorker:
 
 
 class RayTPExecutor:
-    """The engine's executor interface (`num_pages`, `set_dllm_block_length`, `execute`, `shutdown`)
-    over `config.tp` shards."""
+    """An `engine.executor.base.Executor` over `config.tp` shards: rank 0 here, the others as actors."""
 
     def __init__(self, spec: ModelSpec, config: EngineConfig, timeout_s: float = 60.0,
                  worker_options: dict | None = None):
@@ -157,7 +156,7 @@ class RayTPExecutor:
     def num_pages(self) -> int:
         return self._num_pages
 
-    def describe(self) -> dict:
+    def describe(self) -> dict[str, Any]:
         return {"executor": "ray_tp", "tp_workers": len(self.workers), "tp_worker_names": list(self.worker_names),
                 "tp_namespace": ray.get_runtime_context().namespace,
                 "tp_backend": dist.get_backend() if dist.is_initialized() else None}
@@ -175,7 +174,7 @@ class RayTPExecutor:
             raise TPExecutorError(f"tensor-parallel forward failed ({type(e).__name__}): {e}") from e
         return out
 
-    def run_on_ranks(self, method: str, *args, timeout_s: float | None = None) -> list:
+    def run_on_ranks(self, method: str, *args: Any, timeout_s: float | None = None) -> list[Any]:
         """`ModelRunner.<method>(*args)` on every rank at once; the results in rank order. A rank's
         exception is raised (the lowest rank's) once every rank has finished; a worker that does not
         answer within the timeout is fatal, like a failed forward."""
