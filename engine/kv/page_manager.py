@@ -7,6 +7,10 @@ belongs to, so its key extends to that block's end (`key_end`). A page is regist
 those tokens are committed (their K/V final). Pages whose refcount drops to 0 keep their content
 and sit in an LRU list, evicted only when the free list runs dry.
 
+A table's entry may be `RELEASED`: a layer group with a sliding window keeps only the pages its
+window still reads (`release_before`); registering walks the prefix chain past a released page
+(its key is its tokens') without publishing it.
+
 `flush` forgets every cached page (after a weight update their K/V belong to the old weights). A
 sequence that was already holding pages keeps them for itself, but its table belongs to the old
 cache epoch and never publishes a page again: its later pages sit on K/V computed before the flush.
@@ -16,6 +20,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
+
+RELEASED = -1  # a page table entry given back (a sliding-window layer group's page before its window)
 
 
 @dataclass
@@ -80,18 +86,37 @@ class KVPageManager:
         table.pages.extend(self._take_page() for _ in range(need))
         return True
 
+    def release_before(self, table: PageTable, position: int) -> int:
+        """Give back the pages of `table` that lie wholly before `position` (a sliding-window layer
+        group never reads them again); their entries become `RELEASED`. Returns how many went."""
+        released = 0
+        for index in range(min(position // self.page_size, len(table.pages))):
+            if table.pages[index] != RELEASED:
+                self._unref(table.pages[index])
+                table.pages[index] = RELEASED
+                released += 1
+        return released
+
+    def _unref(self, page_id: int) -> None:
+        page = self._pages[page_id]
+        page.ref_count -= 1
+        if page.ref_count == 0:
+            if page.key is not None:
+                self._evictable[page_id] = None
+            else:
+                self._free.append(page_id)
+
     def free(self, table: PageTable) -> None:
         for page_id in reversed(table.pages):
-            page = self._pages[page_id]
-            page.ref_count -= 1
-            if page.ref_count == 0:
-                if page.key is not None:
-                    self._evictable[page_id] = None
-                else:
-                    self._free.append(page_id)
+            if page_id != RELEASED:
+                self._unref(page_id)
         table.pages.clear()
         table.registered = 0
         table.parent_hash = None
+
+    def held_pages(self, table: PageTable) -> int:
+        """Pages `table` holds (released ones not counted)."""
+        return sum(page != RELEASED for page in table.pages)
 
     # ---- prefix caching ---------------------------------------------------------------------
     def _key_end(self, page_index: int) -> int:
@@ -141,8 +166,8 @@ class KVPageManager:
             p = table.registered
             key = self._key(table.parent_hash, tokens, p)
             h = hash(key)
-            page = self._pages[table.pages[p]]
-            if h not in self._by_hash and page.key is None:
+            page = None if table.pages[p] == RELEASED else self._pages[table.pages[p]]
+            if page is not None and h not in self._by_hash and page.key is None:
                 page.key = key
                 self._by_hash[h] = page.page_id
             table.parent_hash = h

@@ -1,0 +1,225 @@
+"""The DiffusionGemma layer stack: Gemma-4 text layers (sliding and full attention of different head
+sizes, a dense GeGLU MLP beside 128 routed GeGLU experts, a per-layer scalar), the self-conditioning
+MLP of the canvas pass, a tied LM head with a final tanh softcap.
+
+Parameter names equal the checkpoint's (`model.decoder.*`), so loading is a name lookup. The math
+follows transformers' `DiffusionGemmaForBlockDiffusion` step for step, dtype casts included:
+RMSNorm in float32 as x·(mean(x²)+ε)^-½·w (no 1+w; v-norm, the router's norm and the
+self-conditioning output norm have no w), attention scaling 1.0, the router on the raw residual, the
+experts' weighted outputs summed in float32 in top-k order.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.model.diffusion_gemma.attention import CANVAS, GemmaAttentionMeta, gemma_attention
+from engine.model.diffusion_gemma.config import GemmaSpec, LayerGeometry
+
+
+class GemmaRMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, with_scale: bool = True):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim)) if with_scale else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.pow(h.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)
+        if self.weight is not None:
+            h = h * self.weight.float()
+        return h.type_as(x)
+
+
+def rope_inv_freq(geo: LayerGeometry) -> torch.Tensor:
+    """head_dim/2 frequencies: `rotated_pairs` of 1/θ^(2i/rope_dim) (÷ factor), the rest 0."""
+    rotated = 1.0 / (geo.rope_theta ** (torch.arange(0, 2 * geo.rotated_pairs, 2, dtype=torch.float)
+                                        / geo.rope_dim))
+    rest = torch.zeros(geo.head_dim // 2 - geo.rotated_pairs)
+    return torch.cat([rotated, rest]) / geo.rope_factor
+
+
+def _rope_key(geo: LayerGeometry) -> tuple:
+    return geo.head_dim, geo.rope_theta, geo.rotated_pairs, geo.rope_dim, geo.rope_factor
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """NeoX rotate-half over the whole head: x [T, heads, D], cos/sin [T, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[:, None] + rotated * sin[:, None]
+
+
+class GeGLU(nn.Module):
+    def __init__(self, hidden: int, inner: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inner, bias=False)
+        self.up_proj = nn.Linear(hidden, inner, bias=False)
+        self.down_proj = nn.Linear(inner, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
+
+
+class GemmaAttention(nn.Module):
+    def __init__(self, spec: GemmaSpec, geo: LayerGeometry):
+        super().__init__()
+        self.geo, self.head_dim = geo, geo.head_dim
+        h, heads, kv = spec.hidden_size, spec.num_attention_heads, geo.num_kv_heads
+        self.q_proj = nn.Linear(h, heads * geo.head_dim, bias=False)
+        self.k_proj = nn.Linear(h, kv * geo.head_dim, bias=False)
+        self.v_proj = nn.Linear(h, kv * geo.head_dim, bias=False) if geo.has_v_proj else None
+        self.o_proj = nn.Linear(heads * geo.head_dim, h, bias=False)
+        self.q_norm = GemmaRMSNorm(geo.head_dim, spec.rms_norm_eps)
+        self.k_norm = GemmaRMSNorm(geo.head_dim, spec.rms_norm_eps)
+        self.v_norm = GemmaRMSNorm(geo.head_dim, spec.rms_norm_eps, with_scale=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: tuple[torch.Tensor, ...],
+                meta: GemmaAttentionMeta) -> torch.Tensor:
+        t, d = x.shape[0], self.head_dim
+        q = apply_rope(self.q_norm(self.q_proj(x).view(t, -1, d)), cos, sin)
+        k_raw = self.k_proj(x).view(t, -1, d)
+        v = self.v_norm(self.v_proj(x).view(t, -1, d) if self.v_proj is not None else k_raw)
+        k = apply_rope(self.k_norm(k_raw), cos, sin)
+        out = gemma_attention(q, k, v, cache[0], cache[1], meta, self.geo.kind)
+        return self.o_proj(out.reshape(t, -1))
+
+
+class GemmaRouter(nn.Module):
+    def __init__(self, spec: GemmaSpec):
+        super().__init__()
+        self.top_k, self.root = spec.top_k_experts, spec.hidden_size**-0.5
+        self.norm = GemmaRMSNorm(spec.hidden_size, spec.rms_norm_eps, with_scale=False)
+        self.proj = nn.Linear(spec.hidden_size, spec.num_experts, bias=False)
+        self.scale = nn.Parameter(torch.ones(spec.hidden_size))
+        self.per_expert_scale = nn.Parameter(torch.ones(spec.num_experts))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        probs = F.softmax(self.proj(self.norm(x) * self.scale * self.root), dim=-1, dtype=torch.float32)
+        weights, index = torch.topk(probs, k=self.top_k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights * self.per_expert_scale[index], index
+
+
+class GemmaExperts(nn.Module):
+    """Routed GeGLU experts stacked as the checkpoint stores them: gate_up [E, 2I, H] (gate first),
+    down [E, H, I]."""
+
+    def __init__(self, spec: GemmaSpec):
+        super().__init__()
+        e, h, i = spec.num_experts, spec.hidden_size, spec.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
+        self.down_proj = nn.Parameter(torch.empty(e, h, i))
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        t, k = index.shape
+        flat = index.reshape(-1)
+        pair_out = x.new_zeros(t * k, x.shape[-1])
+        for expert in torch.unique(flat).tolist():
+            pairs = (flat == expert).nonzero()[:, 0]
+            gate, up = F.linear(x[pairs // k], self.gate_up_proj[expert]).chunk(2, dim=-1)
+            pair_out[pairs] = F.linear(F.gelu(gate, approximate="tanh") * up, self.down_proj[expert])
+        weighted = pair_out * weights.reshape(-1, 1).to(pair_out.dtype)
+        return weighted.float().view(t, k, -1).sum(dim=1).to(x.dtype)
+
+
+class GemmaLayer(nn.Module):
+    def __init__(self, spec: GemmaSpec, geo: LayerGeometry):
+        super().__init__()
+        h, eps = spec.hidden_size, spec.rms_norm_eps
+        self.self_attn = GemmaAttention(spec, geo)
+        self.mlp = GeGLU(h, spec.intermediate_size)
+        self.router = GemmaRouter(spec)
+        self.experts = GemmaExperts(spec)
+        for name in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                     "post_feedforward_layernorm", "post_feedforward_layernorm_1",
+                     "pre_feedforward_layernorm_2", "post_feedforward_layernorm_2"):
+            setattr(self, name, GemmaRMSNorm(h, eps))
+        self.layer_scalar = nn.Parameter(torch.ones(1))
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: tuple[torch.Tensor, ...],
+                meta: GemmaAttentionMeta) -> torch.Tensor:
+        h = h + self.post_attention_layernorm(self.self_attn(self.input_layernorm(h), cos, sin, cache, meta))
+        dense = self.post_feedforward_layernorm_1(self.mlp(self.pre_feedforward_layernorm(h)))
+        weights, index = self.router(h)
+        routed = self.post_feedforward_layernorm_2(self.experts(self.pre_feedforward_layernorm_2(h), weights, index))
+        h = h + self.post_feedforward_layernorm(dense + routed)
+        return h * self.layer_scalar
+
+
+class SelfConditioning(GeGLU):
+    """The canvas pass's input: post_norm(embeds + GeGLU(pre_norm(soft)))."""
+
+    def __init__(self, spec: GemmaSpec):
+        super().__init__(spec.hidden_size, spec.intermediate_size)
+        self.pre_norm = GemmaRMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.post_norm = GemmaRMSNorm(spec.hidden_size, spec.rms_norm_eps, with_scale=False)
+
+    def condition(self, embeds: torch.Tensor, soft: torch.Tensor | None) -> torch.Tensor:
+        """No soft embedding (a canvas's first step) adds exactly 0: GeGLU(pre_norm(0)) = 0."""
+        if soft is not None:
+            embeds = embeds + self(self.pre_norm(soft))
+        return self.post_norm(embeds)
+
+
+class GemmaDecoder(nn.Module):
+    def __init__(self, spec: GemmaSpec):
+        super().__init__()
+        self.spec = spec
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(GemmaLayer(spec, geo) for geo in spec.layers)
+        self.norm = GemmaRMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.self_conditioning = SelfConditioning(spec)
+
+
+class DiffusionGemmaNetwork(nn.Module):
+    """forward: final hidden states of every fed row (encode and canvas passes together);
+    `logits`: softcapped float32 vocabulary rows of the hidden rows asked for."""
+
+    def __init__(self, spec: GemmaSpec):
+        super().__init__()
+        self.spec = spec
+        self.model = nn.Module()
+        self.model.decoder = GemmaDecoder(spec)
+        # one rotary table per distinct recipe (in practice one for each layer kind)
+        self.rope_keys = [_rope_key(geo) for geo in spec.layers]
+        self.inv_freqs = {key: rope_inv_freq(geo) for key, geo in zip(self.rope_keys, spec.layers, strict=True)}
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        weight = self.model.decoder.embed_tokens.weight
+        return F.embedding(ids, weight) * torch.tensor(self.spec.hidden_size**0.5).to(weight.dtype)
+
+    def soft_embedding(self, processed_logits: torch.Tensor) -> torch.Tensor:
+        """The self-conditioning input of a canvas step: softmax of the previous step's processed
+        logits (cast to the weights' dtype, softmax in float32) @ embedding, × √H."""
+        weight = self.model.decoder.embed_tokens.weight
+        probs = processed_logits.to(weight.dtype).softmax(dim=-1, dtype=torch.float32).to(weight.dtype)
+        return (probs @ weight) * torch.tensor(self.spec.hidden_size**0.5).to(weight.dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, ...]],
+                meta: GemmaAttentionMeta) -> torch.Tensor:
+        decoder = self.model.decoder
+        h = self.embed(input_ids)
+        row = 0
+        for p in meta.passes:
+            if p.kind == CANVAS:
+                rows = slice(row, row + p.q_len)
+                soft = None if p.self_conditioning is None else self.soft_embedding(p.self_conditioning)
+                h[rows] = decoder.self_conditioning.condition(h[rows], soft)
+            row += p.q_len
+        meta.prepare()
+        angles = {}
+        for key, inv in self.inv_freqs.items():  # as transformers: float32 angles, cos/sin in h's dtype
+            freqs = positions.float()[:, None] * inv.to(positions.device)[None, :]
+            emb = torch.cat([freqs, freqs], dim=-1)
+            angles[key] = (emb.cos().to(h.dtype), emb.sin().to(h.dtype))
+        for key, layer, cache in zip(self.rope_keys, decoder.layers, kv_caches, strict=True):
+            h = layer(h, *angles[key], cache, meta)
+        return decoder.norm(h)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        out = F.linear(hidden, self.model.decoder.embed_tokens.weight).float()
+        cap = self.spec.final_logit_softcapping
+        return out if cap is None else torch.tanh(out / cap) * cap

@@ -1,0 +1,63 @@
+"""transformers' DiffusionGemmaForBlockDiffusion driven pass by pass as its `generate()` drives it:
+`model.model.encoder` over the uncommitted tokens with the masks `_prepare_encoder_inputs` builds
+(prompt prefill, then each commit), and the model's forward on a canvas with the decoder mask
+`create_diffusion_decoder_attention_mask` builds, reading the DynamicCache without writing it."""
+
+from __future__ import annotations
+
+import torch
+
+
+class ReferenceSequence:
+    """One sequence at batch 1 in a DynamicCache: `encode` appends tokens, `canvas` scores a canvas."""
+
+    def __init__(self, model):
+        from transformers import DynamicCache
+
+        self.model = model
+        self.cache = DynamicCache(config=model.config.text_config)
+        self.length = 0
+
+    @torch.no_grad()
+    def encode(self, ids: list[int]) -> torch.Tensor:
+        """Encoder pass over `ids` (written to the cache); their logits [n, V] (LM head + softcap of
+        the encoder's final hidden states)."""
+        input_ids = torch.tensor([ids])
+        positions = torch.arange(self.length, self.length + len(ids), dtype=torch.int32)[None]
+        mask_2d = torch.ones((1, self.length + len(ids)), dtype=torch.bool)
+        unprocessed, masks = self.model._prepare_encoder_inputs(
+            input_ids=input_ids, attention_mask=mask_2d, encoder_position_ids=positions, cache=self.cache,
+            is_prefill=True, canvas_length=len(ids), batch_size=1)
+        out = self.model.model.encoder(input_ids=unprocessed, attention_mask=masks, cache=self.cache,
+                                       position_ids=positions)
+        self.length += len(ids)
+        return _softcap(self.model, self.model.lm_head(out.last_hidden_state)[0])
+
+    @torch.no_grad()
+    def canvas(self, ids: list[int], self_conditioning: torch.Tensor | None = None) -> torch.Tensor:
+        """Canvas pass over `ids` at the next positions; float32 logits [L, V]. `self_conditioning`:
+        the previous step's processed logits [L, V] (cast to the weights' dtype, as generate() does)."""
+        canvas = torch.tensor([ids])
+        positions = torch.arange(self.length, self.length + len(ids), dtype=torch.int32)[None]
+        mask_2d = torch.ones((1, self.length + len(ids)), dtype=torch.bool)
+        masks = self.model.model.decoder.create_diffusion_decoder_attention_mask(
+            config=self.model.config, inputs_embeds=canvas.unsqueeze(-1), cache=self.cache,
+            decoder_attention_mask=mask_2d)
+        sc = None
+        if self_conditioning is not None:
+            sc = self_conditioning[None].to(self.model.model.decoder.embed_tokens.weight.dtype)
+        out = self.model(decoder_input_ids=canvas, self_conditioning_logits=sc, decoder_attention_mask=masks,
+                         cache=self.cache, decoder_position_ids=positions)
+        return out.logits[0]
+
+
+def _softcap(model, logits: torch.Tensor) -> torch.Tensor:
+    cap = model.config.text_config.final_logit_softcapping
+    return torch.tanh(logits.float() / cap) * cap
+
+
+def load_reference(path) -> object:
+    from transformers import DiffusionGemmaForBlockDiffusion
+
+    return DiffusionGemmaForBlockDiffusion.from_pretrained(str(path), dtype=torch.float32,
+                                                           attn_implementation="sdpa").eval()
