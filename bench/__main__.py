@@ -1,7 +1,8 @@
 """`python -m bench [--quick]`: the engine against Hugging Face baselines, side by side in one run.
 
-Prints one JSON object to stdout (progress goes to stderr) and appends a dated section to
-docs/benchmarks.md. Workloads, baselines and figures are described in docs/benchmarks.md.
+Prints one JSON object to stdout (progress goes to stderr); `--record` also appends a dated section to
+docs/benchmarks.md (`--docs FILE`: to another file). Workloads, baselines and figures are described in
+docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -42,7 +43,10 @@ def parse_args() -> argparse.Namespace:
     size.add_argument("--toy", action="store_true",
                       help="toy model and workloads (seconds; checks that every part runs, figures meaningless)")
     ap.add_argument("--only", nargs="*", choices=PARTS, default=None)
-    ap.add_argument("--docs", default=str(DOCS), help="markdown file to append the results to ('' = do not write)")
+    ap.add_argument("--record", action="store_true",
+                    help="append the results to docs/benchmarks.md as a dated section (default: only print them)")
+    ap.add_argument("--docs", type=Path, default=None,
+                    help="append the results to this markdown file instead (implies --record)")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads for engine and baselines alike (0 = torch's default); see docs")
     ap.add_argument("--hf-memory-budget-gb", type=float, default=6.0,
@@ -111,9 +115,10 @@ def main() -> None:
     result["wall_seconds"] = round(time.perf_counter() - t_start, 1)
     result["targets"] = targets(result)
     print(json.dumps(result, indent=1))
-    if args.docs:
-        append_report(Path(args.docs), result)
-        log(f"appended to {args.docs}")
+    if args.record or args.docs:
+        docs = args.docs or DOCS
+        append_report(docs, result)
+        log(f"appended to {docs}")
 
 
 if __name__ == "__main__":

@@ -49,10 +49,12 @@ def num_requests(p: Plan, c: int) -> int:
     return p.sequential_requests if c == 1 else min(p.waves * c, p.traffic.num_requests)
 
 
-def engine_config(**overrides) -> EngineConfig:
-    """The engine config of every part; `overrides` replace its fields."""
-    base = {"num_kv_blocks": 1024, "kv_block_size": 16, "max_batch_size": 64, "dllm_block_length": BLOCK,
-            "dllm_unmasking_strategy": STRATEGY, "dllm_confidence_threshold": THRESHOLD}
+def engine_config(dllm: bool = True, **overrides) -> EngineConfig:
+    """The engine config of every part (`dllm`: with the block-diffusion settings, which an autoregressive
+    model refuses); `overrides` replace its fields."""
+    base = {"num_kv_blocks": 1024, "kv_block_size": 16, "max_batch_size": 64}
+    if dllm:
+        base.update(dllm_block_length=BLOCK, dllm_unmasking_strategy=STRATEGY, dllm_confidence_threshold=THRESHOLD)
     base.update(overrides)
     return EngineConfig(**base)
 

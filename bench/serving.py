@@ -48,12 +48,13 @@ async def _send_all(url: str, prompts: list[list[int]], budgets: list[int], conc
 def _serve_run(path: Path, engine: dict[str, Any], prompts: list[list[int]], budgets: list[int],
                warmup: tuple[list[list[int]], list[int]], concurrency: int, threads: int, base_url: str | None
                ) -> tuple[list[list[int] | None], float]:
-    from ray import serve
-
-    from deployments.app import build_app
-
     with contextlib.ExitStack() as stack:
         base_url = base_url or stack.enter_context(local_serve(num_cpus=4))
+        # Ray only now: the cluster local_serve starts must be on loopback, which is settled before `import ray`
+        from ray import serve
+
+        from deployments.app import build_app
+
         # the replica gets the same torch thread count as the in-process engine
         actor = {"num_cpus": 1, "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(threads)}}}
         serve.run(build_app({"model": str(path), "engine": engine, "ray_actor_options": actor}), name="bench",

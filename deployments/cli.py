@@ -55,7 +55,8 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
         if info.annotation is bool:
             group.add_argument(_flag(name), action=argparse.BooleanOptionalAction, **kw)
         else:
-            group.add_argument(_flag(name), metavar=name.upper(), choices=_choices(info.annotation), **kw)
+            choices = _choices(info.annotation)  # argparse lists choices unless a metavar hides them
+            group.add_argument(_flag(name), choices=choices, **({} if choices else {"metavar": name.upper()}), **kw)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,7 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("model", nargs="?", help="checkpoint directory or Hugging Face model id (or in --config)")
     serve.add_argument("--config", type=Path, help="YAML app args, e.g. configs/qwen3-tiny.yaml")
     serve.add_argument("--host", default="127.0.0.1", help="HTTP host (default: loopback only)")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--port", type=int, default=8000,
+                       help="HTTP port (default: 8000); a port already taken is refused before anything starts")
     serve.add_argument("--served-model-name", dest="served_model_name", default=argparse.SUPPRESS)
     serve.add_argument("--num-replicas", dest="num_replicas", type=int, default=argparse.SUPPRESS,
                        help="data-parallel engine replicas")

@@ -34,7 +34,8 @@ if TYPE_CHECKING:
 CommandKind = Literal["op", "admit", "update", "aborting_update"]
 
 PAUSE_MODES = ("abort", "retract", "in_place")
-# SGLang's memory tags; `cuda_graph` names nothing here (no CUDA graphs are captured)
+# SGLang's memory tags. The runner's captured CUDA graphs (engine.worker.cuda_graphs, on by default on CUDA)
+# hold no memory of their own to free by tag: every release drops them, and steps capture them again.
 SGLANG_MEMORY_TAGS = (*MEMORY_TAGS, "cuda_graph")
 
 
@@ -218,7 +219,8 @@ class RLControlMixin:
         unknown = [t for t in named if t not in SGLANG_MEMORY_TAGS]
         if unknown:
             raise ValueError(f"memory tags {unknown}: known tags are {', '.join(SGLANG_MEMORY_TAGS)}")
-        note = "; cuda_graph: nothing to do (this engine captures no CUDA graphs)" if "cuda_graph" in named else ""
+        note = ("; cuda_graph: captured CUDA graphs dropped (as by every release; captured again when steps "
+                "run)") if "cuda_graph" in named else ""
         return [t for t in MEMORY_TAGS if t in named], note
 
     async def release_memory_occupation(self, tags: list[str] | None = None) -> dict[str, Any]:

@@ -9,6 +9,7 @@ each part runs to the end and that its own cross-checks (outputs equal to the ba
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -151,3 +152,21 @@ def test_published_configs_loader(dllm_ckpt):
 
     figures = load_once(dllm_ckpt, "bfloat16")
     assert figures["tokens"] == 8 and figures["load_s"] > 0 and figures["peak_rss_gb"] > 0
+
+
+def _work_tree_changes() -> list[str]:
+    return subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"], cwd=ROOT, capture_output=True,
+                          text=True, check=True).stdout.splitlines()
+
+
+def test_bench_toy_as_typed_from_the_repository_root_prints_and_leaves_the_tree_clean():
+    """`python -m bench --toy` exactly as a user types it (every part, its own Ray Serve cluster on loopback
+    included): exit 0, the JSON on stdout, and not a file of the work tree changed without `--record`."""
+    before = set(_work_tree_changes())
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_ADDRESS")}
+    proc = subprocess.run([sys.executable, "-m", "bench", "--toy"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=900, env={**env, "RAY_AUTH_MODE": "disabled"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r = json.loads(proc.stdout)
+    assert r["serve"]["http"]["errors"] == 0 and r["serve"]["match_rate"] == 1.0, r["serve"]
+    assert set(_work_tree_changes()) == before

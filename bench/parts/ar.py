@@ -23,7 +23,7 @@ def bench_ar(path: Path, p: Plan, peak: float) -> dict:
     prompts, budgets = make_prompts(replace(p.traffic, seed=p.traffic.seed + 1), p.shape.vocab_size, stops)
     params = [GenerationConfig(max_new_tokens=m) for m in budgets]
     result: dict = {"workloads": {}}
-    pipe = pipeline(str(path), engine_config())
+    pipe = pipeline(str(path), engine_config(dllm=False))
     warm_up(pipe.engine, p.shape)
     engine_outputs = {}
     for c in p.concurrency:

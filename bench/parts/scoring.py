@@ -21,8 +21,8 @@ def bench_scoring(path: Path, p: Plan, peak: float, hf_budget_gb: float) -> dict
     start = length // 2
     seqs = scoring_inputs(num, length, p.shape.vocab_size, set())
     rows = num * (length - start - 1)
-    pipe = pipeline(str(path), engine_config(logprobs_mode="raw_logprobs",
-                                            num_kv_blocks=num * -(-length // 16) + 16))
+    pipe = pipeline(str(path), engine_config(dllm=False, logprobs_mode="raw_logprobs",
+                                             num_kv_blocks=num * -(-length // 16) + 16))
     warm_up(pipe.engine, p.shape)
     gen = GenerationConfig(max_new_tokens=0, logprob_start_len=start, logprobs=0)
     log(f"scoring engine {num} x {length}")

@@ -99,7 +99,7 @@ class Recorder:
 
     def summary(self) -> dict[str, Any]:
         series = self.series()
-        trends, leaking = {}, []
+        trends, leaking, settling = {}, [], []
         # A process that is gone by the end (killed by a fault drill, replaced) is not judged: it died
         # while still warming up, and its replacement is a series of its own.
         alive = set(self.records[-1]["procs"]) if self.records else set()
@@ -109,9 +109,11 @@ class Recorder:
                     trends[f"{metric}:{proc}"] = {"points": len(values), "ended_early": True}
                     continue
                 leak, t = leaks(values, self.leak_limit_mb)
-                trends[f"{metric}:{proc}"] = {"warmup": t.warmup, "points": t.points,
+                trends[f"{metric}:{proc}"] = {"warmup": t.warmup, "points": t.points, "settling": t.settling,
                                               "mb_per_200": None if t.slope is None else t.slope * 200}
-                if leak:
+                if leak is None:
+                    settling.append(f"{metric} of {proc}")
+                elif leak:
                     leaking.append(f"{metric} of {proc}: +{t.slope * 200:.1f} MB per 200 iterations after "
                                    f"{t.warmup} iterations of warm-up")
         pages_short = [f"iteration {r['iteration']}: {k} = {v} of {r['pages'].get(k.replace('free', 'total'))}"
@@ -132,6 +134,9 @@ class Recorder:
         }
         out["passed"] = not (out["lost"] or out["version_problems"] or out["unexpected_endings"] or out["problems"]
                              or pages_short or leaking)
+        out["warmup_not_over"] = settling
+        out["verdict"] = ("failed" if not out["passed"] else
+                          f"inconclusive: {out['iterations']} iterations, warm-up not over" if settling else "passed")
         return out
 
     def finish(self) -> dict[str, Any]:

@@ -3,7 +3,11 @@ a process that warms up slows down (allocator pools, caches, lazily built state)
 last half gives its settled rate, and the warm-up ends at the first point from which the growth
 of the rest is no faster than that rate (allowing for its noise). The verdict's figure is the
 slope after the warm-up: Theil-Sen (the median of the pairwise slopes, deaf to a few outliers).
-A leak grows at the same rate from the start, so it has no warm-up to hide in."""
+A leak grows at the same rate from the start, so it has no warm-up to hide in. A run too short for
+the warm-up to end (the engine's takes about 200 iterations) has no settled part: what follows the
+point found still slows down, its first half growing faster than its second, and a slope above the
+limit there says nothing either way (inconclusive, not a leak). A run of at least twice that warm-up
+(the warm-up, then as many iterations to measure) is judged on its slope."""
 
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ import statistics
 from dataclasses import dataclass
 
 MIN_TAIL = 5  # points after warm-up needed for a verdict
+WARMUP_ITERATIONS = 200  # the engine's warm-up in the soaks of docs/benchmarks.md (allocator pools, caches)
 MAX_POINTS = 200  # Theil-Sen over at most this many points, evenly spaced (its cost is quadratic)
 
 
@@ -20,6 +25,7 @@ class Trend:
     warmup: int  # iterations of warm-up (the series' points before the settled part)
     slope: float | None  # growth per iteration after warm-up; None with too few points
     points: int
+    settling: bool = False  # the growth after the warm-up found still slows down: the warm-up is not over
 
 
 def _ols(y: list[float]) -> tuple[float, float]:
@@ -48,13 +54,27 @@ def theil_sen(y: list[float]) -> float:
     return statistics.median((y[j] - y[i]) / (j - i) for a, i in enumerate(xs) for j in xs[a + 1:])
 
 
+def slowing_down(y: list[float]) -> bool:
+    """Whether the first half of `y` grows faster than its second half, beyond the two slopes' noise."""
+    if len(y) < 2 * 3:  # a slope and its error need 3 points
+        return False
+    (first, e1), (second, e2) = _ols(y[:len(y) // 2]), _ols(y[len(y) // 2:])
+    return first - second > 2 * math.hypot(e1, e2) + 0.25 * abs(second)
+
+
 def trend(y: list[float]) -> Trend:
+    """The slope after the warm-up found; a series shorter than twice the engine's warm-up whose growth
+    there still slows down is `settling` (the warm-up found is not one that ended)."""
     w = warmup_end(y)
     tail = y[w:]
-    return Trend(w, theil_sen(tail) if len(tail) >= MIN_TAIL else None, len(y))
+    settling = len(y) < 2 * WARMUP_ITERATIONS and slowing_down(tail)
+    return Trend(w, theil_sen(tail) if len(tail) >= MIN_TAIL else None, len(y), settling)
 
 
-def leaks(y: list[float], limit_per_200: float) -> tuple[bool, Trend]:
-    """Whether `y` grows by more than `limit_per_200` per 200 iterations after its warm-up."""
+def leaks(y: list[float], limit_per_200: float) -> tuple[bool | None, Trend]:
+    """Whether `y` grows by more than `limit_per_200` per 200 iterations after its warm-up; None
+    (inconclusive) when it does while the warm-up is not over."""
     t = trend(y)
-    return (t.slope is not None and t.slope * 200 > limit_per_200), t
+    if t.slope is None or t.slope * 200 <= limit_per_200:
+        return False, t
+    return (None if t.settling else True), t
