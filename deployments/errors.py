@@ -85,24 +85,24 @@ def validation_error(e: ValidationError, rename: Mapping[str, str] | None = None
     # A union reports one error per member; when some are not plain type mismatches, those matter.
     specific = [err for err in mine if not err["type"].endswith("_type")]
     msgs: list[str] = []
-            if str(err["loc"][-1]) in _USE_INSTEAD:  # SGLang's sampling_params name, given at the top level
-                entry += f"; use {_USE_INSTEAD[str(err['loc'][-1])]}"
     unknown = [_loc((param, *err["loc"][1:])) for err in specific if err["type"] == "extra_forbidden"]
     for err in specific or mine:
         where = _loc((param, *err["loc"][1:]))
         if err["type"] == "extra_forbidden":
             entry = f"unknown field {where!r}: not part of this endpoint's request schema"
+            if str(err["loc"][-1]) in _USE_INSTEAD:  # SGLang's sampling_params name, given at the top level
+                entry += f"; use {_USE_INSTEAD[str(err['loc'][-1])]}"
         else:
             msg = _rename_words(str(err["msg"]).removeprefix("Value error, "), rename)
             entry = f"{where}: {msg}"
         if entry not in msgs:
             msgs.append(entry)
-_USE_INSTEAD = {"max_new_tokens": "max_tokens"}
     if unknown and len(unknown) == len(specific):  # only unknown names, maybe inside the field: name them
         param = unknown[0]
     return ApiError(" or ".join(msgs[:4]), param)
 
 
+_USE_INSTEAD = {"max_new_tokens": "max_tokens"}
 _ENGINE_WORDS = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "random_seed": "seed",
                  "stop_words": "stop"}
 
