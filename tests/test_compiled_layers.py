@@ -2,7 +2,7 @@
 
 Each compiled function equals its eager composition in float32 for several token counts, compiling
 no new graph for a new count, and equals it bit for bit in bfloat16; a whole engine with
-`EngineConfig.enable_torch_compile` (which calls `Qwen3ForCausalLM.use_compiled_elementwise`) gives
+`EngineConfig.enable_torch_compile` (which calls `PreNormDecoderLM.use_compiled_elementwise`) gives
 the same greedy tokens, step map and logprobs as without; and where compiling fails the set runs
 eagerly after one warning. The shapes are the tiny checkpoints' (hidden 64, 4 query and 2 KV heads
 of 16, MLP 128) and everything runs in inference mode as the runner does, so the engine tests reuse
@@ -101,7 +101,7 @@ def test_engine_with_compiled_model_matches_eager(checkpoints, model_type):
         switched = {type(m).__name__ for m in model.modules() if getattr(m, "ops", None) is compiled_elementwise()}
         compiled = generate(pipe, prompts, model_type == "qwen3")
     mlp = "SparseMoeBlock" if model_type == "sdar_moe" else "MLP"
-    assert switched == {"Qwen3ForCausalLM", "DecoderLayer", "Attention", mlp}
+    assert switched == {"PreNormDecoderLM", "DecoderLayer", "Attention", mlp}
     assert not compiled_elementwise().rms_norm.fallback.eager, "compiling fell back to eager"
     for (tokens, steps, logprobs, prompt_logprobs), want in zip(compiled, eager, strict=True):
         assert (tokens, steps) == want[:2]

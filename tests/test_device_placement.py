@@ -41,7 +41,7 @@ from torch.utils.cpp_extension import include_paths
 
 from configs import EngineConfig
 from engine.model.checkpoint import load_model_spec
-from engine.model.qwen3 import Qwen3ForCausalLM
+from engine.model.layers.decoder import PreNormDecoderLM
 from engine.worker.forward_batch import ForwardBatch
 from engine.worker.runner import ModelRunner
 from ops import flash_kernel
@@ -235,11 +235,11 @@ def test_write_kv_on_the_device(fake_mode):
 
 
 # ---- the model runner's forward -----------------------------------------------------------------------------------
-def fake_cuda_model(spec) -> Qwen3ForCausalLM:
+def fake_cuda_model(spec) -> PreNormDecoderLM:
     """The model's module tree with every parameter a fresh fake CUDA bfloat16 tensor (under fake mode;
     assigned, as converting fake parameters with `Module.to` would swap them)."""
     with torch.device("meta"):
-        model = Qwen3ForCausalLM(spec)
+        model = PreNormDecoderLM(spec)
     for module in model.modules():
         for name, param in module.named_parameters(recurse=False):
             module._parameters[name] = nn.Parameter(torch.empty(param.shape, dtype=BF16, device=CUDA),

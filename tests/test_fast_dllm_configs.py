@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.model.architectures import build_network
 from engine.model.checkpoint import CheckpointError, load_model_spec
+from engine.model.families import build_network
 from engine.model.loading import checkpoint_names
 from tools.published_checkpoints import PUBLISHED as RELEASES
 

@@ -15,10 +15,10 @@ from pydantic import ValidationError
 from configs import EngineConfig
 from engine import GenerationConfig, pipeline
 from engine.errors import RequestError
-from engine.model.architectures import build_network
 from engine.model.checkpoint import CheckpointError, load_model_spec
+from engine.model.families import build_network
+from engine.model.layers.parallel import TPContext
 from engine.model.loading import checkpoint_names
-from engine.model.qwen3 import TPContext
 from tools.llada2_reference import LLaDA2Reference, reference_generate
 from tools.published_checkpoints import PUBLISHED as RELEASES
 from tools.tiny_llada2 import write_tiny_llada2

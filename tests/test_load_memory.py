@@ -26,7 +26,7 @@ PROMPT = [5, 77, 130, 9, 250, 31, 200, 14]
 CHILD = """
 import json, sys, torch
 from engine.model.checkpoint import load_model_spec
-from engine.model.qwen3 import TPContext
+from engine.model.layers.parallel import TPContext
 from engine.worker.runner import build_model
 
 def rss(field):

@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from engine.model.architectures import build_network
 from engine.model.checkpoint import load_model_spec
+from engine.model.families import build_network
 from engine.model.loading import checkpoint_names, destination
 from tools.tiny_checkpoint import build_byte_tokenizer, write_tokenizer
 

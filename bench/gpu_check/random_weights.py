@@ -13,7 +13,8 @@ import torch
 from bench.gpu_check.settings import BLOCK
 from bench.models import DLLM_LOGIT_SCALE, BenchShape
 from engine.model.checkpoint import ModelSpec
-from engine.model.qwen3 import Qwen3ForCausalLM, TPContext
+from engine.model.layers.decoder import PreNormDecoderLM
+from engine.model.layers.parallel import TPContext
 from engine.worker import runner as model_runner
 from tools.tiny_checkpoint import write_tiny_checkpoint
 
@@ -31,7 +32,7 @@ def write_config_only(root: Path, shape: BenchShape) -> Path:
     return path
 
 
-def fill_random(model: Qwen3ForCausalLM, spec: ModelSpec, seed: int, std: float = 0.1,
+def fill_random(model: PreNormDecoderLM, spec: ModelSpec, seed: int, std: float = 0.1,
                 logit_scale: float = DLLM_LOGIT_SCALE, tokenizer_ids: int = TOKENIZER_IDS) -> None:
     """Weights like `write_tiny_checkpoint`'s, drawn on the model's device: N(0, std) matrices, RMSNorm
     weights around 1, the final norm times `logit_scale`, and LM-head rows of zero for the mask token and
@@ -53,7 +54,7 @@ def weights_on_device(seed: int = 1) -> Iterator[None]:
     """Model runners built inside this block draw their weights on their device instead of loading them."""
     load = model_runner.build_model
 
-    def build(spec: ModelSpec, device: torch.device, dtype: torch.dtype, tp: TPContext | None) -> Qwen3ForCausalLM:
+    def build(spec: ModelSpec, device: torch.device, dtype: torch.dtype, tp: TPContext | None) -> PreNormDecoderLM:
         model = model_runner.allocate_model(spec, device, dtype, tp)
         fill_random(model, spec, seed)
         return model

@@ -34,7 +34,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from configs import EngineConfig
 from engine.model.checkpoint import ModelSpec
-from engine.model.qwen3 import TPContext
+from engine.model.layers.parallel import TPContext
 from engine.worker.forward_batch import ForwardBatch, ForwardOutput
 from engine.worker.runner import ModelRunner, resolve_device
 

@@ -10,93 +10,20 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
-import torch
 from safetensors import safe_open
 
 from engine.errors import CheckpointError
-from engine.model.families import FAMILIES, ModelFamily, family_of
-from engine.model.llada2_config import llada2_fields
+from engine.model.families import FAMILIES, family_of
+from engine.model.family import ModelFamily
+from engine.model.spec import ModelSpec, RopeScaling, WeightSlice
 
 SUPPORTED_MODEL_TYPES = {name: family.paradigm for name, family in FAMILIES.items()}
 _FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 # transformers' rotary base when a config names none (`Qwen3Config.default_theta`, Qwen3-MoE's too)
 DEFAULT_ROPE_THETA = 10_000.0
-
-
-# A full tensor or a safetensors slice: both index like a tensor (`x[a:b]`, `x[:, a:b]`, `x[...]`).
-WeightSlice = Any
-
-
-def weight_shape(weight: WeightSlice) -> tuple[int, ...]:
-    return tuple(weight.shape) if isinstance(weight, torch.Tensor) else tuple(weight.get_shape())
-
-
-@dataclass(frozen=True)
-class MoESpec:
-    """Qwen3-MoE routing: a softmax router over `num_experts`, the top `num_experts_per_tok` experts
-    per token (weights renormalised to sum 1 when `norm_topk_prob`), SwiGLU experts of width
-    `moe_intermediate_size`. Only the layers in `sparse_layers` are routed; the others keep a dense
-    MLP of `intermediate_size`."""
-
-    num_experts: int
-    num_experts_per_tok: int
-    moe_intermediate_size: int
-    norm_topk_prob: bool
-    sparse_layers: frozenset[int]
-
-
-@dataclass(frozen=True)
-class RopeScaling:
-    """YaRN rotary scaling as Hugging Face computes it (`rope_type: yarn`); every field resolved."""
-
-    factor: float
-    original_max_position_embeddings: int
-    attention_factor: float
-    beta_fast: float
-    beta_slow: float
-    truncate: bool
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """The architecture facts the engine needs, read from config.json (+ generation_config.json)."""
-
-    path: str
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    intermediate_size: int
-    rms_norm_eps: float
-    rope_theta: float
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    attention_bias: bool
-    block_size: int | None
-    mask_token_id: int | None
-    eos_token_ids: frozenset[int] = field(default_factory=frozenset)
-    torch_dtype: str | None = None
-    moe: MoESpec | None = None
-    rope_scaling: RopeScaling | None = None
-    qk_norm: bool = True  # per-head RMSNorm on q and k before the rotary embedding (Qwen3; not Qwen2)
-    #: a family's own architecture facts (e.g. LLaDA2's router), parsed by its entry in FAMILY_FIELDS
-    extra: Any = None
-
-    @property
-    def family(self) -> ModelFamily:
-        return family_of(self.model_type)
-
-    @property
-    def is_dllm(self) -> bool:
-        return self.family.is_dllm
 
 
 def _read_json(path: Path) -> dict:
@@ -162,43 +89,12 @@ def _refuse_sliding_window(cfg: dict) -> None:
         raise CheckpointError(f"config.json layer_types has {sliding[0]!r} layers: only full_attention is supported")
 
 
-def _moe_fields(cfg: dict) -> MoESpec:
-    # transformers 5 writes `num_local_experts`; published Qwen3-MoE configs say `num_experts`
-    num_experts = cfg.get("num_experts", cfg.get("num_local_experts"))
-    if num_experts is None:
-        raise CheckpointError("config.json lacks 'num_experts' (or transformers 5's 'num_local_experts')")
-    top_k = cfg["num_experts_per_tok"]
-    if not 1 <= top_k <= num_experts:
-        raise CheckpointError(f"config.json num_experts_per_tok={top_k} must be between 1 and "
-                              f"num_experts={num_experts}")
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise CheckpointError(f"config.json hidden_act={cfg['hidden_act']!r} is not supported (silu only)")
-    dense_only = set(cfg.get("mlp_only_layers") or [])
-    step = cfg.get("decoder_sparse_step", 1)
-    sparse = frozenset(i for i in range(cfg["num_hidden_layers"])
-                       if i not in dense_only and num_experts > 0 and (i + 1) % step == 0)
-    return MoESpec(num_experts=num_experts, num_experts_per_tok=top_k,
-                   moe_intermediate_size=cfg["moe_intermediate_size"],
-                   norm_topk_prob=bool(cfg.get("norm_topk_prob", False)), sparse_layers=sparse)
-
-
 def _block_size(cfg: dict, family: ModelFamily) -> int | None:
     """The block length config.json names (the family's field for it), or None."""
     for key in family.block_length_keys:
         if cfg.get(key) is not None:
             return int(cfg[key])
     return None
-
-
-# model_type -> function(config.json dict) -> ModelSpec fields that differ from the common reading
-# (the family's own fields, refusals of what it does not honour). Families without one read as Qwen3.
-FAMILY_FIELDS: dict[str, Callable[[dict], dict[str, Any]]] = {
-    "qwen3_moe": lambda cfg: {"moe": _moe_fields(cfg)},
-    "sdar_moe": lambda cfg: {"moe": _moe_fields(cfg)},
-    "llada2_moe": llada2_fields,
-    # Qwen2 layers: q/k/v biased (o not), no q/k norm; `conplemenrary_mask` and `max_window_layers` change nothing
-    "Fast_dLLM_Qwen": lambda cfg: {"qk_norm": False, "attention_bias": True},
-}
 
 
 def load_model_spec(path: str | Path) -> ModelSpec:
@@ -247,8 +143,9 @@ def load_model_spec(path: str | Path) -> ModelSpec:
             torch_dtype=dtype,
             rope_scaling=rope_scaling,
         )
-        if model_type in FAMILY_FIELDS:
-            fields |= FAMILY_FIELDS[model_type](cfg)
+        family = family_of(model_type)
+        if family.config_fields is not None:
+            fields |= family.config_fields(cfg)
         return ModelSpec(**fields)
     except KeyError as e:
         raise CheckpointError(f"{config_file} lacks required field {e.args[0]!r}") from e

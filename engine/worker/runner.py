@@ -31,10 +31,11 @@ from safetensors.torch import load_file, save_file
 
 from configs import EngineConfig
 from engine.errors import WeightUpdateError
-from engine.model.architectures import build_network
 from engine.model.checkpoint import ModelSpec, iter_weights
+from engine.model.families import build_network
+from engine.model.layers.decoder import PreNormDecoderLM
+from engine.model.layers.parallel import TPContext
 from engine.model.loading import load_weights
-from engine.model.qwen3 import Qwen3ForCausalLM, TPContext
 from engine.worker.cuda_graphs import StepGraphs, cuda_capture, graph_entries, pad_batch
 from engine.worker.forward_batch import ForwardBatch, ForwardOutput
 from engine.worker.logits_processing import filter_for_sampling, penalize_
@@ -68,14 +69,14 @@ def resolve_dtype(config: EngineConfig, device: torch.device, spec: ModelSpec | 
 MEMORY_TAGS = ("weights", "kv_cache")  # what a runner can free and restore
 
 
-def allocate_model(spec: ModelSpec, device: torch.device, dtype: torch.dtype, tp: TPContext | None) -> Qwen3ForCausalLM:
+def allocate_model(spec: ModelSpec, device: torch.device, dtype: torch.dtype, tp: TPContext | None) -> PreNormDecoderLM:
     """The model shard built on the meta device (no random init) and allocated once, unfilled."""
     with torch.device("meta"):
         model = build_network(spec, tp)
     return model.materialize(device, dtype).eval()
 
 
-def build_model(spec: ModelSpec, device: torch.device, dtype: torch.dtype, tp: TPContext | None) -> Qwen3ForCausalLM:
+def build_model(spec: ModelSpec, device: torch.device, dtype: torch.dtype, tp: TPContext | None) -> PreNormDecoderLM:
     """The model shard in `dtype` on `device`, filled with this rank's slices read from the
     memory-mapped safetensors files of the checkpoint."""
     model = allocate_model(spec, device, dtype, tp)
@@ -157,7 +158,7 @@ class ModelRunner:
         self.dllm_block_length = None
         self.tp = tp or TPContext()
         torch.manual_seed(config.seed)
-        self.model: Qwen3ForCausalLM | None = self._prepare(build_model(spec, self.device, self.dtype, tp))
+        self.model: PreNormDecoderLM | None = self._prepare(build_model(spec, self.device, self.dtype, tp))
         self.num_pages = num_kv_pages(spec, config, self.device, self.dtype)
         self.graphs = self._step_graphs()
         self.null_page = self.num_pages  # past the pages the engine hands out; allocated when graphs run
@@ -181,7 +182,7 @@ class ModelRunner:
         return StepGraphs(2 * self.config.max_batch_size, -(-longest // self.config.kv_block_size), longest,
                           cuda_capture(torch.cuda.graph_pool_handle()))
 
-    def _prepare(self, model: Qwen3ForCausalLM) -> Qwen3ForCausalLM:
+    def _prepare(self, model: PreNormDecoderLM) -> PreNormDecoderLM:
         """A loaded model ready to serve: on CPU every linear on oneDNN packed weights; with
         `enable_torch_compile` its elementwise work compiled into fused kernels (ops.fused)."""
         if self.device.type == "cpu":
@@ -273,7 +274,7 @@ class ModelRunner:
         save_file(weights, str(path))
         return path
 
-    def _restore_weights(self) -> Qwen3ForCausalLM:
+    def _restore_weights(self) -> PreNormDecoderLM:
         if self._backup is None:
             spec = dataclasses.replace(self.spec, path=self._origin)
             return build_model(spec, self.device, self.dtype, self.tp)

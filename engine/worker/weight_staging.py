@@ -26,20 +26,21 @@ import torch
 from torch import nn
 
 from engine.errors import CheckpointError, WeightUpdateError
-from engine.model.architectures import build_network
 from engine.model.checkpoint import ModelSpec, WeightSlice
+from engine.model.families import build_network
+from engine.model.layers.decoder import PreNormDecoderLM
+from engine.model.layers.parallel import TPContext
 from engine.model.loading import checked_shards, checkpoint_names, destination
-from engine.model.qwen3 import Qwen3ForCausalLM, TPContext
 from ops.cpu_linear import PackedLinear
 
 
-def shape_template(spec: ModelSpec, tp: TPContext) -> Qwen3ForCausalLM:
+def shape_template(spec: ModelSpec, tp: TPContext) -> PreNormDecoderLM:
     """The model on the meta device: its loading code and parameter shapes, no memory."""
     with torch.device("meta"):
         return build_network(spec, tp)
 
 
-def stage_weights(template: Qwen3ForCausalLM, weights: Iterable[tuple[str, WeightSlice]], complete: bool,
+def stage_weights(template: PreNormDecoderLM, weights: Iterable[tuple[str, WeightSlice]], complete: bool,
                   device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """This rank's slice of every tensor, checked, in `dtype` on `device`, by checkpoint name.
 
@@ -67,7 +68,7 @@ def _checked_copy(name: str, part: torch.Tensor, device: torch.device, dtype: to
     return staged
 
 
-def install_weights(model: Qwen3ForCausalLM, weights: dict[str, torch.Tensor]) -> None:
+def install_weights(model: PreNormDecoderLM, weights: dict[str, torch.Tensor]) -> None:
     """Write staged slices (by checkpoint name) into the model. A CPU linear whose dense weight was
     dropped for its oneDNN packed copy takes the staged tensor as its weight and is packed again, as
     is a tied LM head whose embedding changed."""
@@ -90,7 +91,7 @@ def install_weights(model: Qwen3ForCausalLM, weights: dict[str, torch.Tensor]) -
         PackedLinear.convert(linear, keep_dense=linear.weight is embedding)
 
 
-def local_weights(model: Qwen3ForCausalLM, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+def local_weights(model: PreNormDecoderLM, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
     """This rank's slices of the live weights by checkpoint name (packed CPU weights unpacked), copied
     to `device`: what `install_weights` takes back."""
     state = model.state_dict()

@@ -1,17 +1,17 @@
 """The LLaDA2 network (`llada2_moe`, inclusionAI's `LLaDA2MoeModelLM`), tensor-parallel ready.
 
 Against a Qwen3 layer it differs in: one fused `attention.query_key_value` projection (the query
-heads, then the key heads, then the value heads; split per rank by head, see engine.model.loading),
+heads, then the key heads, then the value heads; split per rank by head),
 per-head RMSNorm of q and k (`query_layernorm` / `key_layernorm`) before a NeoX rotary embedding on
 only the first `rotary_dim` dims of each head, an output projection `attention.dense` that may carry
 a bias (added once, after the all-reduce), dense MLPs in the first `first_k_dense_replace` layers and
-LLaDA2's routed + shared experts (engine.model.moe.GroupLimitedMoeBlock) in the others. Logits at a
+LLaDA2's routed + shared experts (`GroupLimitedMoeBlock`) in the others. Logits at a
 position predict the token at that position (no shift); attention is block-causal like SDAR's, which
 the attention backend applies from the runner's block length.
 
 Parameter names equal the checkpoint's (the embedding is `model.word_embeddings`; routed experts are
 stacked per layer as for Qwen3-MoE). The forward, logits, `materialize` and compiled elementwise
-switch are Qwen3ForCausalLM's: only the layers differ.
+switch are the shared pre-norm decoder's: only the layers differ.
 """
 
 from __future__ import annotations
@@ -22,21 +22,17 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from engine.model.checkpoint import ModelSpec
-from engine.model.llada2_config import LLaDA2Spec
-from engine.model.moe import GroupLimitedMoeBlock, MoEStats
-from engine.model.qwen3 import (
-    MLP,
-    DecoderLayer,
-    Qwen3ForCausalLM,
-    RMSNorm,
-    RotaryEmbedding,
-    TPContext,
-    VocabParallelEmbedding,
-)
+from engine.model.families.llada2_moe.config import LLaDA2Spec
+from engine.model.families.llada2_moe.moe import GroupLimitedMoeBlock
+from engine.model.layers.decoder import DecoderLayer, PreNormDecoderLM
+from engine.model.layers.mlp import MLP
+from engine.model.layers.moe import MoEStats
+from engine.model.layers.norm import RMSNorm
+from engine.model.layers.parallel import TPContext, VocabParallelEmbedding, fused_heads, row_parallel
+from engine.model.layers.rotary import RotaryEmbedding, partial_rope
+from engine.model.spec import ModelSpec
 from ops.attention import AttentionBackend, AttentionMetadata
 from ops.fused import EAGER, Elementwise
-from ops.layers import apply_rope
 
 
 class _BiasAfterReduce(nn.Linear):
@@ -59,21 +55,20 @@ class LLaDA2Attention(nn.Module):
         self.head_dim, self.rotary_dim = spec.head_dim, extra.rotary_dim
         self.scale = spec.head_dim**-0.5
         d = spec.hidden_size
-        self.query_key_value = nn.Linear(d, (self.num_heads + 2 * self.num_kv_heads) * self.head_dim,
-                                         bias=spec.attention_bias)
+        q, kv = spec.num_attention_heads * spec.head_dim, spec.num_key_value_heads * spec.head_dim
+        self.query_key_value = fused_heads(nn.Linear(d, (self.num_heads + 2 * self.num_kv_heads) * self.head_dim,
+                                                     bias=spec.attention_bias), tp, (q, kv, kv))
         self.qk_norm = spec.qk_norm
         if spec.qk_norm:
             self.query_layernorm = RMSNorm(self.head_dim, spec.rms_norm_eps)
             self.key_layernorm = RMSNorm(self.head_dim, spec.rms_norm_eps)
         dense = _BiasAfterReduce if extra.dense_bias else nn.Linear
-        self.dense = dense(self.num_heads * self.head_dim, d, bias=extra.dense_bias)
+        self.dense = row_parallel(dense(self.num_heads * self.head_dim, d, bias=extra.dense_bias), tp)
 
     def _rotate(self, x: torch.Tensor, norm: RMSNorm | None, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         if norm is not None:
             x = self.ops.rms_norm(x, norm.weight, norm.eps)
-        r = self.rotary_dim
-        return torch.cat((apply_rope(x[..., :r], cos, sin), x[..., r:]), dim=-1) if r < self.head_dim \
-            else apply_rope(x, cos, sin)
+        return partial_rope(x, cos, sin, self.rotary_dim)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, backend: AttentionBackend
@@ -89,7 +84,7 @@ class LLaDA2Attention(nn.Module):
 
 
 class LLaDA2Layer(DecoderLayer):
-    """Qwen3's pre-norm layer (its forward: residual adds fused with the next norm) with LLaDA2's
+    """The shared pre-norm layer (its forward: residual adds fused with the next norm) with LLaDA2's
     attention under the checkpoint's name `attention`, and its dense or routed MLP."""
 
     def __init__(self, spec: ModelSpec, tp: TPContext, index: int, moe_stats: MoEStats):
@@ -97,9 +92,9 @@ class LLaDA2Layer(DecoderLayer):
         extra: LLaDA2Spec = spec.extra
         self.attention = LLaDA2Attention(spec, tp)
         if extra.is_sparse(index):
-            self.mlp = GroupLimitedMoeBlock(spec.hidden_size, extra, tp.size, tp.all_reduce, moe_stats)
+            self.mlp = GroupLimitedMoeBlock(spec.hidden_size, extra, tp, moe_stats)
         else:
-            self.mlp = MLP(spec, tp)
+            self.mlp = MLP(spec.hidden_size, spec.intermediate_size, tp)
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
@@ -122,8 +117,8 @@ class LLaDA2Backbone(nn.Module):
         return self.word_embeddings
 
 
-class LLaDA2MoeModelLM(Qwen3ForCausalLM):
-    """LLaDA2's layers under Qwen3ForCausalLM's forward and logits."""
+class LLaDA2MoeModelLM(PreNormDecoderLM):
+    """LLaDA2's layers under the shared pre-norm decoder's forward and logits."""
 
     @staticmethod
     def backbone(spec: ModelSpec, tp: TPContext, moe_stats: MoEStats) -> nn.Module:

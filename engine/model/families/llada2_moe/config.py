@@ -3,7 +3,7 @@
 LLaDA2 layers differ from Qwen3's in ways the common reading cannot express: a fused QKV
 projection, a rotary embedding on only part of each head, dense first layers, and a sigmoid router
 with an expert bias, expert groups, a scaling factor and shared experts. Every field that changes
-the math is honoured by `engine.model.llada2` or refused here by name. A field a config leaves out
+the math is honoured by the family's network (network.py) or refused here by name. A field a config leaves out
 takes the value of the family's published configuration class (e.g. `use_bias` true, 8 expert groups).
 """
 

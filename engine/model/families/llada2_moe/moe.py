@@ -1,0 +1,65 @@
+"""LLaDA2's sparse block: the shared routed-expert block (engine.model.layers.moe) with LLaDA2's
+group-limited sigmoid router and its shared experts."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from engine.model.families.llada2_moe.config import LLaDA2Spec
+from engine.model.layers.mlp import SwiGLU
+from engine.model.layers.moe import MoEStats, SparseMoeBlock
+from engine.model.layers.parallel import TPContext
+from engine.model.spec import MoESpec
+
+
+class SigmoidRouter(nn.Module):
+    """LLaDA2's router parameters: `weight` [E, H] and `expert_bias` [E] (checkpoint names
+    `mlp.gate.weight`, `mlp.gate.expert_bias`)."""
+
+    def __init__(self, hidden_size: int, num_experts: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+        self.expert_bias = nn.Parameter(torch.empty(num_experts))
+
+
+class GroupLimitedMoeBlock(SparseMoeBlock):
+    """LLaDA2's sparse block: a sigmoid router in float32 whose expert bias decides only which experts
+    run, group-limited top-k, the chosen experts' sigmoid scores (without the bias) normalised to sum 1
+    (+1e-20, when more than one is chosen) and scaled by `routed_scaling_factor`; plus the shared
+    experts, one SwiGLU of `num_shared_experts * moe_intermediate_size`, added to every token.
+
+    Groups: the experts split into `n_group` equal groups; a group's score is the sum of its two best
+    biased scores; the `topk_group` best groups stay and the top `num_experts_per_tok` biased scores
+    among their experts pick the experts."""
+
+    def __init__(self, hidden_size: int, spec: LLaDA2Spec, tp: TPContext, stats: MoEStats):
+        shared = spec.num_shared_experts * spec.moe_intermediate_size
+        if shared % tp.size:
+            raise ValueError(f"tp={tp.size} must divide the model's shared experts' width ({shared})")
+        super().__init__(hidden_size, MoESpec(spec.num_experts, spec.num_experts_per_tok, spec.moe_intermediate_size,
+                                              norm_topk_prob=True, sparse_layers=frozenset()), tp, stats)
+        self.spec = spec
+        self.gate = SigmoidRouter(hidden_size, spec.num_experts)
+        self.shared_experts = SwiGLU(hidden_size, shared, tp) if shared else None
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        spec, t = self.spec, x.shape[0]
+        scores = torch.sigmoid(F.linear(x.float(), self.gate.weight.float()))
+        biased = scores + self.gate.expert_bias.float()
+        group_scores = biased.view(t, spec.n_group, -1).topk(2, dim=-1)[0].sum(dim=-1)
+        groups = torch.topk(group_scores, spec.topk_group, dim=-1, sorted=False)[1]
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, groups, True)
+        keep = keep.repeat_interleave(spec.num_experts // spec.n_group, dim=1)
+        experts = torch.topk(biased.masked_fill(~keep, float("-inf")), self.top_k, dim=-1)[1]
+        weights = scores.gather(1, experts)
+        if self.top_k > 1:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return (weights * spec.routed_scaling_factor).to(x.dtype), experts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.routed(x)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return self.all_reduce(out)

@@ -1,0 +1,9 @@
+"""Qwen3 (`model_type: qwen3`): a causal LM on the shared pre-norm decoder as it is (per-head q/k
+RMSNorm, unbiased projections), decoded autoregressively. config.json needs nothing beyond the
+common fields."""
+
+from __future__ import annotations
+
+from engine.model.family import ModelFamily
+
+FAMILY = ModelFamily("qwen3", "AR", predicts_next=True)

@@ -1,0 +1,9 @@
+"""Qwen3-MoE (`model_type: qwen3_moe`): Qwen3 layers whose MLPs are routed experts
+(engine.model.layers.moe.SparseMoeBlock) in the layers config.json routes; decoded autoregressively."""
+
+from __future__ import annotations
+
+from engine.model.families.qwen3_moe.config import moe_config_fields
+from engine.model.family import ModelFamily
+
+FAMILY = ModelFamily("qwen3_moe", "AR", predicts_next=True, config_fields=moe_config_fields)

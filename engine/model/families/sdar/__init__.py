@@ -1,0 +1,10 @@
+"""SDAR (`model_type: sdar`): Qwen3 layers under block-causal attention, decoded by block diffusion
+(every masked position of a block is a candidate at every step; no token shift). The block length is
+config.json's `block_size` (4 when absent), the mask token `<|MASK|>`."""
+
+from __future__ import annotations
+
+from engine.model.family import ModelFamily
+
+FAMILY = ModelFamily("sdar", "DLLM", predicts_next=False, block_decoding="block", block_length_keys=("block_size",),
+                     default_block_length=4, mask_token_texts=("<|MASK|>",))
