@@ -139,3 +139,16 @@ def test_refused_fields_name_themselves():
     with pytest.raises(ValueError, match="unique"):
         build_openai_app({"llm_configs": [base, base]})
 
+
+
+def test_health_of_several_models_is_200_when_all_are_ready_and_per_model_with_model(apps):
+    """docs/migrate.md's readiness loop (`until curl -sf .../health`) ends on the several-model app."""
+    ids = [c["model_loading_config"]["model_id"] for c in shipped_app()["args"]["llm_configs"]]
+    r = httpx.get(f"{apps['yaml']}/health", timeout=60)
+    assert r.status_code == 200 and r.json()["status"] == "ok", r.text
+    assert set(r.json()["models"]) == set(ids) and all(m["status_code"] == 200 for m in r.json()["models"].values())
+    for model in ids:
+        one = httpx.get(f"{apps['yaml']}/health", params={"model": model}, timeout=60)
+        assert one.status_code == 200 and one.json()["status"] == "ok", one.text
+    unknown = httpx.get(f"{apps['yaml']}/health", params={"model": "nope"}, timeout=60)
+    assert unknown.status_code == 404 and "nope" in unknown.json()["error"]["message"]

@@ -3,8 +3,11 @@
 The model is OpenAI's `model` field of the JSON body, else the `model` query parameter, else the
 only model when there is one; an unknown model is a 404 naming it and the served models. `GET
 /v1/models` lists every model (each model ingress's own entry) and `GET /v1/models/{model}` answers
-one. Everything else (completions, chat, SGLang's /generate, the RL control routes, /health, ...)
-is the model ingress's own answer, passed through unchanged.
+one. `GET /health` without a model is the application's readiness: 200 when every model's /health
+answers 200, else the status of the first that does not (503 with `Retry-After` while one loads),
+with each model's answer; `/health?model=NAME` is that model's. Everything else (completions, chat,
+SGLang's /generate, the RL control routes, ...) is the model ingress's own answer, passed through
+unchanged.
 """
 
 # No `from __future__ import annotations`: Serve pickles these route methods by value, and FastAPI
@@ -35,6 +38,14 @@ def requested_model(body: bytes, request: Request) -> str | None:
     return request.query_params.get("model")
 
 
+def _json_object(body: bytes) -> dict[str, Any]:
+    try:
+        parsed = json.loads(body)
+    except ValueError:
+        return {"body": body.decode("utf-8", "replace")}
+    return parsed if isinstance(parsed, dict) else {"body": parsed}
+
+
 @serve.deployment(max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0.25})
 @serve.ingress(router_app)
 class ModelRouter:
@@ -57,16 +68,35 @@ class ModelRouter:
         stream = handle.options(stream=True).forward.remote(scope, body)
         return ForwardedResponse(await stream.__anext__(), stream)
 
-    async def _model_entries(self, request: Request, handle: Any) -> tuple[Response | None, list[dict[str, Any]]]:
-        """A model ingress's `/v1/models` entries, or its refusal (e.g. a wrong API key)."""
-        scope = forwarded_scope(request, method="GET", path=request.scope.get("root_path", "") + "/v1/models",
+    async def _get(self, request: Request, handle: Any, path: str) -> tuple[int, bytes, dict[str, str]]:
+        """A model ingress's answer to `GET path` (the request's headers): status, body, headers."""
+        scope = forwarded_scope(request, method="GET", path=request.scope.get("root_path", "") + path,
                                 query_string=b"")
         messages = [m async for m in handle.options(stream=True).forward.remote(scope, b"")]
-        status = messages[0]["status"]
-        body = b"".join(m.get("body", b"") for m in messages[1:])
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in messages[0].get("headers", [])}
+        return messages[0]["status"], b"".join(m.get("body", b"") for m in messages[1:]), headers
+
+    async def _model_entries(self, request: Request, handle: Any) -> tuple[Response | None, list[dict[str, Any]]]:
+        """A model ingress's `/v1/models` entries, or its refusal (e.g. a wrong API key)."""
+        status, body, _ = await self._get(request, handle, "/v1/models")
         if status != 200:
             return Response(body, status_code=status, headers={"content-type": "application/json"}), []
         return None, json.loads(body)["data"]
+
+    @router_app.get("/health")
+    async def health(self, request: Request) -> Response:
+        if "model" in request.query_params or len(self.models) == 1:
+            return await self.route(request, "health")
+        answers = {name: await self._get(request, handle, "/health") for name, handle in self.models.items()}
+        models = {name: {"status_code": status, **_json_object(body)} for name, (status, body, _) in answers.items()}
+        waiting = [(name, status, headers) for name, (status, _, headers) in answers.items() if status != 200]
+        if not waiting:
+            return JSONResponse({"status": "ok", "models": models})
+        name, status, headers = waiting[0]
+        retry = {"Retry-After": headers["retry-after"]} if "retry-after" in headers else None
+        return JSONResponse({"status": "not ready", "error": {"message": f"model {name!r} is not ready (its /health "
+                             f"answers {status})", "type": "not_ready", "param": "model"}, "models": models},
+                            status_code=status, headers=retry)
 
     @router_app.get("/v1/models")
     async def list_models(self, request: Request) -> Response:
