@@ -217,7 +217,12 @@ function load() {
   }
   fillForm(query.a);
   if (query.trace) openUrl(query.trace);
-  else if ("prompt" in query.a || "input_ids" in query.a) start(query.b ? [query.a, query.b] : [query.a], 0);
+  else if ("prompt" in query.a || "input_ids" in query.a) {
+    // A run from the query string sends what the form now shows (its defaults, e.g. temperature 0, where
+    // the URL names nothing), as the Run button would; B is that with its own fields over it.
+    const a = readForm();
+    start(query.b ? [a, { ...a, ...query.b }] : [a], 0);
+  }
 }
 
 load();
