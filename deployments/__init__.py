@@ -9,7 +9,7 @@
     `routes` one table for HTTP routes and handle methods); `admin`: /health, /metrics, OpenAPI;
   - `generation`: what the generation endpoints share; `engine_client`: calling the EngineServer
     replicas; `http`: error responses, API key, body limit, admission, SSE; `tokens`: the tokenizer.
-- `errors`: ApiError and request validation; `wire`: the ingress <-> EngineServer request type.
+- `errors`: ApiError and request validation; `wire`: the ingress <-> EngineServer protocol's types.
 - `router`: the prefix-aware request router; `placement`: placement-group checks; `metrics`.
 - `batch_calls`: ties batched unary calls to their clients (a client that leaves aborts its request);
   `single_machine`: loopback-only clusters, the HTTP port checks, the replicas' gRPC bind.

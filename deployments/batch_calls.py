@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from deployments.errors import ApiError
+from deployments.wire import ControlAnswer, EngineRequest, Rejection
+from engine.carrier import Response
 
 log = logging.getLogger(__name__)
 
@@ -50,13 +52,13 @@ class BatchCalls:
         self._calls: dict[str, _Call] = {}
         self._aborts: set[asyncio.Task] = set()
 
-    async def run(self, method: Any, requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    async def run(self, method: Any, requests: list[EngineRequest]) -> list[Response | Rejection]:
         """Call `method` (the handle's generate_batch) for `requests` and await it. The call is made
         outside any request's context: Serve and Ray would otherwise tie it to the request that
         happened to start the batching task and cancel it, batch mates and all, when that one's
-        client leaves; here only `abandon` cancels a call. A cancelled call answers an error item per
+        client leaves; here only `abandon` cancels a call. A cancelled call answers a rejection per
         request, so no caller waits forever."""
-        ids = [r["request_id"] for r in requests]
+        ids = [r.request_id for r in requests]
         call = _Call(contextvars.Context().run(method.remote, requests), set(ids))
         self._calls.update(dict.fromkeys(ids, call))
         try:
@@ -73,7 +75,7 @@ class BatchCalls:
             for i in ids:
                 if self._calls.get(i) is call:
                     del self._calls[i]
-        return [error.to_item()] * len(requests)
+        return [error.to_rejection()] * len(requests)
 
     def abandon(self, request_id: str) -> None:
         """The caller of `request_id` left: abort the request in the engine (see the module's docstring).
@@ -97,6 +99,6 @@ class BatchCalls:
             except Exception:  # noqa: BLE001 - no replica reachable now: try again while the call lasts
                 log.warning("aborting request %s failed; retrying", request_id, exc_info=True)
                 answers = []
-            if any(isinstance(a, dict) and a.get("requests") for a in answers):
+            if any(isinstance(a, ControlAnswer) and a.requests for a in answers):
                 return
             await asyncio.sleep(ABORT_RETRY_S)

@@ -1,7 +1,8 @@
 """How the ingress calls the EngineServer replicas: unary requests batched (`@serve.batch`) into one
 `generate_batch` call, streams one `generate_stream` each (cancelled when their reader goes away,
 which aborts the request in the engine and frees its KV pages), broadcasts to every replica, and the
-model facts the ingress needs, asked of the engine once (the ingress loads no model code)."""
+model facts the ingress needs, asked of the engine once (the ingress loads no model code). What
+crosses is `deployments.wire`'s types: the results are the carrier's `OutputChunk` / `Response`."""
 
 from __future__ import annotations
 
@@ -15,23 +16,23 @@ from ray import serve
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
 from deployments.batch_calls import BatchCalls
-from deployments.errors import ApiError, is_error_item, unavailable
+from deployments.errors import ApiError, unavailable
 from deployments.http import engine_call_error
-from deployments.wire import EngineRequest
+from deployments.wire import EngineRequest, ModelInfo, Rejection, Result
+from engine.carrier import OutputChunk, Response
 
 log = logging.getLogger(__name__)
 
 ENGINE_CHECK_INTERVAL_S = 1.0  # how often the ingress re-checks that an engine replica runs
 
 
-def _error_result(request_id: str, message: str, last: dict[str, Any] | None) -> dict[str, Any]:
-    """A final result dict for a stream the engine side could not finish (replica died)."""
-    return {"request_id": request_id, "text": "", "token_ids": [], "finish_reason": "error", "error": message,
-            "input_token_len": (last or {}).get("input_token_len", 0),
-            "generate_token_len": (last or {}).get("generate_token_len", 0)}
+def _error_result(request_id: str, message: str, last: OutputChunk) -> OutputChunk:
+    """The final delta of a stream the engine side could not finish (replica died)."""
+    return OutputChunk(request_id=request_id, finish_reason="error", error=message,
+                       input_token_len=last.input_token_len, generate_token_len=last.generate_token_len)
 
 
-async def _merge(streams: list[AsyncIterator[dict[str, Any]]]) -> AsyncIterator[tuple[int, dict[str, Any]]]:
+async def _merge(streams: list[AsyncIterator[OutputChunk]]) -> AsyncIterator[tuple[int, OutputChunk]]:
     """Interleave several requests' deltas as (index, delta), each as soon as it arrives. Closing the
     merged iterator closes (and so cancels) every stream."""
     if len(streams) == 1:
@@ -41,9 +42,9 @@ async def _merge(streams: list[AsyncIterator[dict[str, Any]]]) -> AsyncIterator[
         finally:
             await streams[0].aclose()
         return
-    queue: asyncio.Queue[tuple[int, dict[str, Any] | None]] = asyncio.Queue()
+    queue: asyncio.Queue[tuple[int, OutputChunk | None]] = asyncio.Queue()
 
-    async def pump(i: int, it: AsyncIterator[dict[str, Any]]) -> None:
+    async def pump(i: int, it: AsyncIterator[OutputChunk]) -> None:
         try:
             async for out in it:
                 await queue.put((i, out))
@@ -76,13 +77,13 @@ class EngineClient:
 
     def _init_engine_client(self, max_batch_size: int, batch_wait_timeout_s: float) -> None:
         self._engine_seen_at = 0.0  # when an engine replica was last seen running
-        self._info: dict[str, Any] | None = None
+        self._info: ModelInfo | None = None
         self._batch_calls = BatchCalls(self._broadcast)  # aborts the requests whose callers left
         self._batched_generate.set_max_batch_size(max_batch_size)
         self._batched_generate.set_batch_wait_timeout_s(batch_wait_timeout_s)
 
     @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.005, max_concurrent_batches=64)
-    async def _batched_generate(self, requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    async def _batched_generate(self, requests: list[EngineRequest]) -> list[Response | Rejection]:
         self.metrics.batches.inc()
         self.metrics.batched.inc(len(requests))
         try:
@@ -90,7 +91,7 @@ class EngineClient:
         except Exception as e:  # full, died or unreachable: every request in the batch fails
             if not isinstance(e, BackPressureError):
                 log.exception("generate_batch failed")
-            return [engine_call_error(e).to_item()] * len(requests)
+            return [engine_call_error(e).to_rejection()] * len(requests)
 
     async def _broadcast(self, method: str, *args: Any, timeout_s: float = 10.0,
                          return_exceptions: bool = False) -> list[Any]:
@@ -98,15 +99,15 @@ class EngineClient:
         return await self.engine.broadcast(method, *args).results_async(timeout_s=timeout_s,
                                                                          return_exceptions=return_exceptions)
 
-    async def _engine_info(self) -> dict[str, Any]:
-        """The model facts of the engine (`EngineServer.model_info`: max_model_len, is_dllm, tp, ...),
-        the same on every replica, asked once; 503 while no engine replica runs."""
+    async def _engine_info(self) -> ModelInfo:
+        """The model facts of the engine (`EngineServer.model_info`), the same on every replica, asked
+        once; 503 while no engine replica runs."""
         if self._info is None:
             try:
                 answers = await self._broadcast("model_info", return_exceptions=True)
             except DeploymentUnavailableError:
                 answers = []
-            info = next((a for a in answers if isinstance(a, dict)), None)
+            info = next((a for a in answers if isinstance(a, ModelInfo)), None)
             if info is None:
                 raise unavailable()
             self._info = info
@@ -119,10 +120,10 @@ class EngineClient:
         versions = sorted({s["weight_version"] for s in stats if isinstance(s, dict)})
         return versions[0] if len(versions) == 1 else versions or None
 
-    def _count(self, out: dict[str, Any]) -> None:
-        if out.get("finish_reason") is not None:
-            self.metrics.prompt_tokens.inc(out.get("input_token_len", 0))
-            self.metrics.generation_tokens.inc(out.get("generate_token_len", 0))
+    def _count(self, out: Result) -> None:
+        if out.finish_reason is not None:
+            self.metrics.prompt_tokens.inc(out.input_token_len)
+            self.metrics.generation_tokens.inc(out.generate_token_len)
 
     async def _require_engine(self) -> None:
         """503 at once while no engine replica runs (one that cannot be scheduled, or all being
@@ -139,28 +140,28 @@ class EngineClient:
                               "see `serve status`)")
         self._engine_seen_at = time.monotonic()
 
-    async def _unary(self, req: EngineRequest) -> dict[str, Any]:
-        """The folded result dict of one request; ApiError for refusals and engine failures (503: the
+    async def _unary(self, req: EngineRequest) -> Response:
+        """The folded result of one request; ApiError for refusals and engine failures (503: the
         engine replica failed under the request; Serve replaces it, so a retry is the remedy)."""
         await self._require_engine()
         try:
-            out = await self._batched_generate(req.model_dump())
+            out = await self._batched_generate(req)
         except asyncio.CancelledError:  # the client left: abort the request in the engine, as a stream's
             self._batch_calls.abandon(req.request_id)
             raise
-        if is_error_item(out):
-            raise ApiError.from_item(out)
+        if isinstance(out, Rejection):
+            raise ApiError.from_rejection(out)
         self._count(out)
-        if out.get("finish_reason") == "error":
-            raise unavailable(f"the engine failed this request: {out.get('error')}")
+        if out.finish_reason == "error":
+            raise unavailable(f"the engine failed this request: {out.error}")
         return out
 
-    async def _stream(self, req: EngineRequest) -> AsyncIterator[dict[str, Any]]:
-        """The request's result-dict deltas. Refusals raise ApiError here, before anything is sent;
+    async def _stream(self, req: EngineRequest) -> AsyncIterator[OutputChunk]:
+        """The request's deltas. Refusals raise ApiError here, before anything is sent;
         a failure later ends the stream with a finish_reason "error" delta. Closing the iterator
         (client disconnect, cancellation) cancels the engine-side stream."""
         await self._require_engine()
-        gen = self.engine.options(stream=True).generate_stream.remote(req.model_dump())
+        gen = self.engine.options(stream=True).generate_stream.remote(req)
         try:
             first = await gen.__anext__()
         except StopAsyncIteration:
@@ -170,21 +171,21 @@ class EngineClient:
             raise
         except Exception as e:
             raise engine_call_error(e) from None
-        if is_error_item(first):
-            raise ApiError.from_item(first)
+        if isinstance(first, Rejection):
+            raise ApiError.from_rejection(first)
 
-        async def deltas() -> AsyncIterator[dict[str, Any]]:
+        async def deltas() -> AsyncIterator[OutputChunk]:
             last, message = first, "the engine replica ended the stream without finishing the request"
             try:
                 yield first
-                if first.get("finish_reason") is None:
+                if first.finish_reason is None:
                     async for item in gen:
-                        if is_error_item(item):  # a refusal after the first delta ends the request
-                            message = item["rejected"].get("message") or message
+                        if isinstance(item, Rejection):  # a refusal after the first delta ends the request
+                            message = item.message or message
                             break
                         last = item
                         yield item
-                if last.get("finish_reason") is None:  # every request ends with a finish reason or an error
+                if last.finish_reason is None:  # every request ends with a finish reason or an error
                     log.error("stream %s ended without a finish reason: %s", req.request_id, message)
                     last = _error_result(req.request_id, message, last)
                     yield last
@@ -193,13 +194,13 @@ class EngineClient:
                 last = _error_result(req.request_id, f"the engine replica failed: {type(e).__name__}: {e}", last)
                 yield last
             finally:
-                if last.get("finish_reason") is None:
+                if last.finish_reason is None:
                     gen.cancel()
                 self._count(last)
 
         return deltas()
 
-    async def _streams(self, reqs: list[EngineRequest]) -> AsyncIterator[tuple[int, dict[str, Any]]]:
+    async def _streams(self, reqs: list[EngineRequest]) -> AsyncIterator[tuple[int, OutputChunk]]:
         """Several requests streamed together as (index, delta); a refusal of any raises ApiError
         before anything is sent (and closes the others)."""
         started = await asyncio.gather(*(self._stream(r) for r in reqs), return_exceptions=True)
@@ -211,5 +212,5 @@ class EngineClient:
             raise failed[0]
         return _merge(started)
 
-    async def _unaries(self, reqs: list[EngineRequest]) -> list[dict[str, Any]]:
+    async def _unaries(self, reqs: list[EngineRequest]) -> list[Response]:
         return list(await asyncio.gather(*(self._unary(r) for r in reqs)))

@@ -1,12 +1,12 @@
 """EngineServer: one data-parallel replica owning an AsyncEngine (and, for tp > 1, its TP workers).
 
-It speaks the internal protocol the ingress uses (`deployments.wire`): requests are `EngineRequest` dicts, results
-are *result dicts* (`OutputChunk.to_dict()` deltas, or the folded `Response.to_dict()`; the final one
-carries the engine's `matched`), and refusals are error items `ApiError.to_item()` (plain data:
-nothing to unpickle on the caller's side). Cancelling a stream (the caller stops iterating, a client
-disconnects) aborts the request in the engine, which frees its KV pages. An unexpected exception
-ends only its own request (an `internal_error` item before the first delta, a `finish_reason="error"`
-delta after it), never the other requests of a batch.
+It speaks the internal protocol the ingress uses (`deployments.wire`): requests are `EngineRequest`s,
+results are the carrier's `OutputChunk` deltas (streamed) or the folded `Response` (unary; the final
+one carries the engine's `matched`), and a refusal is a `Rejection` in their place. Cancelling a
+stream (the caller stops iterating, a client disconnects) aborts the request in the engine, which
+frees its KV pages. An unexpected exception ends only its own request (an `internal_error`
+rejection before the first delta, a `finish_reason="error"` delta after it), never the other
+requests of a batch.
 
 RL control: the ingress broadcasts every control call to every replica. A weight update runs in two
 phases across replicas (`stage_weights` everywhere, then `commit_weights` everywhere or
@@ -43,7 +43,7 @@ from configs import EngineConfig
 from deployments.errors import ApiError, request_error, validation_error
 from deployments.metrics import RequestMetrics
 from deployments.single_machine import keep_replica_grpc_on_loopback
-from deployments.wire import EngineRequest
+from deployments.wire import ControlAnswer, EngineRequest, ModelInfo, Rejection
 from engine.async_engine import AsyncEngine
 from engine.carrier import OutputChunk, Response
 from engine.errors import EngineDeadError, EngineHeldError, RequestError
@@ -137,14 +137,16 @@ class EngineServer:
                  config.tp)
 
     # ---- generation ------------------------------------------------------------------------
-    async def _run(self, request: dict[str, Any]) -> AsyncIterator[tuple[OutputChunk, Response] | dict]:
-        """Yield (chunk, folded-so-far) per delta, or one error item."""
+    async def _run(self, request: EngineRequest | dict[str, Any]
+                   ) -> AsyncIterator[tuple[OutputChunk, Response] | Rejection]:
+        """Yield (chunk, folded-so-far) per delta, or one rejection. A request made by hand (a dict of
+        EngineRequest's fields) is validated here."""
         try:
             req = EngineRequest.model_validate(request)
-            params = req.generation_config()
         except ValidationError as e:
-            yield validation_error(e).to_item()
+            yield validation_error(e).to_rejection()
             return
+        params = req.params
         acc = Response()
         timer = self.metrics.timer()
         stream = self.engine.generate(req.prompt, params, req.request_id)
@@ -157,18 +159,18 @@ class EngineServer:
                 acc.add(chunk)
                 yield chunk, acc
         except RequestError as e:  # raised before the first chunk
-            yield request_error(e.message, e.param, req.rename).to_item()
+            yield request_error(e.message, e.param, req.rename).to_rejection()
         except ValidationError as e:
-            yield validation_error(e, req.rename).to_item()
+            yield validation_error(e, req.rename).to_rejection()
         except EngineDeadError as e:
-            yield ApiError(str(e), None, 503, "engine_unavailable").to_item()
+            yield ApiError(str(e), None, 503, "engine_unavailable").to_rejection()
         except EngineHeldError as e:
-            yield ApiError(str(e), None, 503, "engine_held", retry_after_s=e.retry_after_s).to_item()
+            yield ApiError(str(e), None, 503, "engine_held", retry_after_s=e.retry_after_s).to_rejection()
         except Exception as e:  # noqa: BLE001 - a bug: fail this request only, never its batch mates
             log.exception("request %s failed", req.request_id)
             message = f"internal error: {type(e).__name__}: {e}"
             if not started:
-                yield ApiError(message, None, 500, "internal_error").to_item()
+                yield ApiError(message, None, 500, "internal_error").to_rejection()
             else:
                 chunk = OutputChunk(request_id=req.request_id, finish_reason="error", error=message,
                                     input_token_len=acc.input_token_len, generate_token_len=acc.generate_token_len)
@@ -178,49 +180,51 @@ class EngineServer:
             self._live.discard(req.request_id)
             await stream.aclose()
 
-    async def generate_stream(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        """Stream result dicts (deltas), or one error item."""
+    async def generate_stream(self, request: EngineRequest | dict[str, Any]
+                              ) -> AsyncIterator[OutputChunk | Rejection]:
+        """Stream the request's deltas, or one rejection."""
         async for item in self._run(request):
-            if isinstance(item, dict):
+            if isinstance(item, Rejection):
                 yield item
                 return
-            yield item[0].to_dict()
+            yield item[0]
             if self._cut and item[0].request_id in self._cut:  # debug hook: end it without its last delta
                 self._cut.discard(item[0].request_id)
                 return
 
-    async def generate(self, request: dict[str, Any]) -> dict[str, Any]:
-        """The folded result dict of one request, or an error item."""
-        result: dict[str, Any] | None = None
+    async def generate(self, request: EngineRequest | dict[str, Any]) -> Response | Rejection:
+        """The folded result of one request, or its rejection."""
+        result: Response | None = None
         async for item in self._run(request):
-            if isinstance(item, dict):
+            if isinstance(item, Rejection):
                 return item
             _, acc = item
             if acc.finish_reason is not None:
-                result = acc.to_dict()
+                result = acc
         return result or ApiError("the engine ended the request without a result", None, 500,
-                                  "internal_error").to_item()
+                                  "internal_error").to_rejection()
 
-    async def generate_batch(self, requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    async def generate_batch(self, requests: list[EngineRequest | dict[str, Any]]) -> list[Response | Rejection]:
         """Run a batch of unary requests concurrently (they share engine steps)."""
         return list(await asyncio.gather(*(self.generate(r) for r in requests)))
 
-    async def abort_request(self, rid: str = "", abort_all: bool = False) -> dict[str, Any]:
+    async def abort_request(self, rid: str = "", abort_all: bool = False) -> ControlAnswer:
         """SGLang's /abort_request on this replica: every request in flight (`abort_all`), or those
         of `rid` (its samples and batch entries too: `rid-i`, `rid_i`). They end with finish_reason
         "abort" and what they generated so far."""
         if abort_all:
-            return await self.engine.abort_all()
+            return self._answer(await self.engine.abort_all())
         ids = [r for r in self._live if r == rid or r.startswith((f"{rid}-", f"{rid}_"))] if rid else []
         for request_id in ids:
             self.engine.abort(request_id)
-        return {"success": True, "message": f"aborted {len(ids)} requests", "requests": len(ids)}
+        return self._answer({"success": True, "message": f"aborted {len(ids)} requests", "requests": len(ids)})
 
     # ---- RL control (the ingress broadcasts each call to every replica) -----------------------
-    def _answer(self, result: dict[str, Any]) -> dict[str, Any]:
-        return result | {"replica": self.replica, "rank": self.rank}
+    def _answer(self, result: dict[str, Any]) -> ControlAnswer:
+        """The engine's answer (`success`, `message` and the call's extras) as this replica's."""
+        return ControlAnswer.of(result, self.replica, self.rank)
 
-    async def control(self, method: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+    async def control(self, method: str, kwargs: dict[str, Any]) -> ControlAnswer:
         """Run one of CONTROL_METHODS on this replica's engine: its answer, or `success: False`."""
         if method not in CONTROL_METHODS:
             raise ValueError(f"{method!r} is not a control method")
@@ -231,7 +235,7 @@ class EngineServer:
 
     async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
                                         world_size: int, group_name: str, backend: str,
-                                        timeout_s: float | None = None) -> dict[str, Any]:
+                                        timeout_s: float | None = None) -> ControlAnswer:
         """Join the trainer's group: this replica's TP ranks are `rank_offset + rank * tp + tp_rank`.
         A group that has not met within `timeout_s` (None: the engine's default) fails naming who
         did not join."""
@@ -244,7 +248,7 @@ class EngineServer:
             answer = _refusal(e)
         return self._answer(answer | {"ranks": list(range(first, first + self.engine.config.tp))})
 
-    async def stage_weights(self, update_id: str, kind: str, payload: dict[str, Any]) -> dict[str, Any]:
+    async def stage_weights(self, update_id: str, kind: str, payload: dict[str, Any]) -> ControlAnswer:
         """Phase one of an update across replicas: stage the new weights on every TP rank without
         serving them. `success: False` names what was refused (nothing is staged then)."""
         try:
@@ -260,7 +264,7 @@ class EngineServer:
             return self._answer(_refusal(e))
 
     async def commit_weights(self, update_id: str, weight_version: str | None,
-                             abort_all_requests: bool = False) -> dict[str, Any]:
+                             abort_all_requests: bool = False) -> ControlAnswer:
         """Phase two: serve the staged weights (`weight_version` None keeps the version). Requests in
         flight finish on the old weights first and new ones wait, unless `abort_all_requests`."""
         token = self._staged.pop(update_id, None)
@@ -271,7 +275,7 @@ class EngineServer:
         except Exception as e:  # noqa: BLE001 - reported to the ingress
             return self._answer(_refusal(e))
 
-    async def discard_weights(self, update_id: str) -> dict[str, Any]:
+    async def discard_weights(self, update_id: str) -> ControlAnswer:
         token = self._staged.pop(update_id, None)
         if token is None:
             return self._answer({"success": True, "message": "nothing staged"})
@@ -284,17 +288,16 @@ class EngineServer:
                                              "model_type": self.engine.spec.model_type,
                                              "tp": cfg.tp, "max_model_len": cfg.max_model_len}
 
-    def model_info(self) -> dict[str, Any]:
+    def model_info(self) -> ModelInfo:
         """What the ingress needs to know of the model and the engine (it loads no model code itself)."""
         cfg, spec = self.engine.config, self.engine.spec
         try:
             architectures = json.loads((Path(self.model_path) / "config.json").read_text()).get("architectures")
         except (OSError, ValueError):
             architectures = None
-        return {"model_path": self.model_path, "model_type": spec.model_type, "architectures": architectures,
-                "is_dllm": self.engine.is_dllm, "max_model_len": cfg.max_model_len, "tp": cfg.tp,
-                "max_total_num_tokens": self.engine.stats()["kv_pages_total"] * cfg.kv_block_size,
-                "engine": cfg.model_dump(mode="json"), "weight_op_timeout_s": WEIGHT_OP_TIMEOUT_S}
+        return ModelInfo(self.model_path, spec.model_type, architectures, self.engine.is_dllm, cfg.max_model_len,
+                         cfg.tp, self.engine.stats()["kv_pages_total"] * cfg.kv_block_size, cfg,
+                         WEIGHT_OP_TIMEOUT_S)
 
     def metric_families(self) -> dict[str, Any]:
         """This replica's request histograms (prometheus_client families) for the ingress's /metrics."""

@@ -1,5 +1,5 @@
 """The API's error: `ApiError` (an HTTP status and `{"error": {"message", "type", "param"}}`), the
-error item it travels as between EngineServer and the ingress, and the validation of a decoded JSON
+`Rejection` it travels as from an EngineServer to the ingress, and the validation of a decoded JSON
 body against a request model with errors that name the offending field in the endpoint's own words."""
 
 from __future__ import annotations
@@ -9,6 +9,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
+
+from deployments.wire import Rejection
 
 
 class ApiError(Exception):
@@ -23,16 +25,13 @@ class ApiError(Exception):
     def to_dict(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param}}
 
-    # Between EngineServer and ingress a refusal travels as an *error item*, a plain dict that no
-    # result dict can be mistaken for (result dicts carry the carrier's own `error` field).
-    def to_item(self) -> dict[str, Any]:
-        return {"rejected": self.to_dict()["error"], "status": self.status, "retry_after_s": self.retry_after_s}
+    # From an EngineServer to the ingress a refusal travels as a `Rejection` in place of the results.
+    def to_rejection(self) -> Rejection:
+        return Rejection(self.message, self.param, self.status, self.type, self.retry_after_s)
 
     @classmethod
-    def from_item(cls, item: Mapping[str, Any]) -> ApiError:
-        e = item["rejected"]
-        return cls(e.get("message", ""), e.get("param"), item.get("status", 400),
-                   e.get("type", "invalid_request_error"), item.get("retry_after_s"))
+    def from_rejection(cls, r: Rejection) -> ApiError:
+        return cls(r.message, r.param, r.status, r.type, r.retry_after_s)
 
 
 class ControlError(ApiError):
@@ -40,10 +39,6 @@ class ControlError(ApiError):
 
     def to_dict(self) -> dict[str, Any]:
         return {"success": False, "message": self.message, **super().to_dict()}
-
-
-def is_error_item(item: Mapping[str, Any]) -> bool:
-    return "rejected" in item
 
 
 def unavailable(message: str = "no engine replica is running") -> ApiError:

@@ -1,8 +1,8 @@
 """What every generation endpoint (SGLang's /generate, OpenAI's completions and chat) shares: the
 strict base of the request models, the sampling fields, their conversion to engine requests, and the
-readers of the engine's result dicts that every response builder uses.
+readers of the engine's results (`deployments.wire.Result`) that every response builder uses.
 
-Every response builder maps a result dict field by field and element by element, so building each
+Every response builder maps a result field by field and element by element, so building each
 streamed delta and concatenating equals building the folded result.
 """
 
@@ -26,7 +26,7 @@ from configs.limits import (
     SAMPLING_EPS,
 )
 from deployments.errors import ApiError, validation_error
-from deployments.wire import EngineRequest, Prompt, new_request_id
+from deployments.wire import EngineRequest, Prompt, Result, new_request_id
 
 
 class Strict(BaseModel):
@@ -104,23 +104,23 @@ def engine_requests(prompt: Prompt, sampling: SamplingFields, rename: Mapping[st
                           rename=dict(rename)) for i, c in enumerate(configs)]
 
 
-# ---- reading result dicts -------------------------------------------------------------------
-# keys present only when asked for (return_block_step_map, return_dllm_replay, a trajectory's return_entropy)
-ON_REQUEST_META = ("block_step_map", "dllm_replay_token_ids", "dllm_replay_step_maps", "dllm_stop_length", "entropy")
+# ---- reading results ------------------------------------------------------------------------
+def on_request_meta(out: Result) -> dict[str, Any]:
+    """The fields shown only when asked for (return_block_step_map, return_dllm_replay, a
+    trajectory's return_entropy), under their carrier names."""
+    fields = {"block_step_map": out.block_step_map, "dllm_replay_token_ids": out.dllm_replay_token_ids,
+              "dllm_replay_step_maps": out.dllm_replay_step_maps, "dllm_stop_length": out.dllm_stop_length,
+              "entropy": out.entropy}
+    return {k: v for k, v in fields.items() if v is not None}
 
 
-def on_request_meta(out: Mapping[str, Any]) -> dict[str, Any]:
-    return {k: out[k] for k in ON_REQUEST_META if out.get(k) is not None}
-
-
-def weight_meta(out: Mapping[str, Any]) -> dict[str, Any]:
-    """The weights behind a result dict: `weight_version`, the last version it ran under, and
+def weight_meta(out: Result) -> dict[str, Any]:
+    """The weights behind a result: `weight_version`, the last version it ran under, and
     `weight_versions`, every version in order (more than one when an in-place pause and an update
     fell inside the request). A delta lists only the versions new since the previous delta, so the
     deltas concatenate to the whole list."""
-    versions = out.get("weight_versions")
-    return {"weight_version": out.get("weight_version"),
-            "weight_versions": None if versions is None else list(versions)}
+    versions = out.weight_versions
+    return {"weight_version": out.weight_version, "weight_versions": None if versions is None else list(versions)}
 
 
 def top_rows(entry: Mapping[int, float], k: int) -> list[list]:
@@ -133,11 +133,11 @@ def rows(pairs) -> list[list] | None:
     return None if pairs is None else [[v, t] for v, t in pairs]
 
 
-def dllm_steps(out: Mapping[str, Any]) -> dict[str, Any]:
+def dllm_steps(out: Result) -> dict[str, Any]:
     """Block diffusion: the request's denoising steps so far and its output tokens per step (both
     cumulative, so the last streamed delta carries the whole request's); {} for autoregressive models."""
-    steps = out.get("num_steps")
+    steps = out.num_steps
     if steps is None:
         return {}
-    tokens = out.get("generate_token_len", 0)
+    tokens = out.generate_token_len
     return {"dllm_num_steps": steps, "dllm_tokens_per_step": tokens / steps if steps else None}

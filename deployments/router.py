@@ -8,8 +8,8 @@ This follows the design of Ray Serve LLM's `PrefixCacheAffinityRouter` (match �
 the longest cached prefix if load is balanced; little match → the replica holding the least; load
 imbalanced → power of two choices) with two differences:
 
-- it reads our request dicts (`{"prompt": text or token ids, ...}`, and for `generate_batch` a list
-  of them) instead of `.prompt` / `.messages` attributes, and matches token-id prompts on their ids;
+- it reads our `EngineRequest`s (and for `generate_batch` a list of them; a request dict made by
+  hand is read too) instead of Ray Serve LLM's request types, and matches token-id prompts on their ids;
 - its state lives in the router itself (one per calling ingress replica), not in a shared tree
   actor, because that router calls `ray.get` on the actor twice per request inside Serve's
   routing event loop, which serializes all routing behind actor round trips. The price: with
@@ -31,17 +31,22 @@ from ray.serve._private.request_router.common import PendingRequest
 from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
 from ray.serve._private.request_router.replica_wrapper import RunningReplica
 
+from deployments.wire import EngineRequest
+
 
 def request_key(request: Any) -> str | tuple[int, ...] | None:
     """What a request's prefix is matched on: its prompt text, or its token ids.
 
-    The ingress sends `EngineRequest.model_dump()`: `{"prompt": str | list[int], ...}`; a request dict
-    made by hand may also carry its ids as `input_ids`."""
-    if not isinstance(request, dict):
+    The ingress sends `EngineRequest`s; a request dict made by hand (`{"prompt": str | list[int], ...}`)
+    may also carry its ids as `input_ids`."""
+    if isinstance(request, EngineRequest):
+        prompt = request.prompt
+    elif isinstance(request, dict):
+        prompt = request.get("prompt")
+        if prompt is None:
+            prompt = request.get("input_ids")
+    else:
         return None
-    prompt = request.get("prompt")
-    if prompt is None:
-        prompt = request.get("input_ids")
     if isinstance(prompt, str):
         return prompt or None
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):

@@ -1,6 +1,6 @@
 """The prefix-aware router's view of a request: the keys it matches prefixes on, read from the calls
-the ingress really makes (`EngineRequest.model_dump()`, one per `generate_stream`, a list per
-`generate_batch`) inside Serve's own `PendingRequest`."""
+the ingress really makes (an `EngineRequest` per `generate_stream`, a list of them per
+`generate_batch`; a request dict made by hand too) inside Serve's own `PendingRequest`."""
 
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ def _keys(arg) -> list:
     return asyncio.run(keys())
 
 
-def _sent(prompt) -> dict:
-    return EngineRequest(prompt=prompt, params={"max_new_tokens": 4}, request_id="r").model_dump()
+def _sent(prompt) -> EngineRequest:
+    return EngineRequest(prompt=prompt, params={"max_new_tokens": 4}, request_id="r")
 
 
 def test_token_id_and_text_prompts_as_the_ingress_sends_them_have_keys():
@@ -32,6 +32,7 @@ def test_token_id_and_text_prompts_as_the_ingress_sends_them_have_keys():
     assert _keys(_sent("system prompt")) == ["system prompt"]
     assert _keys([_sent(IDS), _sent("x")]) == [tuple(IDS), "x"]  # generate_batch
     assert _keys({"input_ids": IDS}) == [tuple(IDS)]
+    assert _keys(_sent(IDS).model_dump()) == [tuple(IDS)]
     assert _keys({"method": "check_health"}) == []
 
 

@@ -43,7 +43,7 @@ class OpenAIRoutes(HttpServing, EngineClient):
 
     async def _completions_route(self, body: Any) -> Response:
         req = parse(CompletionRequest, body)
-        is_dllm = (await self._engine_info())["is_dllm"] if req.echo else False
+        is_dllm = (await self._engine_info()).is_dllm if req.echo else False
         plan = completion_to_engine(req, self.served_model_name, self.tokenizer, is_dllm)
         reqs = [r for _, group in plan for r in group]
         echoes = [echo for echo, group in plan for _ in group]
@@ -56,7 +56,7 @@ class OpenAIRoutes(HttpServing, EngineClient):
 
     async def _chat_route(self, body: Any) -> Response:
         req = parse(ChatCompletionRequest, body)
-        max_model_len = (await self._engine_info())["max_model_len"]
+        max_model_len = (await self._engine_info()).max_model_len
         reqs = chat_to_engine(req, self.served_model_name, self.tokenizer, max_model_len)
         k = (req.top_logprobs or 0) if req.logprobs else None
         choices = [ChoiceFormatter("chat", i, k, self.token_text) for i in range(len(reqs))]
@@ -85,7 +85,7 @@ class OpenAIRoutes(HttpServing, EngineClient):
     async def http_models(self, request: Request) -> Response:
         async def models() -> Response:
             try:
-                max_model_len = (await self._engine_info())["max_model_len"]
+                max_model_len = (await self._engine_info()).max_model_len
             except ApiError:  # no engine replica yet: the list still answers
                 max_model_len = None
             return JSONResponse({"object": "list", "data": [{

@@ -1,5 +1,5 @@
 """OpenAI's completions and chat: requests as engine requests (echo, chat templates, list prompts),
-and result dicts as OpenAI's JSON and stream chunks."""
+and the engine's results as OpenAI's JSON and stream chunks."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from deployments.generation import (
     weight_meta,
 )
 from deployments.openai.protocol import ChatCompletionRequest, CompletionRequest, OpenAIFields
-from deployments.wire import EngineRequest, Prompt
+from deployments.wire import EngineRequest, Prompt, Result
 
 
 # ---- requests -------------------------------------------------------------------------------
@@ -118,7 +118,7 @@ def chat_to_engine(req: ChatCompletionRequest, served_model: str, tokenizer, max
 
 # ---- responses ------------------------------------------------------------------------------
 class ChoiceFormatter:
-    """One OpenAI choice (completion or chat) from its result dicts; one instance per choice, so that
+    """One OpenAI choice (completion or chat) from its results; one instance per choice, so that
     streamed chunks carry running state (text offsets, the first chat chunk's role, the echo)."""
 
     def __init__(self, kind: Literal["completion", "chat"], index: int, logprobs: int | None,
@@ -132,18 +132,18 @@ class ChoiceFormatter:
     def _tops(self, rows: list[list] | None) -> dict[str, float] | None:
         return None if rows is None else {self.token_text(t): v for v, t in rows}
 
-    def _completion_logprobs(self, out: Mapping[str, Any]) -> dict[str, Any]:
+    def _completion_logprobs(self, out: Result) -> dict[str, Any]:
         """OpenAI's completion logprobs; with echo the prompt's tokens come first (the first has no
         logprob: nothing precedes it)."""
         k = self.k or 0
         entries: list[tuple[int, float | None, dict[str, float] | None]] = []
-        if self.echo is not None and out.get("input_token_logprobs") and not self.prompt_listed:
+        if self.echo is not None and out.input_token_logprobs and not self.prompt_listed:
             self.prompt_listed = True
-            scored = out["input_token_logprobs"]
-            tops = out.get("input_top_logprobs") or [None] * len(scored)
+            scored = out.input_token_logprobs
+            tops = out.input_top_logprobs or [None] * len(scored)
             entries.append((self.echo.ids[0], None, None))
             entries += [(t, v, self._tops(rows(top)) if k > 0 else None) for (v, t), top in zip(scored, tops)]
-        for e in out.get("logprobs") or []:
+        for e in out.logprobs or []:
             entries.append((next(iter(e)), next(iter(e.values())), self._tops(top_rows(e, k)) if k > 0 else None))
         tokens, offsets = [], []
         for t, _, _ in entries:
@@ -153,20 +153,20 @@ class ChoiceFormatter:
         return {"tokens": tokens, "token_logprobs": [v for _, v, _ in entries],
                 "top_logprobs": [top for _, _, top in entries] if k > 0 else None, "text_offset": offsets}
 
-    def _chat_logprobs(self, out: Mapping[str, Any]) -> dict[str, Any]:
+    def _chat_logprobs(self, out: Result) -> dict[str, Any]:
         def item(t: int, v: float) -> dict[str, Any]:
             s = self.token_text(t)
             return {"token": s, "logprob": v, "bytes": list(s.encode("utf-8"))}
 
         content = []
-        for e in out["logprobs"]:
+        for e in out.logprobs or []:
             entry = item(next(iter(e)), next(iter(e.values())))
             entry["top_logprobs"] = [item(t, v) for v, t in top_rows(e, self.k or 0)]
             content.append(entry)
         return {"content": content}
 
-    def choice(self, out: Mapping[str, Any], delta: bool) -> dict[str, Any]:
-        text = out.get("text", "")
+    def choice(self, out: Result, delta: bool) -> dict[str, Any]:
+        text = out.text
         if self.first and self.echo is not None:
             text = self.echo.text + text
         choice: dict[str, Any] = {"index": self.index}
@@ -176,13 +176,13 @@ class ChoiceFormatter:
             choice["delta"] = {"role": "assistant", "content": text} if self.first else {"content": text}
         else:
             choice["message"] = {"role": "assistant", "content": text}
-        if self.k is None or out.get("logprobs") is None:
+        if self.k is None or out.logprobs is None:
             choice["logprobs"] = None
         else:
             choice["logprobs"] = (self._completion_logprobs(out) if self.kind == "completion"
                                   else self._chat_logprobs(out))
-        choice["finish_reason"] = out.get("finish_reason")
-        choice["step_map"] = None if out.get("step_map") is None else list(out["step_map"])
+        choice["finish_reason"] = out.finish_reason
+        choice["step_map"] = None if out.step_map is None else list(out.step_map)
         choice.update(weight_meta(out))
         choice.update(dllm_steps(out))
         choice.update(on_request_meta(out))
@@ -199,33 +199,33 @@ class OpenAIFormatter:
         self.kind, self.model, self.id, self.choices, self.n = kind, model, request_id, choices, n
         self.include_usage = include_usage
         self.created = int(time.time())
-        self.finals: dict[int, Mapping[str, Any]] = {}  # streamed: each choice's last delta
+        self.finals: dict[int, Result] = {}  # streamed: each choice's last delta
 
-    def _usage(self, outs: Mapping[int, Mapping[str, Any]]) -> dict[str, int]:
+    def _usage(self, outs: Mapping[int, Result]) -> dict[str, int]:
         """Prompt tokens once per prompt, completion tokens over every choice."""
-        p = sum(o.get("input_token_len", 0) for i, o in outs.items() if i % self.n == 0)
-        c = sum(o.get("generate_token_len", 0) for o in outs.values())
+        p = sum(o.input_token_len for i, o in outs.items() if i % self.n == 0)
+        c = sum(o.generate_token_len for o in outs.values())
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
-    def full(self, outs: list[Mapping[str, Any]]) -> dict[str, Any]:
+    def full(self, outs: list[Result]) -> dict[str, Any]:
         return {"id": self.id, "object": "text_completion" if self.kind == "completion" else "chat.completion",
                 "created": self.created, "model": self.model,
                 "choices": [f.choice(o, delta=False) for f, o in zip(self.choices, outs)],
                 "usage": self._usage(dict(enumerate(outs)))}
 
-    def chunks(self, index: int, out: Mapping[str, Any]) -> list[dict[str, Any]]:
+    def chunks(self, index: int, out: Result) -> list[dict[str, Any]]:
         """The stream chunks for one delta of choice `index` (none when it carries nothing OpenAI
         shows); the usage chunk follows the last choice's last delta when asked for."""
         obj = "text_completion" if self.kind == "completion" else "chat.completion.chunk"
         base = {"id": self.id, "object": obj, "created": self.created, "model": self.model}
-        finished = out.get("finish_reason") is not None
+        finished = out.finish_reason is not None
         if finished:
             self.finals[index] = out
-        if not (out.get("text") or out.get("token_ids") or out.get("input_token_logprobs") or finished):
+        if not (out.text or out.token_ids or out.input_token_logprobs or finished):
             return []
         result = [dict(base, choices=[self.choices[index].choice(out, delta=True)])]
-        if out.get("finish_reason") == "error":
-            result.append({"error": {"message": out.get("error") or "the engine failed this request",
+        if out.finish_reason == "error":
+            result.append({"error": {"message": out.error or "the engine failed this request",
                                      "type": "internal_error", "param": None}})
         if self.include_usage:
             result[0]["usage"] = None

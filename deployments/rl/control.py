@@ -11,6 +11,7 @@ from typing import Any
 
 from deployments.errors import ApiError, ControlError, parse, unavailable
 from deployments.rl.protocol import CONTROL_REQUESTS
+from deployments.wire import ControlAnswer
 
 # Call `method(*args)` on every running EngineServer replica: (method, *args, timeout_s=...,
 # return_exceptions=...) -> each replica's answer.
@@ -23,20 +24,20 @@ WEIGHT_SOURCES = {"update_weights_from_disk": "disk", "update_weights_from_tenso
 CONTROL_MARGIN_S = 60.0
 
 
-def _failed(answer: Any) -> dict[str, Any] | None:
+def _failed(answer: ControlAnswer | BaseException) -> ControlAnswer | None:
     """A replica's control answer if it failed (an exception from the broadcast counts), else None."""
     if isinstance(answer, BaseException):
-        return {"success": False, "message": f"{type(answer).__name__}: {answer}", "rank": "?", "refused": False}
-    return None if answer.get("success") else answer
+        return ControlAnswer(False, f"{type(answer).__name__}: {answer}")
+    return None if answer.success else answer
 
 
-def _refusal_message(what: str, failed: list[dict[str, Any]]) -> str:
-    return f"{what}: " + "; ".join(f"replica {a.get('rank', '?')}: {a['message']}" for a in failed)
+def _refusal_message(what: str, failed: list[ControlAnswer]) -> str:
+    return f"{what}: " + "; ".join(f"replica {'?' if a.rank is None else a.rank}: {a.message}" for a in failed)
 
 
-def _status(failed: list[dict[str, Any]]) -> int:
+def _status(failed: list[ControlAnswer]) -> int:
     """400 when every failing replica refused the input, 500 when one of them failed."""
-    return 400 if all(a.get("refused") for a in failed) else 500
+    return 400 if all(a.refused for a in failed) else 500
 
 
 class ReplicaControl:
@@ -73,10 +74,10 @@ class ReplicaControl:
         if failed:
             raise ApiError(_refusal_message(f"{name} failed on {len(failed)} of {len(answers)} engine replicas",
                                             failed), None, _status(failed), "control_failed")
-        out: dict[str, Any] = {"success": True, "message": f"{answers[0]['message']} ({len(answers)} replicas)",
+        out: dict[str, Any] = {"success": True, "message": f"{answers[0].message} ({len(answers)} replicas)",
                                "num_replicas": len(answers)}
         if name == "pause_generation":
-            out["requests"] = sum(a.get("requests", 0) for a in answers)
+            out["requests"] = sum(a.requests or 0 for a in answers)
         return out
 
     async def _init_group(self, req) -> dict[str, Any]:
@@ -95,7 +96,7 @@ class ReplicaControl:
         if failed:
             raise ApiError(_refusal_message("init_weights_update_group failed", failed), None, _status(failed),
                            "control_failed")
-        ranks = sorted(r for a in answers for r in a["ranks"])
+        ranks = sorted(r for a in answers for r in a.ranks)
         return {"success": True, "message": f"joined weight update group {req.group_name!r} at ranks {ranks}",
                 "ranks": ranks, "num_replicas": len(answers)}
 
@@ -128,7 +129,7 @@ class ReplicaControl:
             raise ApiError(_refusal_message(f"weight update committed on {len(committed) - len(failed)} of "
                                             f"{len(committed)} engine replicas only", failed), None, 500,
                            "internal_error")
-        versions = sorted({a["weight_version"] for a in committed})
+        versions = sorted({a.weight_version for a in committed})
         version = versions[0] if len(versions) == 1 else versions
         return {"success": True, "message": f"weights updated to version {version!r} on {len(committed)} replicas",
                 "weight_version": version, "num_replicas": len(committed)}

@@ -55,7 +55,7 @@ class RLRoutes(HttpServing, EngineClient):
         self.control = ReplicaControl(self._broadcast, self._op_timeout_s)
 
     async def _op_timeout_s(self) -> float:
-        return float((await self._engine_info())["weight_op_timeout_s"])
+        return float((await self._engine_info()).weight_op_timeout_s)
 
     async def _control_route(self, request: Request, route: ControlRoute) -> Response:
         async def handler(payload: Any = None) -> Response:

@@ -16,6 +16,7 @@ from deployments.http import ENGINE_ERRORS, HttpServing, Route, generation_route
 from deployments.sglang.protocol import AbortRequest, GenerateRequest, NativeGenerateRequest
 from deployments.sglang.serving import CumulativeStream, generate_body, generate_plan
 from deployments.tokens import TokenText
+from deployments.wire import ControlAnswer
 
 
 def _indexed(body: dict[str, Any], index: int, as_list: bool) -> dict[str, Any]:
@@ -69,7 +70,7 @@ class SGLangRoutes(HttpServing, EngineClient):
         default) or deltas (`incremental_streaming_output`)."""
         plan = generate_plan(body)
         reqs = [r for group in plan.groups for r in group]
-        params = [r.generation_config() for r in reqs]
+        params = [r.params for r in reqs]
         token_text = self.token_text if plan.text_in_logprobs else None
         if not plan.stream:
             outs = await self._unaries(reqs)
@@ -105,28 +106,29 @@ class SGLangRoutes(HttpServing, EngineClient):
         check read are all here, at SGLang's values for a plain (not disaggregated) server."""
         info = await self._engine_info()
         replicas = sum(isinstance(s, dict) for s in await self._broadcast("stats", return_exceptions=True))
-        engine = info["engine"]
+        engine = info.engine
         return {
-            "model_path": info["model_path"], "tokenizer_path": info["model_path"],
+            "model_path": info.model_path, "tokenizer_path": info.model_path,
             "served_model_name": self.served_model_name, "is_generation": True,
-            "tp_size": info["tp"], "dp_size": replicas, "pp_size": 1, "ep_size": 1, "moe_dp_size": 1,
+            "tp_size": info.tp, "dp_size": replicas, "pp_size": 1, "ep_size": 1, "moe_dp_size": 1,
             "disaggregation_mode": "null", "encoder_only": False, "enable_memory_saver": self.enable_memory_saver,
-            "context_length": info["max_model_len"], "max_total_num_tokens": info["max_total_num_tokens"],
-            "max_running_requests": engine["max_batch_size"], "chunked_prefill_size": engine["max_prefill_token_num"],
-            "page_size": engine["kv_block_size"], "disable_radix_cache": not engine["enable_prefix_caching"],
+            "context_length": info.max_model_len, "max_total_num_tokens": info.max_total_num_tokens,
+            "max_running_requests": engine.max_batch_size, "chunked_prefill_size": engine.max_prefill_token_num,
+            "page_size": engine.kv_block_size, "disable_radix_cache": not engine.enable_prefix_caching,
             "skip_tokenizer_init": False, "incremental_streaming_output": self.incremental_streaming_output,
             "weight_version": await self._weight_version(), "version": self.version,
-            "internal_states": [{"model_type": info["model_type"], "is_dllm": info["is_dllm"], "engine": engine}],
+            "internal_states": [{"model_type": info.model_type, "is_dllm": info.is_dllm,
+                                 "engine": engine.model_dump(mode="json")}],
         }
 
     async def http_model_info(self, request: Request) -> Response:
         async def info() -> Response:
             engine = await self._engine_info()
             return JSONResponse({
-                "model_path": engine["model_path"], "tokenizer_path": engine["model_path"], "is_generation": True,
+                "model_path": engine.model_path, "tokenizer_path": engine.model_path, "is_generation": True,
                 "preferred_sampling_params": None, "weight_version": await self._weight_version(),
                 "has_image_understanding": False, "has_audio_understanding": False,
-                "model_type": engine["model_type"], "architectures": engine["architectures"]})
+                "model_type": engine.model_type, "architectures": engine.architectures})
 
         return await self._serve(request, request.url.path, info, body=False)
 
@@ -149,7 +151,7 @@ class SGLangRoutes(HttpServing, EngineClient):
         finish_reason "abort" and what they generated so far."""
         req = parse(AbortRequest, body)
         answers = await self._broadcast("abort_request", req.rid, req.abort_all, return_exceptions=True)
-        aborted = sum(a.get("requests", 0) for a in answers if isinstance(a, dict))
+        aborted = sum(a.requests or 0 for a in answers if isinstance(a, ControlAnswer))
         return {"success": True, "message": f"aborted {aborted} requests", "requests": aborted}
 
     # ---- handle API (other Ray jobs) -------------------------------------------------------

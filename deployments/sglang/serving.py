@@ -1,4 +1,4 @@
-"""SGLang's `/generate`: a body (flat or native) as engine requests, and result dicts as its JSON."""
+"""SGLang's `/generate`: a body (flat or native) as engine requests, and the engine's results as its JSON."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from deployments.generation import (
     weight_meta,
 )
 from deployments.sglang.protocol import GenerateRequest, NativeGenerateRequest, is_native, sglang_body
-from deployments.wire import EngineRequest, Prompt
+from deployments.wire import EngineRequest, Prompt, Result
 
 
 # ---- requests -------------------------------------------------------------------------------
@@ -125,15 +125,15 @@ def generate_plan(body: Any) -> GeneratePlan:
 
 
 # ---- responses ------------------------------------------------------------------------------
-def finish_reason_json(out: Mapping[str, Any]) -> dict[str, Any] | None:
-    reason = out.get("finish_reason")
+def finish_reason_json(out: Result) -> dict[str, Any] | None:
+    reason = out.finish_reason
     if reason is None:
         return None
     if reason == "stop":
-        return {"type": "stop", "matched": out.get("matched")}
+        return {"type": "stop", "matched": out.matched}
     if reason == "length":
-        return {"type": "length", "length": out.get("generate_token_len", 0)}
-    return {"type": reason, "message": out.get("error") or ("request aborted" if reason == "abort" else None)}
+        return {"type": "length", "length": out.generate_token_len}
+    return {"type": reason, "message": out.error or ("request aborted" if reason == "abort" else None)}
 
 
 TokenTextFn = Callable[[int], str]
@@ -146,31 +146,30 @@ def _triples(pairs, token_text: TokenTextFn | None) -> list[list] | None:
     return [[v, t, None if token_text is None else token_text(t)] for v, t in pairs]
 
 
-def generate_body(out: Mapping[str, Any], req: GenerationConfig,
-                  token_text: TokenTextFn | None = None) -> dict[str, Any]:
-    """The /generate JSON of one result dict (a delta or the whole result). Logprob rows are SGLang's
+def generate_body(out: Result, req: GenerationConfig, token_text: TokenTextFn | None = None) -> dict[str, Any]:
+    """The /generate JSON of one result (a delta or the whole). Logprob rows are SGLang's
     `[logprob, token_id, text]`, the text only when `token_text` is given (return_text_in_logprobs)."""
-    logprobs = out.get("logprobs")
+    logprobs = out.logprobs
     k = req.logprobs or 0
     token_rows = tops = None
     if logprobs is not None:
         token_rows = _triples([(next(iter(e.values())), next(iter(e))) for e in logprobs], token_text)
         tops = [_triples(top_rows(e, k), token_text) for e in logprobs] if k > 0 else None
-    input_top = out.get("input_top_logprobs")
+    input_top = out.input_top_logprobs
     return {
-        "text": out.get("text", ""),
-        "output_ids": list(out.get("token_ids") or []),
+        "text": out.text,
+        "output_ids": list(out.token_ids),
         "meta_info": {
-            "id": out.get("request_id"),
+            "id": out.request_id,
             "finish_reason": finish_reason_json(out),
-            "prompt_tokens": out.get("input_token_len", 0),
-            "completion_tokens": out.get("generate_token_len", 0),
+            "prompt_tokens": out.input_token_len,
+            "completion_tokens": out.generate_token_len,
             "output_token_logprobs": token_rows,
             "output_top_logprobs": tops,
-            "input_token_logprobs": _triples(out.get("input_token_logprobs"), token_text),
+            "input_token_logprobs": _triples(out.input_token_logprobs, token_text),
             "input_top_logprobs": None if input_top is None else [_triples(r, token_text) for r in input_top],
-            "step_map": None if out.get("step_map") is None else list(out["step_map"]),
-            "step_trace": None if out.get("step_trace") is None else [dict(e) for e in out["step_trace"]],
+            "step_map": None if out.step_map is None else list(out.step_map),
+            "step_trace": None if out.step_trace is None else [dict(e) for e in out.step_trace],
             **weight_meta(out),
             **dllm_steps(out),
             **on_request_meta(out),

@@ -45,6 +45,7 @@ from engine.core.stopping import StopChecker
 from engine.core.trajectory import TrajectoryOutput, scoring_done, take_view_rows
 from engine.core.trajectory_plan import context_tokens, plan_trajectory
 from engine.errors import RequestError, WeightUpdateError
+from engine.executor.base import Executor, ExecutorFactory
 from engine.executor.local import LocalExecutor
 from engine.kv.page_manager import KVPageManager
 from engine.model.checkpoint import load_model_spec
@@ -73,7 +74,8 @@ def _merged(chunks: list[OutputChunk]) -> OutputChunk:
 
 
 class LLMEngine:
-    def __init__(self, model_path: str, config: EngineConfig | None = None, executor_factory=None):
+    def __init__(self, model_path: str, config: EngineConfig | None = None,
+                 executor_factory: ExecutorFactory | None = None):
         """`model_path`: a checkpoint directory, or a Hugging Face model id (local cache first)."""
         config = config or EngineConfig()
         model_path = resolve_model_path(model_path)
@@ -85,7 +87,7 @@ class LLMEngine:
             "max_model_len": resolve_max_model_len(config, spec), "dllm_block_length": self.block_length})
         self.mask_id = resolve_mask_token_id(spec, self.tokenizer, config) if self.is_dllm else None
         self.decoding: DecodingStrategy = strategy_for(spec.family, config, self.mask_id)
-        self.executor = (executor_factory or LocalExecutor)(spec, config)
+        self.executor: Executor = (executor_factory or LocalExecutor)(spec, config)
         self.executor.set_dllm_block_length(self.block_length)
         self.kv = KVPageManager(self.executor.num_pages, config.kv_block_size,
                                  config.enable_prefix_caching, self.block_length)
