@@ -7,8 +7,9 @@ experts in 4 groups plus a shared one), then decodes 8 prompts of one block (32 
 edit threshold 0.9), at 1 and 8 concurrent requests on both sides:
 
 - **diffusers**: `LLaDA2Pipeline` with its `BlockRefinementScheduler`, one request at a time, over a
-  straightforward full-recompute float32 implementation of the architecture (tools/llada2_reference.py,
-  what a published modeling file computes: every step a forward over the whole sequence so far);
+  straightforward full-recompute float32 implementation of the architecture
+  (engine/model/families/llada2_moe/reference.py, what a published modeling file computes: every step
+  a forward over the whole sequence so far);
 - **engine**: the offline pipeline, all requests of a round in flight together.
 
 It prints one JSON object: seconds per side and round, forwards per block on each side (the engine's
@@ -36,7 +37,7 @@ import torch
 from diffusers import BlockRefinementScheduler, LLaDA2Pipeline
 
 from engine import EngineConfig, GenerationConfig, pipeline
-from tools.llada2_reference import LLaDA2Reference
+from engine.model.families.llada2_moe.reference import LLaDA2Reference
 from tools.tiny_llada2 import MASK_TEXT, write_tiny_llada2
 
 B = 32

@@ -1,4 +1,4 @@
-"""The Qwen3 layer's elementwise work as one set of functions, eager or compiled into fused kernels.
+"""A decoder layer's elementwise work as one set of functions, eager or compiled into fused kernels.
 
 Eagerly a decoder layer runs some 60 small kernels besides its matmuls and attention on CUDA: an
 RMSNorm alone is 5-6 (four per layer with the per-head q/k norms), the rotary embedding about 6, and

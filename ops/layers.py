@@ -1,4 +1,4 @@
-"""Pointwise and per-row kernels of the Qwen3 layer: RMSNorm, rotary embedding, SiLU-gated MLP.
+"""Pointwise and per-row kernels of the decoder layers: RMSNorm, rotary embedding, SiLU-gated MLP.
 
 `add_rms_norm` and `qk_norm_rope` are the groups of these that follow each other in a layer, written
 as one function each so that ops.fused can compile every group into one kernel; eagerly they are
@@ -15,18 +15,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(dtype)
-
-
-def rope_cos_sin(
-    positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables [T, head_dim] for the given absolute positions (HF's rotate_half layout)."""
-    inv_freq = 1.0 / (
-        theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float() / head_dim)
-    )
-    freqs = positions.float()[:, None] * inv_freq[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from dllm_reference import reference_dllm_generate
 
 from engine import EngineConfig, GenerationConfig, pipeline
 from engine.model.checkpoint import DEFAULT_ROPE_THETA, load_model_spec
+from engine.model.families.sdar.reference import reference_dllm_generate
 from tools.tiny_checkpoint import DLLM_TEST_LOGIT_SCALE, load_hf_reference, write_tiny_checkpoint
 
 CONFIG = EngineConfig(max_model_len=128, num_kv_blocks=64, kv_block_size=4, logprobs_mode="raw_logprobs",

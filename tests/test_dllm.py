@@ -1,13 +1,13 @@
-"""Block-diffusion decoding against the full-recompute reference in dllm_reference.py."""
+"""Block-diffusion decoding against the full-recompute reference in engine/model/families/sdar/reference.py."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
-from dllm_reference import reference_dllm_generate
 
 from engine import EngineConfig, GenerationConfig, Response, pipeline
+from engine.model.families.sdar.reference import reference_dllm_generate
 from tools.tiny_checkpoint import DLLM_TEST_LOGIT_SCALE, load_hf_reference, write_tiny_checkpoint
 
 STRATEGIES = ["low_confidence_dynamic", "low_confidence_static", "sequential"]

@@ -1,16 +1,16 @@
-"""Self-checks of the DLLM oracle (`tests/dllm_reference.py`) and of the tiny checkpoints it runs on."""
+"""Self-checks of the DLLM oracle (`engine/model/families/sdar/reference.py`) and of the tiny checkpoints it runs on."""
 
 from __future__ import annotations
 
 import json
 
-import dllm_reference
 import pytest
 import torch
 import transformers
-from dllm_reference import block_causal_logits, reference_dllm_generate
 from safetensors import safe_open
 
+from engine.model.families.sdar import reference as dllm_reference
+from engine.model.families.sdar.reference import block_causal_logits, reference_dllm_generate
 from tools.tiny_checkpoint import (
     DLLM_TEST_LOGIT_SCALE,
     SPECIAL_TOKENS,

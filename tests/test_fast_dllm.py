@@ -1,6 +1,7 @@
 """Fast-dLLM v2 (`Fast_dLLM_Qwen`): token shift and sub-block decoding against the full-recompute oracle
-in fast_dllm_reference.py (Hugging Face `Qwen2ForCausalLM` under a block-causal mask), through the
-offline pipeline on real tiny checkpoints in the published format (tied and untied heads)."""
+in engine/model/families/fast_dllm_qwen/reference.py (Hugging Face `Qwen2ForCausalLM` under a
+block-causal mask), through the offline pipeline on real tiny checkpoints in the published format
+(tied and untied heads)."""
 
 from __future__ import annotations
 
@@ -8,12 +9,12 @@ import json
 
 import pytest
 import torch
-from fast_dllm_reference import reference_fast_dllm_generate
 
 from bench import fast_dllm as fast_dllm_bench
 from configs.trajectory import DllmTrajectory
 from engine import EngineConfig, GenerationConfig, pipeline
 from engine.errors import RequestError
+from engine.model.families.fast_dllm_qwen.reference import reference_fast_dllm_generate
 from tools.tiny_fast_dllm import FAST_DLLM_TEST_LOGIT_SCALE, MASK_TEXT, load_hf_qwen2, write_tiny_fast_dllm
 
 B = 32

@@ -1,6 +1,6 @@
 """The LLaDA2 family (`llada2_moe`): the published configs build the right model, the network and
 both decoding rules (LowConfidence, JointThreshold token editing) equal the full-recompute reference
-of tests/llada2_reference.py, and bad knobs are refused by name."""
+of engine/model/families/llada2_moe/reference.py, and bad knobs are refused by name."""
 
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ from engine import GenerationConfig, pipeline
 from engine.errors import RequestError
 from engine.model.checkpoint import CheckpointError, load_model_spec
 from engine.model.families import build_network
+from engine.model.families.llada2_moe.reference import LLaDA2Reference, reference_generate
 from engine.model.layers.parallel import TPContext
 from engine.model.loading import checkpoint_names
-from tools.llada2_reference import LLaDA2Reference, reference_generate
 from tools.published_checkpoints import PUBLISHED as RELEASES
 from tools.tiny_llada2 import write_tiny_llada2
 

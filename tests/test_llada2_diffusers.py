@@ -1,5 +1,5 @@
 """A second, independent reference for the LLaDA2 decoding loop: diffusers' `LLaDA2Pipeline` (with its
-`BlockRefinementScheduler`), run over the full-recompute network of tools/llada2_reference.py, gives
+`BlockRefinementScheduler`), run over the full-recompute network of engine/model/families/llada2_moe/reference.py, gives
 the tokens that reference's own loop gives, on the cases both define: greedy, no λ penalty, the
 output ending on a block boundary (diffusers masks the positions past it) and at least a block long
 (diffusers caps its steps per block at the output's length, so a shorter output reveals more than one
@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from bench.llada2 import run_diffusers
-from tools.llada2_reference import LLaDA2Reference, reference_generate
+from engine.model.families.llada2_moe.reference import LLaDA2Reference, reference_generate
 from tools.tiny_llada2 import MASK_TEXT, write_tiny_llada2
 
 B = 32

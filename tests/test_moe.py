@@ -2,7 +2,7 @@
 `Qwen3MoeForCausalLM`, on tiny checkpoints in the published per-expert layout.
 
 AR: greedy tokens and logprobs vs `generate`, scoring rows vs a full forward. Block diffusion: the
-full-recompute reference of dllm_reference.py running the HF MoE model under a block-causal mask.
+full-recompute reference of engine/model/families/sdar/reference.py running the HF MoE model under a block-causal mask.
 Routing is made decisive (router weights scaled up) so that tokens of one block go to different
 experts and a wrong token-to-expert grouping changes the outputs. tp=2 over Ray (gloo) equals tp=1, in
 generation and in trajectory scoring.
@@ -16,13 +16,13 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import SERVE_ENGINE, deploy
-from dllm_reference import STRATEGIES, block_causal_mask, reference_dllm_generate
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 from configs.trajectory import DllmTrajectory
 from engine import EngineConfig, GenerationConfig, pipeline
 from engine.model.checkpoint import CheckpointError
+from engine.model.families.sdar.reference import STRATEGIES, block_causal_mask, reference_dllm_generate
 from tools.tiny_checkpoint import DLLM_TEST_LOGIT_SCALE, load_hf_reference, write_tiny_checkpoint
 
 TOL = 1e-4

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from dllm_reference import reference_dllm_generate
 
 from configs import EngineConfig
 from engine import GenerationConfig, pipeline
 from engine.model.checkpoint import CheckpointError, load_model_spec
+from engine.model.families.sdar.reference import reference_dllm_generate
 from engine.worker.runner import resolve_dtype
 from tools.tiny_checkpoint import DLLM_TEST_LOGIT_SCALE, load_hf_reference, write_tiny_checkpoint
 

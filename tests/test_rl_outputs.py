@@ -8,10 +8,10 @@ import json
 
 import pytest
 import torch
-from dllm_reference import block_causal_logits
 from sampling_reference import processed_logprobs
 
 from engine import EngineConfig, GenerationConfig, pipeline
+from engine.model.families.sdar.reference import block_causal_logits
 from tools.tiny_checkpoint import DLLM_TEST_LOGIT_SCALE, load_hf_reference, write_tiny_checkpoint
 
 B = 4

@@ -11,12 +11,12 @@ import json
 import pytest
 import torch
 from conftest import record_lm_head_rows
-from dllm_reference import block_causal_logits
 from sampling_reference import processed_logprobs
 
 from configs.trajectory import DllmTrajectory
 from engine import EngineConfig, GenerationConfig, Response, pipeline
 from engine.errors import RequestError
+from engine.model.families.sdar.reference import block_causal_logits
 from tools.tiny_checkpoint import load_hf_reference, write_tiny_checkpoint
 
 B = 4

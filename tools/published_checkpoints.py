@@ -3,7 +3,7 @@
 `PUBLISHED` holds the config.json of releases this engine serves (every field they carry);
 `write_published(name, path, num_hidden_layers)` writes that configuration with fewer layers and
 random weights of exactly the published tensor names and shapes (sharded safetensors with an index,
-bfloat16 as released), plus the tiny byte-level tokenizer of tools/tiny_checkpoint.py. They check
+bfloat16 as released), plus the tiny byte-level tokenizer of engine/model/families/tiny_tokenizer.py. They check
 that a published configuration loads (names, shapes, the family's fields) and what loading costs,
 without downloading anything.
 """
@@ -18,8 +18,8 @@ from safetensors.torch import save_file
 
 from engine.model.checkpoint import load_model_spec
 from engine.model.families import build_network
+from engine.model.families.tiny_tokenizer import build_byte_tokenizer, write_tokenizer
 from engine.model.loading import checkpoint_names, destination
-from tools.tiny_checkpoint import build_byte_tokenizer, write_tokenizer
 
 # inclusionAI's LLaDA2 releases (LLaDA2.1 adds nothing that changes the math)
 _LLADA2 = {

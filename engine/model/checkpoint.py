@@ -125,6 +125,7 @@ def load_model_spec(path: str | Path) -> ModelSpec:
         fields = dict(
             path=str(root),
             model_type=model_type,
+            family=family_of(model_type),
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
             num_hidden_layers=cfg["num_hidden_layers"],

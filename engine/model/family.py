@@ -15,12 +15,10 @@ from typing import Any, Literal
 
 from torch import nn
 
-from engine.model.layers.decoder import PreNormDecoderLM
-
 Paradigm = Literal["AR", "DLLM"]
 # How a block-diffusion family decodes a block (engine.core.decoding picks the strategy by it):
-# "block"     - every masked position of the block is a candidate at every step (SDAR, LLaDA2);
-# "sub_block" - a token shift and sub-blocks decoded left to right (Fast-dLLM v2).
+# "block"     - every masked position of the block is a candidate at every step;
+# "sub_block" - a token shift and sub-blocks decoded left to right.
 BlockDecoding = Literal["block", "sub_block"]
 
 
@@ -42,8 +40,8 @@ class ModelFamily:
     #: config.json dict -> the ModelSpec fields that differ from the common reading (the family's own
     #: fields; a CheckpointError naming any field it cannot honour). None: the common reading only.
     config_fields: Callable[[dict], dict[str, Any]] | None = None
-    #: the network class, built as `network(spec, tp)` (the shared pre-norm decoder unless replaced)
-    network: Callable[..., nn.Module] = PreNormDecoderLM
+    #: the network class, built as `network(spec, tp)` (most families: engine.model.layers.decoder.PreNormDecoderLM)
+    network: Callable[..., nn.Module] = field(kw_only=True)
 
     @property
     def is_dllm(self) -> bool:

@@ -51,6 +51,8 @@ class ModelSpec:
 
     path: str
     model_type: str
+    #: the family's row (engine.model.families), looked up by `model_type` when the spec is read
+    family: ModelFamily = field(compare=False, repr=False)
     vocab_size: int
     hidden_size: int
     num_hidden_layers: int
@@ -70,14 +72,8 @@ class ModelSpec:
     moe: MoESpec | None = None
     rope_scaling: RopeScaling | None = None
     qk_norm: bool = True  # per-head RMSNorm on q and k before the rotary embedding (Qwen3; not Qwen2)
-    #: a family's own architecture facts (e.g. LLaDA2's router), read by its family's `config_fields`
+    #: a family's own architecture facts (e.g. its router's), read by its family's `config_fields`
     extra: Any = None
-
-    @property
-    def family(self) -> ModelFamily:
-        from engine.model.families import family_of  # the registry imports the networks, which read ModelSpec
-
-        return family_of(self.model_type)
 
     @property
     def is_dllm(self) -> bool:

@@ -1,8 +1,7 @@
 """The generic pre-norm decoder LM: embedding, pre-norm attention + MLP layers, final norm, LM head.
 
-The qwen3 / qwen3_moe (causal), sdar / sdar_moe and Fast_dLLM_Qwen (block-causal) families run it as
-it is, configured by their `ModelSpec` (q/k norm, biases, which layers are routed); a family with
-other layers (LLaDA2) subclasses it and replaces `backbone` and `rotary_embedding`. Causal or
+Most families run it as it is, configured by their `ModelSpec` (q/k norm, biases, which layers are
+routed); a family with other layers subclasses it and replaces `backbone` and `rotary_embedding`. Causal or
 block-causal attention is the attention backend's business (the runner's block length), not the
 network's.
 

@@ -15,8 +15,8 @@ projection, so each rank computes a partial sum of every routed token's output a
 (the same one a dense MLP needs) completes it. The router is replicated: every rank sees the same
 hidden states after the attention all-reduce and so picks the same experts.
 
-A family with another router subclasses the block and replaces `route` (LLaDA2's group-limited
-sigmoid router, engine.model.families.llada2_moe).
+A family with another router (e.g. a group-limited sigmoid router) subclasses the block and
+replaces `route`.
 
 Weights live stacked for compute: `w13` [E, 2*I_local, H] (gate rows, then up rows: one GEMM per
 expert for both) and `w2` [E, H, I_local]. The block's `packed_modules_mapping` names the

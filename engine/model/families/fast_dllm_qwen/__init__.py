@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from engine.model.family import ModelFamily
+from engine.model.layers.decoder import PreNormDecoderLM
 
 
 def config_fields(cfg: dict) -> dict[str, Any]:
@@ -17,4 +18,5 @@ def config_fields(cfg: dict) -> dict[str, Any]:
 
 FAMILY = ModelFamily("Fast_dLLM_Qwen", "DLLM", predicts_next=True, block_decoding="sub_block",
                      block_length_keys=("bd_size",), default_block_length=32, mask_token_texts=("|<MASK>|",),
-                     decoding_defaults={"dllm_confidence_threshold": 0.9}, config_fields=config_fields)
+                     decoding_defaults={"dllm_confidence_threshold": 0.9}, config_fields=config_fields,
+                     network=PreNormDecoderLM)

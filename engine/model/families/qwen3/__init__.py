@@ -5,5 +5,6 @@ common fields."""
 from __future__ import annotations
 
 from engine.model.family import ModelFamily
+from engine.model.layers.decoder import PreNormDecoderLM
 
-FAMILY = ModelFamily("qwen3", "AR", predicts_next=True)
+FAMILY = ModelFamily("qwen3", "AR", predicts_next=True, network=PreNormDecoderLM)

@@ -5,5 +5,7 @@ from __future__ import annotations
 
 from engine.model.families.qwen3_moe.config import moe_config_fields
 from engine.model.family import ModelFamily
+from engine.model.layers.decoder import PreNormDecoderLM
 
-FAMILY = ModelFamily("qwen3_moe", "AR", predicts_next=True, config_fields=moe_config_fields)
+FAMILY = ModelFamily("qwen3_moe", "AR", predicts_next=True, config_fields=moe_config_fields,
+                     network=PreNormDecoderLM)

@@ -21,8 +21,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from dllm_reference import _cut, block_causal_logits
 from transformers import PreTrainedModel
+
+from engine.model.families.sdar.reference import block_causal_logits, stop_cut
 
 
 @dataclass
@@ -62,7 +63,7 @@ def reference_fast_dllm_generate(
             step_of[positions[j]] = counter
             logprob_of[positions[j]] = float(logprobs[j, token])
 
-    while (cut := _cut(seq[prompt_len:], max_new_tokens, stop_ids)) is None:
+    while (cut := stop_cut(seq[prompt_len:], max_new_tokens, stop_ids)) is None:
         start = len(seq) // b * b
         if len(seq) == start:  # the block's first position is generated: inherited from row kB-1
             row = block_causal_logits(model, seq, b)[start - 1 : start]

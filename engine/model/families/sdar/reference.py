@@ -73,7 +73,7 @@ def _choose(masked: list[int], confidence: dict[int, float], entropy: dict[int, 
     return sorted(masked, key=lambda i: (-confidence[i], i))[:n_s]
 
 
-def _cut(generated: list[int], max_new_tokens: int, stop_ids: set[int]) -> tuple[int, str] | None:
+def stop_cut(generated: list[int], max_new_tokens: int, stop_ids: set[int]) -> tuple[int, str] | None:
     """Where the output ends, if the generated tokens so far already determine it."""
     for j, token in enumerate(generated[:max_new_tokens]):
         if token in stop_ids:
@@ -111,8 +111,8 @@ def reference_dllm_generate(
     step_of: dict[int, int] = {}
     logprob_of: dict[int, float] = {}
     counter = 0
-    while (cut := _cut(seq[prompt_len:], max_new_tokens, stop_ids)) is None:
-        # Open the next block; its start is < prompt_len + max_new_tokens, or `_cut` would have
+    while (cut := stop_cut(seq[prompt_len:], max_new_tokens, stop_ids)) is None:
+        # Open the next block; its start is < prompt_len + max_new_tokens, or `stop_cut` would have
         # answered. The first one may be the prompt's partial block.
         block_start = len(seq) // block_length * block_length
         block_end = block_start + block_length
