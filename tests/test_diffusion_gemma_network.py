@@ -12,12 +12,12 @@ import torch
 from engine.errors import CheckpointError
 from engine.kv.page_manager import KVPageManager, PageTable
 from engine.model.checkpoint import iter_weights
-from engine.model.diffusion_gemma.attention import CANVAS, ENCODE, GemmaAttentionMeta, GemmaPass
-from engine.model.diffusion_gemma.config import FULL, SLIDING, load_gemma_spec, parse_config
-from engine.model.diffusion_gemma.loading import load_gemma_weights
-from engine.model.diffusion_gemma.network import DiffusionGemmaNetwork
-from tests.diffusion_gemma_reference import ReferenceSequence, load_reference
-from tools.tiny_diffusion_gemma import write_tiny_diffusion_gemma
+from engine.model.families.diffusion_gemma.attention import CANVAS, ENCODE, GemmaAttentionMeta, GemmaPass
+from engine.model.families.diffusion_gemma.config import FULL, SLIDING, load_gemma_spec, parse_config
+from engine.model.families.diffusion_gemma.loading import load_gemma_weights
+from engine.model.families.diffusion_gemma.network import DiffusionGemmaNetwork
+from engine.model.families.diffusion_gemma.reference import ReferenceSequence, load_reference
+from engine.model.families.diffusion_gemma.tiny import write_tiny_diffusion_gemma
 
 pytest.importorskip("transformers.models.diffusion_gemma")
 PAGE = 4
@@ -67,7 +67,8 @@ class PagedEngine:
             if kind == ENCODE:
                 for k, m in self.managers.items():
                     assert m.allocate(self.tables[seq][k], start + len(tokens))
-            passes.append(GemmaPass(kind, start, len(tokens), {k: t.pages for k, t in self.tables[seq].items()}, sc))
+            soft = None if sc is None else self.net.soft_embedding(sc)
+            passes.append(GemmaPass(kind, start, len(tokens), {k: t.pages for k, t in self.tables[seq].items()}, soft))
             ids += tokens
             positions += range(start, start + len(tokens))
         meta = GemmaAttentionMeta(passes, PAGE, self.window, torch.device("cpu"))

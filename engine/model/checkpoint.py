@@ -111,35 +111,38 @@ def load_model_spec(path: str | Path) -> ModelSpec:
             f"unsupported model_type {model_type!r} in {config_file}; "
             f"supported: {', '.join(sorted(SUPPORTED_MODEL_TYPES))}"
         )
-    eos = _as_id_set(cfg.get("eos_token_id"))
+    # a multimodal layout (DiffusionGemma) nests the language model's fields in `text_config`: the
+    # common fields are read there, and the family's `config_fields` reads the nesting itself
+    common = cfg["text_config"] if isinstance(cfg.get("text_config"), dict) else cfg
+    eos = _as_id_set(common.get("eos_token_id"))
     gen_file = root / "generation_config.json"
     if gen_file.is_file():
         eos |= _as_id_set(_read_json(gen_file).get("eos_token_id"))
-    heads = cfg["num_attention_heads"]
+    heads = common["num_attention_heads"]
     _refuse_sliding_window(cfg)
     dtype = cfg.get("torch_dtype") or cfg.get("dtype")
     if dtype is not None and dtype not in _FLOAT_DTYPES:
         raise CheckpointError(f"config.json torch_dtype={dtype!r} is not one of {', '.join(_FLOAT_DTYPES)}")
     try:
-        rope_theta, rope_scaling = _rope_fields(cfg)
+        rope_theta, rope_scaling = _rope_fields(common)
         fields = dict(
             path=str(root),
             model_type=model_type,
             family=family_of(model_type),
-            vocab_size=cfg["vocab_size"],
-            hidden_size=cfg["hidden_size"],
-            num_hidden_layers=cfg["num_hidden_layers"],
+            vocab_size=common["vocab_size"],
+            hidden_size=common["hidden_size"],
+            num_hidden_layers=common["num_hidden_layers"],
             num_attention_heads=heads,
-            num_key_value_heads=cfg.get("num_key_value_heads", heads),
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            intermediate_size=cfg["intermediate_size"],
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            num_key_value_heads=common.get("num_key_value_heads", heads),
+            head_dim=common.get("head_dim") or common["hidden_size"] // heads,
+            intermediate_size=common["intermediate_size"],
+            rms_norm_eps=common.get("rms_norm_eps", 1e-6),
             rope_theta=rope_theta,
-            max_position_embeddings=cfg.get("max_position_embeddings", 32768),
-            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            attention_bias=cfg.get("attention_bias", False),
+            max_position_embeddings=common.get("max_position_embeddings", 32768),
+            tie_word_embeddings=common.get("tie_word_embeddings", False),
+            attention_bias=common.get("attention_bias", False),
             block_size=_block_size(cfg, family_of(model_type)),
-            mask_token_id=cfg.get("mask_token_id"),
+            mask_token_id=common.get("mask_token_id"),
             eos_token_ids=frozenset(eos),
             torch_dtype=dtype,
             rope_scaling=rope_scaling,

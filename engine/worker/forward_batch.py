@@ -34,6 +34,17 @@ class ForwardBatch:
     # K/V slots copied (every layer) before the forward: src -> dst
     kv_copy_src: list[int] = field(default_factory=list)
     kv_copy_dst: list[int] = field(default_factory=list)
+    # Encoder / canvas passes (a network with layer groups, e.g. sliding and full attention): per
+    # sequence "encode" (causal, writes its K/V) or "canvas" (bidirectional over itself, reads the
+    # kv_lens - q_lens committed tokens, writes nothing). Empty: every sequence is an ordinary pass.
+    pass_kinds: list[str] = field(default_factory=list)
+    # per layer group, per sequence: its page table in that group's pool (replaces `page_tables`)
+    group_page_tables: dict[str, list[list[int]]] = field(default_factory=dict)
+    # per sequence: the self-conditioning kept under this key that its canvas pass reads (None: none)
+    conditioning_keys: list[str | None] = field(default_factory=list)
+    # per sequence: keep (key, temperature): this canvas pass's logits / temperature, as next step's input
+    keep_conditioning: list[tuple[str, float] | None] = field(default_factory=list)
+    drop_conditioning: list[str] = field(default_factory=list)  # kept self-conditioning no longer needed
 
 
 @dataclass

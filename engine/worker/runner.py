@@ -38,6 +38,8 @@ from engine.model.layers.parallel import TPContext
 from engine.model.loading import load_weights
 from engine.worker.cuda_graphs import StepGraphs, cuda_capture, graph_entries, pad_batch
 from engine.worker.forward_batch import ForwardBatch, ForwardOutput
+from engine.worker.kv_sizing import num_kv_pages
+from engine.worker.layer_groups import LayerGroupPasses
 from engine.worker.logits_processing import filter_for_sampling, penalize_
 from engine.worker.step_upload import StepUploader
 from engine.worker.update_group import init_custom_process_group
@@ -81,6 +83,8 @@ def build_model(spec: ModelSpec, device: torch.device, dtype: torch.dtype, tp: T
     memory-mapped safetensors files of the checkpoint."""
     model = allocate_model(spec, device, dtype, tp)
     load_weights(model, iter_weights(spec.path))
+    if hasattr(model, "check_loaded"):  # checks across tensors a family makes once all are in
+        model.check_loaded()
     return model
 
 
@@ -103,42 +107,6 @@ def return_freed_memory(device: torch.device) -> None:
         pass
 
 
-def page_bytes(spec: ModelSpec, page_size: int, dtype: torch.dtype, tp_size: int) -> int:
-    """Bytes one KV page takes on one shard (K and V, every layer)."""
-    per_token = 2 * spec.num_hidden_layers * (spec.num_key_value_heads // tp_size) * spec.head_dim
-    return per_token * page_size * torch.empty((), dtype=dtype).element_size()
-
-
-def num_kv_pages(spec: ModelSpec, config: EngineConfig, device: torch.device, dtype: torch.dtype) -> int:
-    """Pages to allocate: an explicit count, or a share of memory (CUDA free memory / CPU budget)."""
-    n = config.num_kv_blocks
-    if isinstance(n, int) and not isinstance(n, bool):
-        return n
-    fraction = 0.9 if n is None else float(n)
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        budget = int(free * fraction)
-    else:
-        budget = int(config.cpu_kv_cache_bytes * (1.0 if n is None else fraction))
-    pages = budget // page_bytes(spec, config.kv_block_size, dtype, config.tp)
-    max_useful = config.max_batch_size * -(-(config.max_model_len + 64) // config.kv_block_size)
-    if spec.is_dllm and config.dllm_block_length:
-        max_useful += trajectory_view_pages(config.dllm_block_length, config)
-    return max(1, min(pages, max_useful))
-
-
-def trajectory_view_pages(block_length: int, config: EngineConfig) -> int:
-    """Scratch pages for one forward full of trajectory-scoring views: each view is a block's B rows
-    with private pages for its own copy of the block (blocks start at multiples of B, so a block
-    spans exactly the pages B needs when B and the page size divide one another, else at most one
-    more), and a forward holds up to `max_prefill_token_num` rows of views.
-    Without them a few trajectories would share the pages left over by their contexts and score in
-    dozens of forwards instead of one or two."""
-    page = config.kv_block_size
-    per_view = -(-block_length // page) + (page % block_length != 0 and block_length % page != 0)
-    return config.max_prefill_token_num // block_length * per_view
-
-
 def log_softmax_(x: torch.Tensor) -> torch.Tensor:
     """log_softmax over the last dim written over `x` (same values as `x.log_softmax(-1)`): no second
     rows x vocab tensor to allocate and fault in."""
@@ -159,7 +127,12 @@ class ModelRunner:
         self.tp = tp or TPContext()
         torch.manual_seed(config.seed)
         self.model: PreNormDecoderLM | None = self._prepare(build_model(spec, self.device, self.dtype, tp))
-        self.num_pages = num_kv_pages(spec, config, self.device, self.dtype)
+        # a network whose layers form groups of their own K/V geometry sizes and runs them itself
+        self.layer_groups = (LayerGroupPasses(self.model, config, self.device, self.dtype, self.tp.size,
+                                              config.max_model_len or spec.max_position_embeddings)
+                             if hasattr(self.model, "kv_layout") else None)
+        self.num_pages = (max(self.layer_groups.pools.values()) if self.layer_groups
+                          else num_kv_pages(spec, config, self.device, self.dtype))
         self.graphs = self._step_graphs()
         self.null_page = self.num_pages  # past the pages the engine hands out; allocated when graphs run
         self.kv_caches = self._allocate_kv()
@@ -186,12 +159,15 @@ class ModelRunner:
         """A loaded model ready to serve: on CPU every linear on oneDNN packed weights; with
         `enable_torch_compile` its elementwise work compiled into fused kernels (ops.fused)."""
         if self.device.type == "cpu":
-            convert_for_cpu(model, shared=(model.model.embed_tokens.weight,))
+            embedding = getattr(model, "embed_tokens", None) or model.model.embed_tokens
+            convert_for_cpu(model, shared=(embedding.weight,))
         if self.config.enable_torch_compile:
             model.use_compiled_elementwise()
         return model
 
     def _allocate_kv(self) -> list[tuple[torch.Tensor, ...]]:
+        if self.layer_groups is not None:
+            return self.layer_groups.allocate()
         kvh = self.spec.num_key_value_heads // self.tp.size
         pages = self.num_pages + (self.graphs is not None)  # the null page padded graph steps use
         shape = (2, pages, self.config.kv_block_size, kvh, self.spec.head_dim)
@@ -297,6 +273,9 @@ class ModelRunner:
         device in one copy and the attention metadata is prepared before the model runs, so nothing in
         `model.forward` waits on the host. A denoising or decode step replays a CUDA graph where graphs
         run, padded to the graph's number of entries (engine.worker.cuda_graphs)."""
+        if batch.pass_kinds:  # encoder / canvas passes of a layer-group network
+            self.num_forwards += 1
+            return self.layer_groups.execute(self.model, self.kv_caches, batch)
         page_size = self.config.kv_block_size
         key = self._graph_key(batch)  # (entries, rows per entry) of the graph it replays, or None
         fed = batch

@@ -3,10 +3,10 @@
 `write_tiny_diffusion_gemma` builds a `DiffusionGemmaForBlockDiffusion` from a small configuration
 (both layer types with different head sizes and K/V heads, a small sliding window so prompts cross
 it, routed experts on) and `save_pretrained`s it: config.json, generation_config.json and
-model.safetensors are exactly what transformers writes, plus tools.tiny_checkpoint's tokenizer. The
-random init is seeded; norms, router scales and layer scalars (all ones after transformers' init)
-are jittered so each one matters. The vision tower is the smallest Gemma-4 vision config, present in
-the files as in the release.
+model.safetensors are exactly what transformers writes, plus the tiny byte-level tokenizer
+(engine.model.families.tiny_tokenizer). The random init is seeded; norms, router scales and layer
+scalars (all ones after transformers' init) are jittered so each one matters. The vision tower is
+the smallest Gemma-4 vision config, present in the files as in the release.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from tools.tiny_checkpoint import build_byte_tokenizer, write_tokenizer
+from engine.model.families.tiny_tokenizer import build_byte_tokenizer, write_tokenizer
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 _VISION = {"model_type": "gemma4_vision", "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,

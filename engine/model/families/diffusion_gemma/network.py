@@ -15,8 +15,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.model.diffusion_gemma.attention import CANVAS, GemmaAttentionMeta, gemma_attention
-from engine.model.diffusion_gemma.config import GemmaSpec, LayerGeometry
+from engine.errors import CheckpointError
+from engine.model.families.diffusion_gemma.attention import CANVAS, GemmaAttentionMeta, GemmaPass, gemma_attention
+from engine.model.families.diffusion_gemma.config import GemmaSpec, LayerGeometry
+from engine.model.families.diffusion_gemma.kv_layout import KVLayout
+
+ENCODER = "model.encoder.language_model."
 
 
 class GemmaRMSNorm(nn.Module):
@@ -35,9 +39,10 @@ class GemmaRMSNorm(nn.Module):
 
 def rope_inv_freq(geo: LayerGeometry) -> torch.Tensor:
     """head_dim/2 frequencies: `rotated_pairs` of 1/θ^(2i/rope_dim) (÷ factor), the rest 0."""
-    rotated = 1.0 / (geo.rope_theta ** (torch.arange(0, 2 * geo.rotated_pairs, 2, dtype=torch.float)
+    cpu = torch.device("cpu")  # a real table even while the network is built on the meta device
+    rotated = 1.0 / (geo.rope_theta ** (torch.arange(0, 2 * geo.rotated_pairs, 2, dtype=torch.float, device=cpu)
                                         / geo.rope_dim))
-    rest = torch.zeros(geo.head_dim // 2 - geo.rotated_pairs)
+    rest = torch.zeros(geo.head_dim // 2 - geo.rotated_pairs, device=cpu)
     return torch.cat([rotated, rest]) / geo.rope_factor
 
 
@@ -174,40 +179,101 @@ class GemmaDecoder(nn.Module):
         self.self_conditioning = SelfConditioning(spec)
 
 
-class DiffusionGemmaNetwork(nn.Module):
-    """forward: final hidden states of every fed row (encode and canvas passes together);
-    `logits`: softcapped float32 vocabulary rows of the hidden rows asked for."""
+class EncoderScalars(nn.Module):
+    """The text encoder's `layer_scalar`s, which transformers does not tie to the decoder's: read so
+    that `check_loaded` can refuse a checkpoint whose two copies differ."""
 
-    def __init__(self, spec: GemmaSpec):
+    def __init__(self, n: int):
         super().__init__()
-        self.spec = spec
+        self.layers = nn.ModuleList(nn.Module() for _ in range(n))
+        for layer in self.layers:
+            layer.layer_scalar = nn.Parameter(torch.ones(1))
+
+
+class DiffusionGemmaNetwork(nn.Module):
+    """forward: final hidden states of every fed row (encoder and canvas passes together);
+    `logits`: softcapped float32 vocabulary rows of the hidden rows asked for.
+
+    Built from a GemmaSpec, or from the engine's ModelSpec carrying one in `extra`."""
+
+    def __init__(self, spec, tp=None):
+        super().__init__()
+        gemma = spec if isinstance(spec, GemmaSpec) else spec.extra
+        if tp is not None and tp.size > 1:
+            raise CheckpointError("diffusion_gemma serves at tensor-parallel size 1 only (set tp=1)")
+        self.spec, self.gemma, self.tp, self.moe_stats = spec, gemma, tp, None
         self.model = nn.Module()
-        self.model.decoder = GemmaDecoder(spec)
+        self.model.decoder = GemmaDecoder(gemma)
+        self.model.encoder = nn.Module()
+        self.model.encoder.language_model = EncoderScalars(gemma.num_hidden_layers)
         # one rotary table per distinct recipe (in practice one for each layer kind)
-        self.rope_keys = [_rope_key(geo) for geo in spec.layers]
-        self.inv_freqs = {key: rope_inv_freq(geo) for key, geo in zip(self.rope_keys, spec.layers, strict=True)}
+        self.rope_keys = [_rope_key(geo) for geo in gemma.layers]
+        self.inv_freqs = {key: rope_inv_freq(geo) for key, geo in zip(self.rope_keys, gemma.layers, strict=True)}
+
+    @property
+    def embed_tokens(self) -> nn.Embedding:
+        """The input embedding, which is also the LM head."""
+        return self.model.decoder.embed_tokens
+
+    def ignores_tensor(self, name: str) -> bool:
+        """Tensors a checkpoint holds that are never read: the vision tower, `embed_vision`, the tied
+        LM head, and the text encoder's tied duplicates of the decoder's tensors."""
+        if name.startswith(("model.encoder.vision_tower.", "model.encoder.embed_vision.", "lm_head.")):
+            return True
+        return name.startswith(ENCODER) and not name.endswith(".layer_scalar")
+
+    def check_loaded(self) -> None:
+        """Refuse unequal encoder and decoder layer scalars, naming both."""
+        for i, (enc, dec) in enumerate(zip(self.model.encoder.language_model.layers, self.model.decoder.layers,
+                                           strict=True)):
+            if not torch.equal(enc.layer_scalar, dec.layer_scalar):
+                raise CheckpointError(
+                    f"{ENCODER}layers.{i}.layer_scalar = {enc.layer_scalar.tolist()} differs from "
+                    f"model.decoder.layers.{i}.layer_scalar = {dec.layer_scalar.tolist()}: encoder and "
+                    "decoder share their layers, so their layer scalars must be equal")
+
+    def materialize(self, device: torch.device, dtype: torch.dtype) -> DiffusionGemmaNetwork:
+        """Allocate every parameter (uninitialised) in `dtype` on `device`."""
+        self.to(dtype=dtype).to_empty(device=device)
+        return self
+
+    def use_compiled_elementwise(self) -> DiffusionGemmaNetwork:
+        """No compiled elementwise path yet: the layers stay eager."""
+        return self
+
+    def kv_layout(self, page_size: int, tp_size: int) -> KVLayout:
+        """The page geometry of the two layer groups (the runner sizes and allocates the caches by it)."""
+        return KVLayout(self.gemma, page_size, tp_size)
+
+    def pass_metadata(self, kinds: list[str], starts: list[int], q_lens: list[int],
+                      page_tables: dict[str, list[list[int]]], soft: list[torch.Tensor | None], page_size: int,
+                      device: torch.device) -> GemmaAttentionMeta:
+        """The attention metadata of one forward of encoder / canvas passes (one per sequence)."""
+        passes = [GemmaPass(kind, start, n, {g: tables[s] for g, tables in page_tables.items()}, soft[s])
+                  for s, (kind, start, n) in enumerate(zip(kinds, starts, q_lens, strict=True))]
+        return GemmaAttentionMeta(passes, page_size, self.gemma.sliding_window, device)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         weight = self.model.decoder.embed_tokens.weight
-        return F.embedding(ids, weight) * torch.tensor(self.spec.hidden_size**0.5).to(weight.dtype)
+        return F.embedding(ids, weight) * torch.tensor(self.gemma.hidden_size**0.5).to(weight.dtype)
 
     def soft_embedding(self, processed_logits: torch.Tensor) -> torch.Tensor:
         """The self-conditioning input of a canvas step: softmax of the previous step's processed
         logits (cast to the weights' dtype, softmax in float32) @ embedding, × √H."""
         weight = self.model.decoder.embed_tokens.weight
         probs = processed_logits.to(weight.dtype).softmax(dim=-1, dtype=torch.float32).to(weight.dtype)
-        return (probs @ weight) * torch.tensor(self.spec.hidden_size**0.5).to(weight.dtype)
+        return (probs @ weight) * torch.tensor(self.gemma.hidden_size**0.5).to(weight.dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, ...]],
-                meta: GemmaAttentionMeta) -> torch.Tensor:
+                meta: GemmaAttentionMeta, backend: object = None) -> torch.Tensor:
+        """`backend` is unused: the family attends through its own paged attention."""
         decoder = self.model.decoder
         h = self.embed(input_ids)
         row = 0
         for p in meta.passes:
             if p.kind == CANVAS:
                 rows = slice(row, row + p.q_len)
-                soft = None if p.self_conditioning is None else self.soft_embedding(p.self_conditioning)
-                h[rows] = decoder.self_conditioning.condition(h[rows], soft)
+                h[rows] = decoder.self_conditioning.condition(h[rows], p.soft_embedding)
             row += p.q_len
         meta.prepare()
         angles = {}
@@ -221,5 +287,5 @@ class DiffusionGemmaNetwork(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         out = F.linear(hidden, self.model.decoder.embed_tokens.weight).float()
-        cap = self.spec.final_logit_softcapping
+        cap = self.gemma.final_logit_softcapping
         return out if cap is None else torch.tanh(out / cap) * cap

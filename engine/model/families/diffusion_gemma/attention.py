@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from engine.model.diffusion_gemma.config import FULL, SLIDING
+from engine.model.families.diffusion_gemma.config import FULL, SLIDING
 
 ENCODE, CANVAS = "encode", "canvas"
 FREED = -1  # a sliding-group page released once it fell out of the window (the page manager's RELEASED)
@@ -33,7 +33,7 @@ class GemmaPass:
     start: int
     q_len: int
     page_tables: dict[str, list[int]]
-    self_conditioning: torch.Tensor | None = None  # canvas: previous step's processed logits [L, V]
+    soft_embedding: torch.Tensor | None = None  # canvas: the self-conditioning input [L, H]; None = 0
 
 
 @dataclass
