@@ -91,6 +91,14 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> None:
     assert err < TOL, err
 
 
+def test_flex_attention_refused_by_name(ckpt):
+    """The canvas pass has no flex or flash kernel yet: asking for one is refused, naming the field
+    (flash on a machine without it is refused by the backend selection already)."""
+    config = EngineConfig(device="cpu", kv_block_size=PAGE, num_kv_blocks=64, attention_backend="flex")
+    with pytest.raises(ValueError, match="attention_backend='flex'"):
+        ModelRunner(load_model_spec(ckpt), config)
+
+
 def test_pools_know_the_groups(runner):
     layout, pools = runner.layer_groups.layout, runner.layer_groups.pools
     assert pools[FULL] == 1024 and pools[SLIDING] == 4 * layout.window_pages(256) < pools[FULL]

@@ -23,6 +23,10 @@ class LayerGroupPasses:
 
     def __init__(self, model: torch.nn.Module, config: EngineConfig, device: torch.device, dtype: torch.dtype,
                  tp_size: int, max_len: int):
+        if config.attention_backend in ("flash", "flex"):
+            raise ValueError(f"attention_backend={config.attention_backend!r}: a {model.spec.model_type} model's "
+                             "encoder and canvas passes run on the torch reference attention only; "
+                             "use attention_backend='torch' or 'auto'")
         self.layout = model.kv_layout(config.kv_block_size, tp_size)
         self.device, self.dtype, self.page_size = device, dtype, config.kv_block_size
         n = config.num_kv_blocks
