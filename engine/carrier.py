@@ -34,19 +34,22 @@ def _extend(acc: list | None, delta: list | None) -> list | None:
 class _CarrierFields:
     """The fields a delta and a whole response share (a Response is the sum of its deltas)."""
 
-    request_id: str | None = None
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
+    request_id: str | None = None  # the request's id (a sample's: `<id>-<i>`)
+    text: str = ""  # the detokenized output
+    token_ids: list[int] = field(default_factory=list)  # the output tokens, in order
+    # per token (block diffusion): the request's step counter (rising on each step that writes a
+    # token) at the token's last write
     step_map: list[int] | None = None
-    logprobs: list[TokenLogprobs] | None = None
+    logprobs: list[TokenLogprobs] | None = None  # per output token, with logprobs=k
+    # per prompt token from logprob_start_len on: (its logprob, its id)
     input_token_logprobs: list[InputRow] | None = None
-    input_top_logprobs: list[list[InputRow]] | None = None
-    step_trace: list[StepEvent] | None = None
+    input_top_logprobs: list[list[InputRow]] | None = None  # per such prompt token, with logprobs=k: its top-k
+    step_trace: list[StepEvent] | None = None  # with return_step_trace: what each step fixed
     block_step_map: list[int] | None = None  # per token: 1-based step index within its own block
-    finish_reason: FinishReason | None = None
+    finish_reason: FinishReason | None = None  # None until the request's last delta
     matched: int | str | None = None  # with finish_reason "stop": the stop id or stop string
-    error: str | None = None
-    input_token_len: int = 0
+    error: str | None = None  # with finish_reason "error": what failed
+    input_token_len: int = 0  # the prompt's tokens
     generate_token_len: int = 0  # cumulative: tokens generated so far
     num_steps: int | None = None  # cumulative (block diffusion): denoising steps taken so far
     weight_version: str | None = None  # the weights that produced this delta
@@ -55,8 +58,8 @@ class _CarrierFields:
     weight_versions: list[str] | None = None
     # final block replay (block diffusion, on request; in the last chunk only)
     dllm_replay_token_ids: list[int] | None = None
-    dllm_replay_step_maps: list[int] | None = None
-    dllm_stop_length: int | None = None
+    dllm_replay_step_maps: list[int] | None = None  # the step that revealed each position, 0 where never
+    dllm_stop_length: int | None = None  # how many of the block's positions are output tokens (the first ones)
     queue_time_s: float | None = None  # first chunk only: seconds from add_request to first admission
     entropy: list[float] | None = None  # per token (trajectory scoring, on request): entropy in nats
 

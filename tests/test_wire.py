@@ -16,7 +16,7 @@ from configs import EngineConfig, GenerationConfig
 from deployments import wire
 from deployments.errors import ApiError
 from deployments.wire import ControlAnswer, EngineRequest, ModelInfo, Rejection
-from engine.carrier import OutputChunk, Response
+from engine.carrier import OutputChunk, Response, _CarrierFields
 
 CHUNK = OutputChunk(request_id="r", text="hi", token_ids=[5, 6], step_map=[1, 1], logprobs=[{5: -0.1, 7: -2.0}],
                     step_trace=[{"step": 1, "positions": [0, 1], "token_ids": [5, 6]}], finish_reason="stop",
@@ -77,8 +77,15 @@ def _undocumented_fields(cls: type) -> list[str]:
     return missing
 
 
-@pytest.mark.parametrize("cls", [c for c in vars(wire).values() if isinstance(c, type) and c.__module__ == wire.__name__
-                                 and (is_dataclass(c) or hasattr(c, "model_fields"))], ids=lambda c: c.__name__)
+WIRE_TYPES = [c for c in vars(wire).values() if isinstance(c, type) and c.__module__ == wire.__name__
+              and (is_dataclass(c) or hasattr(c, "model_fields"))]
+
+
+@pytest.mark.parametrize("cls", [*WIRE_TYPES, _CarrierFields, Response], ids=lambda c: c.__name__)
 def test_every_wire_field_says_what_it_holds(cls):
     names = [f.name for f in fields(cls)] if is_dataclass(cls) else list(cls.model_fields)
     assert names and _undocumented_fields(cls) == []
+
+
+def test_the_field_check_sees_every_wire_type():
+    assert {c.__name__ for c in WIRE_TYPES} == {"EngineRequest", "Rejection", "ModelInfo", "ControlAnswer"}
