@@ -196,3 +196,27 @@ def test_unequal_layer_scalars_refused(ckpt, network):
     weights[name] = weights[name][...] + 0.5
     with pytest.raises(CheckpointError, match=r"layers\.2\.layer_scalar"):
         load_gemma_weights(DiffusionGemmaNetwork(network.spec), weights.items())
+
+
+def test_release_configuration_shapes(tmp_path):
+    """The release's config.json (tools.published_checkpoints): 25 sliding layers (head 256, 8 K/V
+    heads, window 1024) and 5 full ones (head 512, 2 K/V heads, V from k_proj), and at reduced depth
+    the tensor names and shapes transformers writes."""
+    from tools.published_checkpoints import PUBLISHED, _with_depth
+
+    release = PUBLISHED["DiffusionGemma-26B-A4B"]
+    gemma = parse_config(release)
+    kinds = [g.kind for g in gemma.layers]
+    assert kinds.count(SLIDING) == 25 and kinds.count(FULL) == 5 and gemma.sliding_window == 1024
+    assert {(g.kind, g.head_dim, g.num_kv_heads, g.has_v_proj, g.rotated_pairs) for g in gemma.layers} == {
+        (SLIDING, 256, 8, True, 128), (FULL, 512, 2, False, 64)}
+    with torch.device("meta"):
+        net = DiffusionGemmaNetwork(parse_config(_with_depth(release, 2)))
+    shapes = {name: tuple(p.shape) for name, p in net.named_parameters()}
+    assert shapes["model.decoder.embed_tokens.weight"] == (262144, 2816)
+    assert shapes["model.decoder.layers.0.experts.gate_up_proj"] == (128, 1408, 2816)
+    assert shapes["model.decoder.layers.0.experts.down_proj"] == (128, 2816, 704)
+    assert shapes["model.decoder.layers.0.self_attn.v_proj.weight"] == (8 * 256, 2816)
+    assert shapes["model.decoder.layers.1.self_attn.q_proj.weight"] == (16 * 512, 2816)
+    assert shapes["model.decoder.layers.1.self_attn.k_proj.weight"] == (2 * 512, 2816)
+    assert "model.decoder.layers.1.self_attn.v_proj.weight" not in shapes

@@ -47,7 +47,30 @@ _FAST_DLLM = {
     "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000.0, "sliding_window": None,
     "torch_dtype": "bfloat16", "transformers_version": "4.53.0", "use_cache": True, "use_sliding_window": False,
 }
+# Google's DiffusionGemma release: the Gemma-4 26B-A4B text stack nested in text_config (in the
+# release's form: global_head_dim / num_global_key_value_heads), the canvas length at the root
+_SLIDING, _FULL = "sliding_attention", "full_attention"
+_DIFFUSION_GEMMA = {
+    "architectures": ["DiffusionGemmaForBlockDiffusion"], "model_type": "diffusion_gemma", "canvas_length": 256,
+    "boi_token_id": 255999, "eoi_token_id": 258882, "image_token_id": 258880, "initializer_range": 0.02,
+    "tie_word_embeddings": True, "dtype": "bfloat16",
+    "text_config": {
+        "model_type": "diffusion_gemma_text", "vocab_size": 262144, "hidden_size": 2816, "intermediate_size": 2112,
+        "num_hidden_layers": 30, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 256,
+        "num_global_key_value_heads": 2, "global_head_dim": 512, "num_experts": 128, "top_k_experts": 8,
+        "moe_intermediate_size": 704, "sliding_window": 1024, "max_position_embeddings": 262144,
+        "hidden_activation": "gelu_pytorch_tanh", "final_logit_softcapping": 30.0, "rms_norm_eps": 1e-06,
+        "attention_bias": False, "attention_k_eq_v": True, "enable_moe_block": True, "use_double_wide_mlp": False,
+        "num_kv_shared_layers": 0, "hidden_size_per_layer_input": 0, "use_bidirectional_attention": "vision",
+        "tie_word_embeddings": True, "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2,
+        "layer_types": ([_SLIDING] * 5 + [_FULL]) * 5,
+        "rope_parameters": {_SLIDING: {"rope_type": "default", "rope_theta": 10000.0},
+                            _FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                    "rope_theta": 1000000.0}},
+    },
+}
 PUBLISHED: dict[str, dict] = {
+    "DiffusionGemma-26B-A4B": _DIFFUSION_GEMMA,
     "LLaDA2.0-mini": {**_LLADA2, "hidden_size": 2048, "intermediate_size": 5120, "moe_intermediate_size": 512,
                       "num_hidden_layers": 20, "num_attention_heads": 16, "num_key_value_heads": 4,
                       "max_position_embeddings": 16384},
@@ -66,15 +89,25 @@ PUBLISHED: dict[str, dict] = {
 }
 
 
+def _with_depth(config: dict, num_hidden_layers: int) -> dict:
+    """`config` with `num_hidden_layers` layers (where a multimodal layout nests them: in its
+    text_config); a list of layer types keeps its first layers and its last one (a full-attention one)."""
+    text = dict(config.get("text_config", config))
+    text["num_hidden_layers"] = num_hidden_layers
+    if "layer_types" in text:
+        text["layer_types"] = text["layer_types"][: num_hidden_layers - 1] + text["layer_types"][-1:]
+    return {**config, "text_config": text} if "text_config" in config else text
+
+
 def write_published(name: str, path: str | Path, num_hidden_layers: int, shard_bytes: int = 1 << 30,
                     seed: int = 0) -> Path:
     """Write release `name` of `PUBLISHED` with `num_hidden_layers` layers and random bfloat16 weights
     (std 0.02) to `path`; returns it. Memory: one shard plus the largest tensor in float32."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    config = {**PUBLISHED[name], "num_hidden_layers": num_hidden_layers}
+    config = _with_depth(PUBLISHED[name], num_hidden_layers)
     (path / "config.json").write_text(json.dumps(config, indent=2))
-    write_tokenizer(build_byte_tokenizer(), path, config["max_position_embeddings"])
+    write_tokenizer(build_byte_tokenizer(), path, config.get("text_config", config)["max_position_embeddings"])
     with torch.device("meta"):
         model = build_network(load_model_spec(path))
     params = dict(model.named_parameters(remove_duplicate=False))
@@ -92,7 +125,9 @@ def write_published(name: str, path: str | Path, num_hidden_layers: int, shard_b
     size = 0
     for tensor_name in checkpoint_names(model):
         shape = tuple(destination(model, tensor_name, params)[0].shape)
-        shard[tensor_name] = (torch.randn(shape, generator=generator) * 0.02).to(torch.bfloat16)
+        # one-element tensors are per-layer scalars: 1, as a fresh model has them (a random scale means nothing)
+        value = torch.ones(shape) if shape == (1,) else torch.randn(shape, generator=generator) * 0.02
+        shard[tensor_name] = value.to(torch.bfloat16)
         size += shard[tensor_name].numel() * 2
         if size >= shard_bytes:
             flush()
