@@ -15,6 +15,7 @@ from ray import cloudpickle
 from configs import EngineConfig, GenerationConfig
 from deployments import wire
 from deployments.errors import ApiError
+from deployments.generation import HTTP_RENAME, SamplingFields, engine_requests
 from deployments.wire import ControlAnswer, EngineRequest, ModelInfo, Rejection
 from engine.carrier import OutputChunk, Response, _CarrierFields
 
@@ -42,9 +43,11 @@ def test_every_wire_type_crosses_a_process_boundary_unchanged(obj):
 
 
 def test_the_request_params_arrive_with_every_field_given():
-    """The engine names the given sampling fields when a request's step fails: all of them, as before."""
-    req = pickle.loads(pickle.dumps(SAMPLES[0]))
-    assert req.params.model_fields_set == set(GenerationConfig.model_fields)
+    """The engine names the given sampling fields when a request's step fails: every field of the
+    requests the endpoints build counts as given, on the engine's side too."""
+    reqs = engine_requests("Hi", SamplingFields(), HTTP_RENAME, n=2, max_new_tokens=4)
+    for req in (pickle.loads(pickle.dumps(r)) for r in reqs):
+        assert req.params.model_fields_set == set(GenerationConfig.model_fields)
 
 
 def test_a_rejection_is_the_same_api_error_on_both_sides():
