@@ -1,8 +1,11 @@
 """What a new user reads first: `blockserve serve --help`, the refusal of a field from the other body
-shape, and the extras the docs tell them to install."""
+shape, the extras the docs tell them to install, and docs/migrate.md's JetEngine snippet (it prints
+what it made; the page says the embedded tiny model answers noise)."""
 
 from __future__ import annotations
 
+import ast
+import re
 import typing
 from pathlib import Path
 
@@ -43,3 +46,17 @@ def test_documented_client_packages_come_with_a_named_extra():
     assert {"openai", "selenium"} <= names["clients"] and "httpx" in names["bench"]
     docs = "\n".join(p.read_text() for p in [ROOT / "README.md", *(ROOT / "docs").glob("*.md")])
     assert "'.[clients]'" in docs and "'.[bench]'" in docs
+
+
+def _migrate_block(start: str) -> str:
+    text = (ROOT / "docs" / "migrate.md").read_text()
+    return next(b for b in re.findall(r"^```python\n(.*?)^```", text, re.M | re.S) if b.startswith(start))
+
+
+def test_jetengine_snippet_prints_its_triples_and_the_page_says_tiny_models_answer_noise(capsys):
+    exec(compile(_migrate_block("from engine.jetengine import LLM, SamplingParams\n\nllm"), "<migrate.md>", "exec"), {})
+    printed = capsys.readouterr().out
+    triples = ast.literal_eval(printed.strip())
+    assert len(triples) == 1 and triples[0][0] == 0 and triples[0][1] and triples[0][2]
+    text = " ".join((ROOT / "docs" / "migrate.md").read_text().split())
+    assert text.count("noise on `models/sdar-tiny`") + text.count("this prints noise, and that is expected") == 2
