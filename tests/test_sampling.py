@@ -198,42 +198,46 @@ N = 24
 
 
 @pytest.fixture(scope="module")
-def reference(ar_sharp):
+def ar_pipe(ar_sharp):
+    """One engine on `ar_sharp` (default config) for this module's stopping tests: each request stands alone."""
+    with pipeline(ar_sharp) as pipe:
+        yield pipe
+
+
+@pytest.fixture(scope="module")
+def reference(ar_pipe):
     """A prompt, its greedy continuation without any stop, and a token that first appears at i >= 4."""
     target = prompt(6, 500)
-    with pipeline(ar_sharp) as pipe:
-        ref = pipe(target, GenerationConfig(max_new_tokens=N, ignore_eos=True)).token_ids
+    ref = ar_pipe(target, GenerationConfig(max_new_tokens=N, ignore_eos=True)).token_ids
     i = next(i for i in range(4, N - 4) if ref[i] not in ref[:i])
     return target, ref, i
 
 
-def test_stop_token_ids(ar_sharp, reference):
+def test_stop_token_ids(ar_pipe, reference):
     target, ref, i = reference
     stop = ref[i]
-    with pipeline(ar_sharp) as pipe:
-        tok = pipe.tokenizer
-        r = pipe(target, GenerationConfig(max_new_tokens=N, stop_token_ids=[stop]))
-        assert r.token_ids == ref[: i + 1], "cut at the first stop id, which is kept in token_ids"
-        assert r.finish_reason == "stop"
-        assert r.text == tok.decode(ref[:i], skip_special_tokens=True), "the stop id is dropped from text"
-        assert r.generate_token_len == i + 1
-        r2 = pipe(target, GenerationConfig(max_new_tokens=N, stop_token_ids=[stop], include_stop_str_in_output=True))
-        assert r2.token_ids == ref[: i + 1] and r2.finish_reason == "stop"
-        assert r2.text == tok.decode(ref[: i + 1], skip_special_tokens=True)
-        # ignore_eos does not disable explicit stop ids
-        r3 = pipe(target, GenerationConfig(max_new_tokens=N, stop_token_ids=[stop], ignore_eos=True))
-        assert r3.token_ids == ref[: i + 1] and r3.finish_reason == "stop"
-        # max_new_tokens before the stop: "length"
-        r4 = pipe(target, GenerationConfig(max_new_tokens=i, stop_token_ids=[stop]))
-        assert r4.token_ids == ref[:i] and r4.finish_reason == "length"
+    tok = ar_pipe.tokenizer
+    r = ar_pipe(target, GenerationConfig(max_new_tokens=N, stop_token_ids=[stop]))
+    assert r.token_ids == ref[: i + 1], "cut at the first stop id, which is kept in token_ids"
+    assert r.finish_reason == "stop"
+    assert r.text == tok.decode(ref[:i], skip_special_tokens=True), "the stop id is dropped from text"
+    assert r.generate_token_len == i + 1
+    r2 = ar_pipe(target, GenerationConfig(max_new_tokens=N, stop_token_ids=[stop], include_stop_str_in_output=True))
+    assert r2.token_ids == ref[: i + 1] and r2.finish_reason == "stop"
+    assert r2.text == tok.decode(ref[: i + 1], skip_special_tokens=True)
+    # ignore_eos does not disable explicit stop ids
+    r3 = ar_pipe(target, GenerationConfig(max_new_tokens=N, stop_token_ids=[stop], ignore_eos=True))
+    assert r3.token_ids == ref[: i + 1] and r3.finish_reason == "stop"
+    # max_new_tokens before the stop: "length"
+    r4 = ar_pipe(target, GenerationConfig(max_new_tokens=i, stop_token_ids=[stop]))
+    assert r4.token_ids == ref[:i] and r4.finish_reason == "length"
 
 
-def test_min_new_tokens_suppresses_stop_ids(ar_sharp, reference):
+def test_min_new_tokens_suppresses_stop_ids(ar_pipe, reference):
     target, ref, i = reference
     stop = ref[i]
     m = i + 3
-    with pipeline(ar_sharp) as pipe:
-        r = pipe(target, GenerationConfig(max_new_tokens=N, stop_token_ids=[stop], min_new_tokens=m))
+    r = ar_pipe(target, GenerationConfig(max_new_tokens=N, stop_token_ids=[stop], min_new_tokens=m))
     assert len(r.token_ids) >= m
     assert stop not in r.token_ids[:m], "a stop id must not be produced before min_new_tokens"
     assert r.token_ids[:i] == ref[:i]
@@ -248,42 +252,40 @@ def first_with(ids: list[int], decode, word: str) -> int:
     return next(n for n in range(1, len(ids) + 1) if word in decode(ids[:n]))
 
 
-def test_stop_words(ar_sharp, reference):
+def test_stop_words(ar_pipe, reference):
     target, ref, _ = reference
-    with pipeline(ar_sharp) as pipe:
-        tok = pipe.tokenizer
+    tok = ar_pipe.tokenizer
 
-        def decode(ids):
-            return tok.decode(ids, skip_special_tokens=True)
+    def decode(ids):
+        return tok.decode(ids, skip_special_tokens=True)
 
-        full = decode(ref)
-        # a stop word spanning two generated tokens, taken from the middle of the output
-        words = [decode(ref[j : j + 2]) for j in range(3, N - 3)]
-        word = next(w for w in words if w.isprintable() and len(w) >= 2)
-        n = first_with(ref, decode, word)
-        cut = full.index(word)
-        r = pipe(target, GenerationConfig(max_new_tokens=N, stop_words=[word]))
-        assert r.finish_reason == "stop"
-        assert r.token_ids == ref[:n], "generation ends with the token that completes the stop word"
-        assert r.text == decode(ref[:n])[:cut] == full[:cut]
-        r2 = pipe(target, GenerationConfig(max_new_tokens=N, stop_words=[word], include_stop_str_in_output=True))
-        assert r2.token_ids == ref[:n] and r2.finish_reason == "stop"
-        assert r2.text == full[: cut + len(word)]
-        # a stop word that never appears changes nothing
-        r3 = pipe(target, GenerationConfig(max_new_tokens=N, stop_words=["\u2603 never"], ignore_eos=True))
-        assert r3.token_ids == ref and r3.finish_reason == "length" and r3.text == full
+    full = decode(ref)
+    # a stop word spanning two generated tokens, taken from the middle of the output
+    words = [decode(ref[j : j + 2]) for j in range(3, N - 3)]
+    word = next(w for w in words if w.isprintable() and len(w) >= 2)
+    n = first_with(ref, decode, word)
+    cut = full.index(word)
+    r = ar_pipe(target, GenerationConfig(max_new_tokens=N, stop_words=[word]))
+    assert r.finish_reason == "stop"
+    assert r.token_ids == ref[:n], "generation ends with the token that completes the stop word"
+    assert r.text == decode(ref[:n])[:cut] == full[:cut]
+    r2 = ar_pipe(target, GenerationConfig(max_new_tokens=N, stop_words=[word], include_stop_str_in_output=True))
+    assert r2.token_ids == ref[:n] and r2.finish_reason == "stop"
+    assert r2.text == full[: cut + len(word)]
+    # a stop word that never appears changes nothing
+    r3 = ar_pipe(target, GenerationConfig(max_new_tokens=N, stop_words=["\u2603 never"], ignore_eos=True))
+    assert r3.token_ids == ref and r3.finish_reason == "length" and r3.text == full
 
 
-def test_min_new_tokens_applies_to_stop_words(ar_sharp, reference):
+def test_min_new_tokens_applies_to_stop_words(ar_pipe, reference):
     """min_new_tokens suppresses every stop condition, stop words included (as vLLM's min_tokens and
     lmdeploy's min_new_tokens do): the output is never shorter than asked."""
     target, ref, _ = reference
-    with pipeline(ar_sharp) as pipe:
-        tok = pipe.tokenizer
-        words = [tok.decode(ref[j : j + 2]) for j in range(3, N - 3)]
-        word = next(w for w in words if w.isprintable() and len(w) >= 2)
-        n = first_with(ref, tok.decode, word)
-        r = pipe(target, GenerationConfig(max_new_tokens=N, stop_words=[word], min_new_tokens=n + 2))
+    tok = ar_pipe.tokenizer
+    words = [tok.decode(ref[j : j + 2]) for j in range(3, N - 3)]
+    word = next(w for w in words if w.isprintable() and len(w) >= 2)
+    n = first_with(ref, tok.decode, word)
+    r = ar_pipe(target, GenerationConfig(max_new_tokens=N, stop_words=[word], min_new_tokens=n + 2))
     assert len(r.token_ids) >= n + 2, f"stop word {word!r} ended generation after {len(r.token_ids)} tokens"
 
 
@@ -300,23 +302,28 @@ def eos_ckpt(ar_sharp, reference, tmp_path_factory):
     return str(path)
 
 
-def test_eos_stop_and_ignore_eos(eos_ckpt, reference):
-    target, ref, i = reference
+@pytest.fixture(scope="module")
+def eos_pipe(eos_ckpt):
+    """One engine on `eos_ckpt` for the eos tests."""
     with pipeline(eos_ckpt) as pipe:
-        assert ref[i] in pipe.engine.spec.eos_token_ids
-        r = pipe(target, GenerationConfig(max_new_tokens=N))
-        assert r.token_ids == ref[: i + 1] and r.finish_reason == "stop"
-        assert r.text == pipe.tokenizer.decode(ref[:i], skip_special_tokens=True)
-        ign = pipe(target, GenerationConfig(max_new_tokens=N, ignore_eos=True))
-        assert ign.token_ids == ref and ign.finish_reason == "length"
+        yield pipe
 
 
-def test_min_new_tokens_matches_hf(eos_ckpt, reference):
+def test_eos_stop_and_ignore_eos(eos_pipe, reference):
+    target, ref, i = reference
+    assert ref[i] in eos_pipe.engine.spec.eos_token_ids
+    r = eos_pipe(target, GenerationConfig(max_new_tokens=N))
+    assert r.token_ids == ref[: i + 1] and r.finish_reason == "stop"
+    assert r.text == eos_pipe.tokenizer.decode(ref[:i], skip_special_tokens=True)
+    ign = eos_pipe(target, GenerationConfig(max_new_tokens=N, ignore_eos=True))
+    assert ign.token_ids == ref and ign.finish_reason == "length"
+
+
+def test_min_new_tokens_matches_hf(eos_ckpt, eos_pipe, reference):
     target, ref, i = reference
     m = i + 2
-    with pipeline(eos_ckpt) as pipe:
-        eos = sorted(pipe.engine.spec.eos_token_ids)
-        r = pipe(target, GenerationConfig(max_new_tokens=N, min_new_tokens=m))
+    eos = sorted(eos_pipe.engine.spec.eos_token_ids)
+    r = eos_pipe(target, GenerationConfig(max_new_tokens=N, min_new_tokens=m))
     hf = load_hf_reference(eos_ckpt)
     ids = torch.tensor([target])
     with torch.inference_mode():
