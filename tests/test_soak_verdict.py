@@ -67,3 +67,13 @@ def test_the_soak_needs_only_the_base_dependencies_and_the_bench_extra():
                 if top in ours or top in sys.stdlib_module_names or top == "matplotlib":  # PNGs: optional
                     continue
                 assert {d.lower().replace("_", "-") for d in dists.get(top, [top])} & wanted, (f.name, top)
+
+
+def test_the_soak_writes_outside_the_working_directory_unless_told(tmp_path, monkeypatch):
+    """Run from a checkout, the soak leaves it clean: its files go to --out, else a new temporary folder."""
+    from bench.soak.__main__ import out_dir, parse_args
+
+    monkeypatch.chdir(tmp_path)
+    default = out_dir(parse_args(["--iterations", "1"]))
+    assert default.is_dir() and tmp_path not in default.parents and list(tmp_path.iterdir()) == []
+    assert out_dir(parse_args(["--iterations", "1", "--out", "here"])) == Path("here")

@@ -1,6 +1,7 @@
 """`python -m bench.soak`: the RL loop for N iterations or T minutes against a running application
 (`--url`, `--api-key`) or one it starts (`--model`, `--tp`, `--replicas`; the tiny SDAR checkpoint
-when no model is given). Writes soak.jsonl, a PNG per series and summary.json under `--out`, prints
+when no model is given). Writes soak.jsonl, a PNG per series and summary.json under `--out` (default: a new temporary
+folder, named on stderr), prints
 the summary, and exits with status 1 on a leak, a lost request, a version mismatch or any other
 broken promise. Ctrl-C ends the run after the iteration in progress, with its summary.
 
@@ -58,7 +59,7 @@ def parse_args(argv: list[str] | None = None) -> SoakSettings:
 @contextlib.contextmanager
 def started_app(s: SoakSettings) -> Iterator[str]:
     """A local Ray cluster serving `s.model` (the tiny SDAR when None) as application `s.app`, with
-    the debug hooks the leak test needs; yields its URL."""
+    the fault-drill hooks (deployments.drills) the leak test needs; yields its URL."""
     from bench.local_cluster import QUIET, local_serve
 
     with tempfile.TemporaryDirectory() as tmp, local_serve(num_cpus=16) as base:
@@ -103,6 +104,13 @@ def _idle_pages(client: httpx.Client, url: str, timeout_s: float) -> dict[str, f
         time.sleep(0.2)
 
 
+def out_dir(s: SoakSettings) -> Path:
+    """`--out`, else a new temporary folder (never one in the working directory: a checkout stays clean)."""
+    out = Path(s.out) if s.out else Path(tempfile.mkdtemp(prefix="blockserve-soak-"))
+    print(f"[soak] writing soak.jsonl, summary.json and the PNGs to {out}", file=sys.stderr)
+    return out
+
+
 async def soak(s: SoakSettings, url: str, stop: asyncio.Event | None = None, root: int | None = None) -> dict:
     """Run the loop against `url` until the iterations or the minutes are done (or `stop` is set,
     after the iteration in progress); the summary. `root`: the process that started the application's
@@ -115,7 +123,7 @@ async def soak(s: SoakSettings, url: str, stop: asyncio.Event | None = None, roo
             updater = Updater(client, url, s.update_from or model_path, s.app if _ray_connected() else None,
                               ranks, s.broadcast)
             loop = SoakLoop(s, client, url, updater, is_dllm, vocab, root)
-            recorder = Recorder(Path(s.out), s.leak_limit_mb, s.iterations)
+            recorder = Recorder(out_dir(s), s.leak_limit_mb, s.iterations)
             end = time.monotonic() + s.minutes * 60 if s.minutes else None
             i = 0
             while ((s.iterations is None or i < s.iterations) and (end is None or time.monotonic() < end)

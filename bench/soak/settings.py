@@ -29,8 +29,9 @@ class SoakSettings(BaseModel):
     drop_client_every: int = Field(0, ge=0, description="a client drops mid-body every k iterations (0: never)")
     leak_limit_mb: float = Field(50.0, gt=0, description="allowed growth per 200 iterations after warm-up")
     inject_leak_mb: float = Field(0.0, ge=0, description="test of the verdict: each engine keeps this much more "
-                                                         "memory every iteration (needs debug hooks)")
-    out: str = Field("soak-out", description="folder for soak.jsonl, summary.json and the PNGs")
+                                                         "memory every iteration (needs an app of deployments.drills)")
+    out: str | None = Field(None, description="folder for soak.jsonl, summary.json and the PNGs (default: a new "
+                                               "temporary folder, named on stderr)")
     request_timeout_s: float = Field(300.0, gt=0, description="a request still open after it has hung")
 
     @model_validator(mode="after")
