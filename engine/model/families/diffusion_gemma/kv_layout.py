@@ -31,7 +31,7 @@ class KVLayout:
     def page_bytes(self, kind: str, dtype: torch.dtype) -> int:
         """Bytes one page of group `kind` takes on one shard (K and V of every layer of the group)."""
         size = torch.empty((), dtype=dtype).element_size()
-        return sum(2 * self.page_size * max(1, g.num_kv_heads // self.tp_size) * g.head_dim * size
+        return sum(2 * self.page_size * g.num_kv_heads // self.tp_size * g.head_dim * size
                    for g in self.spec.layers if g.kind == kind)
 
     def window_pages(self, new_tokens: int) -> int:
@@ -52,6 +52,6 @@ class KVLayout:
     def allocate(self, pools: dict[str, int], dtype: torch.dtype, device: torch.device
                  ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer (K cache, V cache), each [pages of its group, page_size, local K/V heads, head_dim]."""
-        return [torch.zeros(2, pools[g.kind], self.page_size, max(1, g.num_kv_heads // self.tp_size), g.head_dim,
+        return [torch.zeros(2, pools[g.kind], self.page_size, g.num_kv_heads // self.tp_size, g.head_dim,
                             dtype=dtype, device=device).unbind(0)
                 for g in self.spec.layers]

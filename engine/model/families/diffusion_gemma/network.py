@@ -19,6 +19,8 @@ from engine.errors import CheckpointError
 from engine.model.families.diffusion_gemma.attention import CANVAS, GemmaAttentionMeta, GemmaPass, gemma_attention
 from engine.model.families.diffusion_gemma.config import GemmaSpec, LayerGeometry
 from engine.model.families.diffusion_gemma.kv_layout import KVLayout
+from engine.model.families.diffusion_gemma.parallel import ExpertDownSplit, GateUpSplit
+from engine.model.layers.parallel import TPContext, column_parallel, row_parallel
 
 ENCODER = "model.encoder.language_model."
 
@@ -46,6 +48,16 @@ def rope_inv_freq(geo: LayerGeometry) -> torch.Tensor:
     return torch.cat([rotated, rest]) / geo.rope_factor
 
 
+def _check_divisible(gemma: GemmaSpec, tp_size: int) -> None:
+    """Heads, every layer's K/V heads and the MLP and expert widths must split evenly over the ranks."""
+    sizes = {"num_attention_heads": gemma.num_attention_heads, "intermediate_size": gemma.intermediate_size,
+             "moe_intermediate_size": gemma.moe_intermediate_size}
+    sizes |= {f"layer {i} num_key_value_heads": g.num_kv_heads for i, g in enumerate(gemma.layers)}
+    for name, size in sizes.items():
+        if size % tp_size:
+            raise CheckpointError(f"{name}={size} does not split over tp={tp_size} ranks; use a tp that divides it")
+
+
 def _rope_key(geo: LayerGeometry) -> tuple:
     return geo.head_dim, geo.rope_theta, geo.rotated_pairs, geo.rope_dim, geo.rope_factor
 
@@ -58,25 +70,28 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class GeGLU(nn.Module):
-    def __init__(self, hidden: int, inner: int):
+    """gate/up column-parallel, down row-parallel (its output all-reduced)."""
+
+    def __init__(self, hidden: int, inner: int, tp: TPContext):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, inner, bias=False)
-        self.up_proj = nn.Linear(hidden, inner, bias=False)
-        self.down_proj = nn.Linear(inner, hidden, bias=False)
+        self.tp = tp
+        self.gate_proj = column_parallel(nn.Linear(hidden, inner // tp.size, bias=False), tp)
+        self.up_proj = column_parallel(nn.Linear(hidden, inner // tp.size, bias=False), tp)
+        self.down_proj = row_parallel(nn.Linear(inner // tp.size, hidden, bias=False), tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
+        return self.tp.all_reduce(self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x)))
 
 
 class GemmaAttention(nn.Module):
-    def __init__(self, spec: GemmaSpec, geo: LayerGeometry):
+    def __init__(self, spec: GemmaSpec, geo: LayerGeometry, tp: TPContext):
         super().__init__()
-        self.geo, self.head_dim = geo, geo.head_dim
-        h, heads, kv = spec.hidden_size, spec.num_attention_heads, geo.num_kv_heads
-        self.q_proj = nn.Linear(h, heads * geo.head_dim, bias=False)
-        self.k_proj = nn.Linear(h, kv * geo.head_dim, bias=False)
-        self.v_proj = nn.Linear(h, kv * geo.head_dim, bias=False) if geo.has_v_proj else None
-        self.o_proj = nn.Linear(heads * geo.head_dim, h, bias=False)
+        self.geo, self.head_dim, self.tp = geo, geo.head_dim, tp
+        h, heads, kv = spec.hidden_size, spec.num_attention_heads // tp.size, geo.num_kv_heads // tp.size
+        self.q_proj = column_parallel(nn.Linear(h, heads * geo.head_dim, bias=False), tp)
+        self.k_proj = column_parallel(nn.Linear(h, kv * geo.head_dim, bias=False), tp)
+        self.v_proj = column_parallel(nn.Linear(h, kv * geo.head_dim, bias=False), tp) if geo.has_v_proj else None
+        self.o_proj = row_parallel(nn.Linear(heads * geo.head_dim, h, bias=False), tp)
         self.q_norm = GemmaRMSNorm(geo.head_dim, spec.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(geo.head_dim, spec.rms_norm_eps)
         self.v_norm = GemmaRMSNorm(geo.head_dim, spec.rms_norm_eps, with_scale=False)
@@ -89,7 +104,7 @@ class GemmaAttention(nn.Module):
         v = self.v_norm(self.v_proj(x).view(t, -1, d) if self.v_proj is not None else k_raw)
         k = apply_rope(self.k_norm(k_raw), cos, sin)
         out = gemma_attention(q, k, v, cache[0], cache[1], meta, self.geo.kind)
-        return self.o_proj(out.reshape(t, -1))
+        return self.tp.all_reduce(self.o_proj(out.reshape(t, -1)))
 
 
 class GemmaRouter(nn.Module):
@@ -112,11 +127,13 @@ class GemmaExperts(nn.Module):
     """Routed GeGLU experts stacked as the checkpoint stores them: gate_up [E, 2I, H] (gate first),
     down [E, H, I]."""
 
-    def __init__(self, spec: GemmaSpec):
+    def __init__(self, spec: GemmaSpec, tp: TPContext):
         super().__init__()
-        e, h, i = spec.num_experts, spec.hidden_size, spec.moe_intermediate_size
+        e, h, i = spec.num_experts, spec.hidden_size, spec.moe_intermediate_size // tp.size
+        self.tp = tp
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
         self.down_proj = nn.Parameter(torch.empty(e, h, i))
+        self.weight_loaders = {"gate_up_proj": GateUpSplit(tp), "down_proj": ExpertDownSplit(tp)}
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         t, k = index.shape
@@ -127,17 +144,17 @@ class GemmaExperts(nn.Module):
             gate, up = F.linear(x[pairs // k], self.gate_up_proj[expert]).chunk(2, dim=-1)
             pair_out[pairs] = F.linear(F.gelu(gate, approximate="tanh") * up, self.down_proj[expert])
         weighted = pair_out * weights.reshape(-1, 1).to(pair_out.dtype)
-        return weighted.float().view(t, k, -1).sum(dim=1).to(x.dtype)
+        return self.tp.all_reduce(weighted.float().view(t, k, -1).sum(dim=1)).to(x.dtype)
 
 
 class GemmaLayer(nn.Module):
-    def __init__(self, spec: GemmaSpec, geo: LayerGeometry):
+    def __init__(self, spec: GemmaSpec, geo: LayerGeometry, tp: TPContext):
         super().__init__()
         h, eps = spec.hidden_size, spec.rms_norm_eps
-        self.self_attn = GemmaAttention(spec, geo)
-        self.mlp = GeGLU(h, spec.intermediate_size)
+        self.self_attn = GemmaAttention(spec, geo, tp)
+        self.mlp = GeGLU(h, spec.intermediate_size, tp)
         self.router = GemmaRouter(spec)
-        self.experts = GemmaExperts(spec)
+        self.experts = GemmaExperts(spec, tp)
         for name in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
                      "post_feedforward_layernorm", "post_feedforward_layernorm_1",
                      "pre_feedforward_layernorm_2", "post_feedforward_layernorm_2"):
@@ -157,8 +174,8 @@ class GemmaLayer(nn.Module):
 class SelfConditioning(GeGLU):
     """The canvas pass's input: post_norm(embeds + GeGLU(pre_norm(soft)))."""
 
-    def __init__(self, spec: GemmaSpec):
-        super().__init__(spec.hidden_size, spec.intermediate_size)
+    def __init__(self, spec: GemmaSpec, tp: TPContext):
+        super().__init__(spec.hidden_size, spec.intermediate_size, tp)
         self.pre_norm = GemmaRMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_norm = GemmaRMSNorm(spec.hidden_size, spec.rms_norm_eps, with_scale=False)
 
@@ -170,13 +187,13 @@ class SelfConditioning(GeGLU):
 
 
 class GemmaDecoder(nn.Module):
-    def __init__(self, spec: GemmaSpec):
+    def __init__(self, spec: GemmaSpec, tp: TPContext):
         super().__init__()
         self.spec = spec
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(GemmaLayer(spec, geo) for geo in spec.layers)
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)  # replicated, as the LM head
+        self.layers = nn.ModuleList(GemmaLayer(spec, geo, tp) for geo in spec.layers)
         self.norm = GemmaRMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.self_conditioning = SelfConditioning(spec)
+        self.self_conditioning = SelfConditioning(spec, tp)
 
 
 class EncoderScalars(nn.Module):
@@ -199,11 +216,11 @@ class DiffusionGemmaNetwork(nn.Module):
     def __init__(self, spec, tp=None):
         super().__init__()
         gemma = spec if isinstance(spec, GemmaSpec) else spec.extra
-        if tp is not None and tp.size > 1:
-            raise CheckpointError("diffusion_gemma serves at tensor-parallel size 1 only (set tp=1)")
+        tp = tp or TPContext()
+        _check_divisible(gemma, tp.size)
         self.spec, self.gemma, self.tp, self.moe_stats = spec, gemma, tp, None
         self.model = nn.Module()
-        self.model.decoder = GemmaDecoder(gemma)
+        self.model.decoder = GemmaDecoder(gemma, tp)
         self.model.encoder = nn.Module()
         self.model.encoder.language_model = EncoderScalars(gemma.num_hidden_layers)
         # one rotary table per distinct recipe (in practice one for each layer kind)
