@@ -19,7 +19,6 @@ autoscaling knobs below).
         "graceful_shutdown_wait_loop_s": 2, "graceful_shutdown_timeout_s": 60,   # draining a removed replica
         "tp_timeout_s": 60, "stall_timeout_s": 60,   # a TP forward / an engine loop stuck this long fails
         "health_check_period_s": 5, "health_check_timeout_s": 30,   # Serve's health check of EngineServer
-        "debug_hooks": False,                # True: EngineServer.debug_stall (handle only; for fault drills)
         "incremental_streaming_output": False,   # /generate streams deltas (SGLang's flag), not cumulative chunks
         "enable_memory_saver": False,        # SGLang's flag, reported in /server_info (release works either way)
         "ingress": {"max_batch_size": 16, "batch_wait_timeout_s": 0.005, "api_key": None,
@@ -103,7 +102,6 @@ class AppArgs(BaseModel):
         "gets 503 + Retry-After (None: it waits)")
     health_check_period_s: float = Field(5.0, gt=0.0)
     health_check_timeout_s: float = Field(30.0, gt=0.0)
-    debug_hooks: bool = False
     # SGLang's --incremental-streaming-output: /generate streams deltas instead of cumulative chunks
     incremental_streaming_output: bool = False
     # SGLang's --enable-memory-saver as /server_info reports it: slime checks it against its --offload-rollout.
@@ -188,9 +186,10 @@ def build_app(args: dict[str, Any]) -> Application:
     return build_app_with(args, Ingress)
 
 
-def build_app_with(args: dict[str, Any], ingress: Deployment) -> Application:
+def build_app_with(args: dict[str, Any], ingress: Deployment, server: Deployment = EngineServer) -> Application:
     """`build_app` with another ingress deployment taking Ingress's arguments (deployments.llm's
-    per-model ingress, for several models in one application)."""
+    per-model ingress, for several models in one application), or another engine replica deployment
+    taking EngineServer's (deployments.drills, for fault drills)."""
     try:
         parsed = AppArgs.model_validate(args)
         config = EngineConfig(**parsed.engine)
@@ -202,15 +201,14 @@ def build_app_with(args: dict[str, Any], ingress: Deployment) -> Application:
     if nodes is not None:  # not connected (a dry build): Serve checks nothing either
         check_fits(placement_groups(options, parsed.ingress), nodes)
         check_serve_port_not_shared()
-    server = EngineServer.options(**options).bind(
+    engines = server.options(**options).bind(
         # only the fields given: the engine applies the model family's decoding defaults to the others
         model, config.model_dump(exclude_unset=True), tp_timeout_s=parsed.tp_timeout_s,
         stall_timeout_s=parsed.stall_timeout_s,
-        tp_worker_options=tp_worker_options(options), debug_hooks=parsed.debug_hooks,
-        hold_timeout_s=parsed.hold_timeout_s)
+        tp_worker_options=tp_worker_options(options), hold_timeout_s=parsed.hold_timeout_s)
     ing = parsed.ingress
     return ingress.options(**ingress_options(ing)).bind(
-        server, model, served_model_name=parsed.served_model_name or PurePath(parsed.model).name,
+        engines, model, served_model_name=parsed.served_model_name or PurePath(parsed.model).name,
         max_batch_size=ing.max_batch_size, batch_wait_timeout_s=ing.batch_wait_timeout_s, api_key=ing.api_key,
         max_body_bytes=ing.max_body_bytes, max_concurrent_requests=ing.max_concurrent_requests,
         retry_after_s=ing.retry_after_s, incremental_streaming_output=parsed.incremental_streaming_output,

@@ -14,14 +14,9 @@ phases across replicas (`stage_weights` everywhere, then `commit_weights` everyw
 `init_weights_update_group` joins this replica's TP ranks at `rank_offset + rank * tp + tp_rank`,
 `rank` being Serve's replica rank (0..replicas-1).
 
-Test hooks (`debug_hooks=True` in the app args, off by default): `debug_stall(seconds)` makes the
-engine loop sleep, as a hung forward would, so fault drills can watch the health check catch it;
-`debug_fail_next_stage(message)` makes this replica refuse the next weight staging;
-`debug_cut_streams()` ends the streams in flight without their finishing delta (a stream cut short
-on the way, which the ingress must turn into an explicit error); `debug_leak(mb)` keeps memory for
-good (the leak the soak's verdict must catch). They are
-methods of this deployment, reachable only through a Ray handle from inside the cluster:
-the HTTP ingress has no route to them.
+The hooks that make a replica fail on purpose (for fault drills and the soak) are not here: they
+live in a subclass of this deployment, `deployments.drills`, which the production application never
+builds.
 """
 
 from __future__ import annotations
@@ -30,7 +25,6 @@ import asyncio
 import functools
 import json
 import logging
-import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -112,7 +106,7 @@ def _refusal(e: Exception) -> dict[str, Any]:
 class EngineServer:
     def __init__(self, model: str, engine: dict[str, Any] | None = None, tp_timeout_s: float = 60.0,
                  stall_timeout_s: float = 60.0, tp_worker_options: dict[str, Any] | None = None,
-                 debug_hooks: bool = False, hold_timeout_s: float | None = None):
+                 hold_timeout_s: float | None = None):
         config = EngineConfig(**(engine or {}))
         factory = None
         if config.tp > 1:
@@ -125,14 +119,10 @@ class EngineServer:
         freeze_startup_heap()  # this replica's process is the engine's own
         self.model_path = model
         self.replica = _replica_id()
-        self.debug_hooks = debug_hooks
         self.metrics = RequestMetrics()
         self.rank = _replica_rank()
         self._staged: dict[str, str] = {}  # update id (the ingress's) -> the engine's staging token
-        self._fail_next_stage: str | None = None  # debug hook: refuse the next stage with this message
         self._live: set[str] = set()  # the ids of the requests in flight here (for abort_request by rid)
-        self._cut: set[str] = set()  # debug hook: streams to end at their next delta, unfinished
-        self._ballast: list[bytearray] = []  # debug hook: memory kept on purpose (a leak to detect)
         log.info("EngineServer %s ready: %s (%s), tp=%d", self.replica, model, self.engine.spec.model_type,
                  config.tp)
 
@@ -188,9 +178,6 @@ class EngineServer:
                 yield item
                 return
             yield item[0]
-            if self._cut and item[0].request_id in self._cut:  # debug hook: end it without its last delta
-                self._cut.discard(item[0].request_id)
-                return
 
     async def generate(self, request: EngineRequest | dict[str, Any]) -> Response | Rejection:
         """The folded result of one request, or its rejection."""
@@ -253,11 +240,6 @@ class EngineServer:
         serving them. `success: False` names what was refused (nothing is staged then)."""
         try:
             payload = await _fetched(payload)
-            if self._fail_next_stage is not None:
-                message, self._fail_next_stage = self._fail_next_stage, None
-                if kind == "distributed":  # the trainer's broadcast must still complete
-                    await self.engine.discard_weights(await self.engine.stage_weights(weight_source(kind, payload)))
-                raise RuntimeError(message)
             self._staged[update_id] = await self.engine.stage_weights(weight_source(kind, payload))
             return self._answer({"success": True, "message": "weights staged"})
         except Exception as e:  # noqa: BLE001 - reported to the ingress, which discards everywhere
@@ -307,38 +289,6 @@ class EngineServer:
         """Serve's health check: raises when the engine loop is dead or stalled (Serve then replaces
         this replica). A stall also ends the requests in flight with an error at once."""
         self.engine.check_health()
-
-    # ---- test hooks (debug_hooks=True only; Ray handle only, no HTTP route) ---------------------
-    async def debug_stall(self, seconds: float) -> bool:
-        """Make the engine loop sleep `seconds` (a hung forward, as far as anyone can tell)."""
-        self._require_debug_hooks("debug_stall")
-        log.warning("debug_stall: the engine loop sleeps %.1fs", seconds)
-        self._stall = asyncio.ensure_future(self.engine.run(lambda _: time.sleep(seconds)))
-        return True
-
-    def debug_cut_streams(self) -> int:
-        """End every stream in flight here at its next delta without its finishing one (as a transport
-        that drops the end of a stream would); returns how many."""
-        self._require_debug_hooks("debug_cut_streams")
-        self._cut |= self._live
-        return len(self._live)
-
-    def debug_leak(self, megabytes: float) -> int:
-        """Keep `megabytes` more of this process's memory for good (a leak, for the soak's verdict);
-        returns the MB kept so far."""
-        self._require_debug_hooks("debug_leak")
-        self._ballast.append(bytearray(b"\x01" * int(megabytes * (1 << 20))))
-        return sum(len(b) for b in self._ballast) >> 20
-
-    def _require_debug_hooks(self, name: str) -> None:
-        if not self.debug_hooks:
-            raise PermissionError(f"debug hooks are off: deploy with debug_hooks=True to use {name}")
-
-    def debug_fail_next_stage(self, message: str) -> bool:
-        """Make this replica refuse the next weight staging with `message` (a replica failing mid-update)."""
-        self._require_debug_hooks("debug_fail_next_stage")
-        self._fail_next_stage = message
-        return True
 
     def __del__(self):
         engine = getattr(self, "engine", None)
