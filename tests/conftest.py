@@ -1,15 +1,61 @@
-"""Shared, session-scoped fixtures. The Ray/Serve ones start only when a test asks for them."""
+"""Shared, session-scoped fixtures, and the suite's tiers. The Ray/Serve fixtures start only when a test
+asks for them.
+
+Tiers (pytest markers, assigned here, never by hand except `system`):
+- `engine`: no Ray at all -- every test that reaches neither the session's cluster nor a `system` fixture;
+- `serve`: Ray Serve applications on the session's cluster (every test that reaches `serve_cluster`);
+- `system`: multi-node, browser, soak, CLI -- anything that starts a cluster or a server process of its
+  own: marked `@pytest.mark.system` (or `pytestmark`), or reaching a fixture of SYSTEM_FIXTURES.
+`pytest -m engine` is the fast tier; an engine-tier test that starts Ray fails, naming the marker it needs.
+"""
 
 from __future__ import annotations
 
 import socket
-from dataclasses import dataclass
+import sys
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 from ray_env import QUIET, SERVE_ENGINE, set_test_ray_environment
 
 set_test_ray_environment()
+
+TIERS = ("engine", "serve", "system")
+SYSTEM_FIXTURES = {"browser", "blockserve_cli"}  # a browser, or `blockserve serve` in a process of its own
+
+
+def tier_of(item: pytest.Item) -> str:
+    """A test's tier: `system` when marked so or when it reaches a system fixture, `serve` when it
+    reaches the session's cluster, else `engine`."""
+    fixtures = set(getattr(item, "fixturenames", ()))
+    if item.get_closest_marker("system") or fixtures & SYSTEM_FIXTURES:
+        return "system"
+    return "serve" if "serve_cluster" in fixtures else "engine"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        marked = [t for t in TIERS if t != "system" and item.get_closest_marker(t)]
+        if marked:
+            raise pytest.UsageError(f"{item.nodeid}: the `{marked[0]}` tier is derived from the fixtures a "
+                                    "test uses (tests/conftest.py); mark only `system` by hand")
+        item.add_marker(tier_of(item))
+
+
+@pytest.fixture(autouse=True)
+def _engine_tier_starts_no_ray(request):
+    """The engine tier runs without Ray: a test there that starts Ray belongs in another tier."""
+    def ray_started() -> bool:
+        ray = sys.modules.get("ray")
+        return ray is not None and ray.is_initialized()
+
+    before = ray_started()  # the session's cluster, started by an earlier serve test
+    yield
+    if request.node.get_closest_marker("engine") and not before and ray_started():
+        pytest.fail("this test started Ray but is in the `engine` tier (no Ray): use the `serve_cluster` "
+                    "fixture, or mark it `@pytest.mark.system` if it starts a cluster of its own")
 
 
 @dataclass
@@ -77,34 +123,131 @@ def serve_cluster():
     ray.shutdown()
 
 
-def deploy(cluster: ServeCluster, name: str, model: Path, engine: dict, **args) -> ServedApp:
-    """Deploy build_app(...) as application `name` at route /name and wait until it is RUNNING."""
-    from ray import serve
+def app_builder(drills: bool):
+    """build_app, or the same application with the fault-drill hooks (deployments.drills)."""
+    if drills:
+        from deployments.drills import build_drill_app
 
+        return build_drill_app
     from deployments.app import build_app
 
-    serve.run(build_app({"model": str(model), "engine": engine, **args}), name=name, route_prefix=f"/{name}",
-              logging_config=QUIET)
+    return build_app
+
+
+def deploy(cluster: ServeCluster, name: str, model: Path, engine: dict, drills: bool = False, **args) -> ServedApp:
+    """Deploy build_app(...) (`drills`: with the fault-drill hooks) as application `name` at route /name
+    and wait until it is RUNNING. For an application only one module needs; shared ones: APPS."""
+    from ray import serve
+
+    serve.run(app_builder(drills)({"model": str(model), "engine": engine, **args}), name=name,
+              route_prefix=f"/{name}", logging_config=QUIET)
     return ServedApp(name, f"{cluster.url}/{name}", str(model), engine)
 
 
+@dataclass(frozen=True)
+class AppSpec:
+    """One application of the session's pool: a checkpoint (a key of ServePool's checkpoints), its engine
+    and its other build_app args; `drills`: built with the fault-drill hooks (deployments.drills)."""
+
+    checkpoint: str
+    engine: dict
+    args: dict = field(default_factory=dict)
+    drills: bool = False
+
+
+KEY = "reliability-secret-key"  # the `secure` app's API key
+TP2_KEY = "tp2-secret-key"  # the `sdar_tp2` app's API key
+QWEN3_KEY = "qwen3-secret-key"  # the `qwen3_keyed` app's API key
+KV_ENGINE = dict(SERVE_ENGINE, num_kv_blocks=16)  # 16 pages x 4 tokens: far less than the work sent
+
+# The applications tests of several modules share, each deployed once per session on first use.
+APPS: dict[str, AppSpec] = {
+    # tiny SDAR, one replica, 1 MiB body limit
+    "sdar": AppSpec("sdar", dict(SERVE_ENGINE), {"ingress": {"max_body_bytes": 1 << 20}}),
+    # tiny Qwen3 with raw_logprobs scoring, two replicas, unary requests batched over 0.1 s windows
+    "qwen3": AppSpec("qwen3", dict(SERVE_ENGINE, logprobs_mode="raw_logprobs"),
+                     {"num_replicas": 2, "ingress": {"batch_wait_timeout_s": 0.1}}),
+    # 16 KV pages (64 tokens): preemption under load, "can never fit" refusals
+    "sdar_kv": AppSpec("sdar", dict(KV_ENGINE)),
+    # fault drills, weight versions and the soak: the drill hooks, a stuck loop caught after 10 s (a
+    # forward of the tiny model takes milliseconds; weight operations get their own allowance), a 1 s
+    # health check
+    "sdar_drills": AppSpec("sdar", dict(SERVE_ENGINE), {"stall_timeout_s": 10.0, "health_check_period_s": 1.0},
+                           drills=True),
+    # the hostile checkpoint, API key `KEY`, at most 2 generation requests in flight (the drill hooks: a
+    # paused engine loop holds requests in flight for the 429 test)
+    "secure": AppSpec("hostile", dict(SERVE_ENGINE), {"ingress": {"api_key": KEY, "max_concurrent_requests": 2,
+                                                                  "retry_after_s": 2}}, drills=True),
+    # tp=2 over Ray (rank 1 a TPWorker actor), raw_logprobs scoring, API key `TP2_KEY`
+    "sdar_tp2": AppSpec("sdar", dict(SERVE_ENGINE, tp=2, logprobs_mode="raw_logprobs"),
+                        {"ingress": {"api_key": TP2_KEY}}),
+    # tiny Qwen3 behind API key `QWEN3_KEY`, a 4 KiB body limit, streaming deltas (incremental_streaming_output)
+    "qwen3_keyed": AppSpec("qwen3", dict(SERVE_ENGINE), {"incremental_streaming_output": True,
+                                                         "ingress": {"api_key": QWEN3_KEY, "max_body_bytes": 4096}}),
+}
+
+
+class ServePool(Mapping):
+    """The session's shared applications (APPS) by name, each deployed on first use and kept for the
+    session. `group(*names)` deploys those not yet running together (their replicas start in parallel)."""
+
+    def __init__(self, cluster: ServeCluster, checkpoints: dict[str, Path]):
+        self.cluster, self.checkpoints = cluster, checkpoints
+        self._running: dict[str, ServedApp] = {}
+
+    def group(self, *names: str) -> dict[str, ServedApp]:
+        from ray import serve
+
+        missing = [n for n in names if n not in self._running]
+        targets = []
+        for name in missing:
+            spec = APPS[name]
+            args = {"model": str(self.checkpoints[spec.checkpoint]), "engine": spec.engine, **spec.args}
+            targets.append(serve.RunTarget(app_builder(spec.drills)(args), name=name, route_prefix=f"/{name}",
+                                           logging_config=QUIET))
+        if targets:
+            serve.run_many(targets)
+        for name in missing:
+            spec = APPS[name]
+            self._running[name] = ServedApp(name, f"{self.cluster.url}/{name}",
+                                            str(self.checkpoints[spec.checkpoint]), spec.engine)
+        return {n: self._running[n] for n in names}
+
+    def release(self, *names: str) -> None:
+        """Delete these applications now (a later use deploys them again)."""
+        from ray import serve
+
+        for name in names:
+            if self._running.pop(name, None) is not None:
+                serve.delete(name)
+
+    def __getitem__(self, name: str) -> ServedApp:
+        if name not in APPS:
+            raise KeyError(name)
+        return self.group(name)[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(APPS)
+
+    def __len__(self) -> int:
+        return len(APPS)
+
+
 @pytest.fixture(scope="session")
-def served_apps(serve_cluster, tiny_checkpoints) -> dict[str, ServedApp]:
-    """`sdar`: tiny SDAR, one replica, 1 MiB body limit. `qwen3`: tiny Qwen3 with raw_logprobs scoring, two
-    replicas, unary requests batched over 0.1 s windows.
-    Deployed together (their replicas start in parallel)."""
-    from ray import serve
+def serve_pool(serve_cluster, tiny_checkpoints, hostile_checkpoint) -> ServePool:
+    return ServePool(serve_cluster, {**tiny_checkpoints, "hostile": hostile_checkpoint[0]})
 
-    from deployments.app import build_app
 
-    specs = {
-        "sdar": (tiny_checkpoints["sdar"], dict(SERVE_ENGINE), {"ingress": {"max_body_bytes": 1 << 20}}),
-        "qwen3": (tiny_checkpoints["qwen3"], dict(SERVE_ENGINE, logprobs_mode="raw_logprobs"),
-                  {"num_replicas": 2, "ingress": {"batch_wait_timeout_s": 0.1}}),
-    }
-    serve.run_many([serve.RunTarget(build_app({"model": str(m), "engine": e, **a}), name=n, route_prefix=f"/{n}",
-                                    logging_config=QUIET) for n, (m, e, a) in specs.items()])
-    return {n: ServedApp(n, f"{serve_cluster.url}/{n}", str(m), e) for n, (m, e, _) in specs.items()}
+@pytest.fixture(scope="session")
+def served_apps(serve_pool) -> dict[str, ServedApp]:
+    """The pool's `sdar` and `qwen3` (see APPS)."""
+    return serve_pool.group("sdar", "qwen3")
+
+
+@pytest.fixture(scope="session")
+def reliability_apps(serve_pool) -> dict[str, ServedApp]:
+    """The pool's `sdar_kv`, `sdar_drills` and `secure` (see APPS)."""
+    return serve_pool.group("sdar_kv", "sdar_drills", "secure")
 
 
 # ---- helpers for the serve tests (plain functions; import them from conftest) ----------------
@@ -174,11 +317,7 @@ def without_ids(body: dict) -> dict:
     return {**body, "meta_info": {k: v for k, v in body["meta_info"].items() if k != "id"}}
 
 
-# ---- the reliability suite's extra applications (tests/test_reliability_*.py) ----------------
-KEY = "reliability-secret-key"  # the `secure` app's API key
-KV_ENGINE = dict(SERVE_ENGINE, num_kv_blocks=16)  # 16 pages x 4 tokens: far less than the work sent
-
-
+# ---- the hostile checkpoint (tests/test_reliability_security.py) -----------------------------
 def write_hostile_checkpoint(src: Path, dst: Path, marker_dir: Path) -> Path:
     """A copy of a tiny checkpoint that also carries everything a loader could be tricked into running:
     `modeling_sdar.py` / `configuration_sdar.py` / `tokenization_sdar.py` / `__init__.py` named by
@@ -222,33 +361,6 @@ def hostile_checkpoint(tiny_checkpoints, tmp_path_factory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("hostile")
     marker = root / "markers"
     return write_hostile_checkpoint(tiny_checkpoints["sdar"], root / "sdar-hostile", marker), marker
-
-
-@pytest.fixture(scope="session")
-def reliability_apps(serve_cluster, tiny_checkpoints, hostile_checkpoint) -> dict[str, ServedApp]:
-    """Deployed together on first use (replicas start in parallel):
-    `sdar_kv`: tiny SDAR with 16 KV pages (64 tokens) -- preemption under load, "can never fit" refusals;
-    `sdar_stall`: tiny SDAR with debug_hooks, stall_timeout_s=2 and a 1 s health check -- fault drills;
-    `secure`: the hostile checkpoint, API key `KEY`, at most 2 generation requests in flight (debug_hooks:
-    a paused engine loop holds requests in flight for the 429 test)."""
-    from ray import serve
-
-    from deployments.app import build_app
-
-    specs = {
-        "sdar_kv": (tiny_checkpoints["sdar"], dict(KV_ENGINE), {}),
-        "sdar_stall": (tiny_checkpoints["sdar"], dict(SERVE_ENGINE),
-                       {"debug_hooks": True, "stall_timeout_s": 2.0, "health_check_period_s": 1.0,
-                        "health_check_timeout_s": 5.0}),
-        "secure": (hostile_checkpoint[0], dict(SERVE_ENGINE),
-                   {"debug_hooks": True, "ingress": {"api_key": KEY, "max_concurrent_requests": 2,
-                                                     "retry_after_s": 2}}),
-    }
-    serve.run_many([serve.RunTarget(build_app({"model": str(m), "engine": e, **a}), name=n, route_prefix=f"/{n}",
-                                    logging_config=QUIET) for n, (m, e, a) in specs.items()])
-    yield {n: ServedApp(n, f"{serve_cluster.url}/{n}", str(m), e) for n, (m, e, _) in specs.items()}
-    for name in specs:
-        serve.delete(name, _blocking=False)
 
 
 def engine_totals(app_name: str) -> dict[str, int]:

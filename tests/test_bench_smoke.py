@@ -162,6 +162,7 @@ def _work_tree_state() -> tuple[list[str], bytes]:
     return status, (ROOT / "docs" / "benchmarks.md").read_bytes()
 
 
+@pytest.mark.system  # its own Ray Serve cluster, in a process of its own
 def test_bench_toy_as_typed_from_the_repository_root_prints_and_leaves_the_tree_clean():
     """`python -m bench --toy` exactly as a user types it (every part, its own Ray Serve cluster on loopback
     included): exit 0, the JSON on stdout, and not a file of the work tree changed without `--record`."""

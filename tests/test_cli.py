@@ -78,6 +78,7 @@ def _stop(proc: subprocess.Popen, timeout: float = 60) -> None:
             proc.wait()
 
 
+@pytest.mark.system  # a cluster and `blockserve serve` in processes of their own
 def test_blockserve_serve_scores_over_http_on_the_cluster_ray_address_names():
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     head = subprocess.Popen([sys.executable, "-c", HEAD], stdout=subprocess.PIPE, text=True, env=env)

@@ -424,6 +424,7 @@ def test_trace_command_prints_readme_step_list(tmp_path):
 
 
 # ---- placement refused by the CLI -----------------------------------------------------------------
+@pytest.mark.system  # `blockserve serve` in a process of its own
 def test_unplaceable_tp_group_exits_1_with_the_reason_and_flags_that_exist(serve_cluster):
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_ADDRESS": serve_cluster.address}
     proc = subprocess.run([str(BIN / "blockserve"), "serve", "models/sdar-tiny", "--tp", "2", "--num-cpus", "64"],

@@ -1,7 +1,8 @@
 """LLaDA2 served: SGLang's /generate body with the per-request decoding fields, over real HTTP, from a
-tp=1 and a tensor-parallel (tp=2) deployment, equals the in-process tp=1 pipeline -- LowConfidence
-(the family's defaults, applied in the served engine too) and JointThreshold (edits, λ penalty)
-alike: tokens, step_map, finish reasons, logprobs, step trace."""
+tensor-parallel (tp=2) deployment, equals the in-process tp=1 pipeline -- LowConfidence (the family's
+defaults, applied in the served engine too) and JointThreshold (edits, λ penalty) alike: tokens,
+step_map, finish reasons, logprobs, step trace. (A served tp=1 engine is the pipeline's engine behind
+the same ingress and EngineServer code, so the tp=2 deployment covers both sides.)"""
 
 from __future__ import annotations
 
@@ -9,12 +10,10 @@ import random
 
 import httpx
 import pytest
-from conftest import ServedApp
+from conftest import deploy
 from ray import serve
-from ray_env import QUIET
 
 from configs import EngineConfig
-from deployments.app import build_app
 from engine import GenerationConfig, pipeline
 from tools.tiny_llada2 import write_tiny_llada2
 
@@ -26,29 +25,24 @@ RULES = {
 }
 
 
-def test_http_equals_pipeline_at_tp1_and_tp2(serve_cluster, tmp_path_factory):
+def test_http_at_tp2_equals_the_tp1_pipeline(serve_cluster, tmp_path_factory):
     path = write_tiny_llada2(tmp_path_factory.mktemp("llada2_serve"), use_qkv_bias=True, use_bias=True, seed=0)
     prompts = [[random.Random(n).randrange(300) for _ in range(n)] for n in (3, 35)]
     with pipeline(str(path), EngineConfig(**ENGINE)) as pipe:
         want = {rule: pipe(prompts, GenerationConfig(max_new_tokens=40, logprobs=0, return_step_trace=True, **knobs))
                 for rule, knobs in RULES.items()}
-    apps = {tp: ServedApp(f"llada2_tp{tp}", f"{serve_cluster.url}/llada2_tp{tp}", str(path), dict(ENGINE, tp=tp))
-            for tp in (1, 2)}
-    serve.run_many([serve.RunTarget(build_app({"model": str(path), "engine": app.engine}), name=app.name,
-                                    route_prefix=f"/{app.name}", logging_config=QUIET) for app in apps.values()])
+    app = deploy(serve_cluster, "llada2_tp2", path, dict(ENGINE, tp=2))
     try:
         for rule, knobs in RULES.items():
             body = {"input_ids": prompts, "sampling_params": {"max_new_tokens": 40, "temperature": 0, **knobs},
                     "return_logprob": True, "return_step_trace": True}
-            for tp, app in apps.items():
-                got = httpx.post(app.url + "/generate", json=body, timeout=600).json()
-                for g, w in zip(got, want[rule], strict=True):
-                    meta = g["meta_info"]
-                    assert g["output_ids"] == w.token_ids and meta["finish_reason"]["type"] == w.finish_reason
-                    values = [row[0] for row in meta["output_token_logprobs"]]
-                    assert values == pytest.approx([e[t] for e, t in zip(w.logprobs, w.token_ids, strict=True)],
-                                                   abs=1e-4), (rule, tp)
-                    assert meta["step_map"] == w.step_map and meta["step_trace"] == w.step_trace, (rule, tp)
+            got = httpx.post(app.url + "/generate", json=body, timeout=600).json()
+            for g, w in zip(got, want[rule], strict=True):
+                meta = g["meta_info"]
+                assert g["output_ids"] == w.token_ids and meta["finish_reason"]["type"] == w.finish_reason
+                values = [row[0] for row in meta["output_token_logprobs"]]
+                assert values == pytest.approx([e[t] for e, t in zip(w.logprobs, w.token_ids, strict=True)],
+                                               abs=1e-4), rule
+                assert meta["step_map"] == w.step_map and meta["step_trace"] == w.step_trace, rule
     finally:
-        for app in apps.values():
-            serve.delete(app.name)
+        serve.delete(app.name)

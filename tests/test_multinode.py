@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.system  # a multi-node cluster of its own
 
 
 @pytest.fixture(scope="module")

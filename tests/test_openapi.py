@@ -6,11 +6,9 @@ from __future__ import annotations
 
 import httpx
 import schemathesis
-from conftest import deploy
+from conftest import QWEN3_KEY
 from hypothesis import HealthCheck, given, settings
 from openapi_spec_validator import validate
-from ray import serve
-from ray_env import SERVE_ENGINE
 from schemathesis.checks import content_type_conformance, not_a_server_error, status_code_conformance
 
 TIMEOUT = 120
@@ -65,28 +63,24 @@ def test_fuzz_every_operation_never_5xx_nor_undocumented(served_apps):
     assert len(statuses) >= 3 * len(operations) and {200, 400} <= set(statuses), statuses
 
 
-def test_refusals_are_documented(serve_cluster, tiny_checkpoints):
-    """On an app with an API key and a 4 KiB body limit, each operation's refusals (401 without the key,
-    413 for a larger body) have a status code and a content type the schema documents."""
-    key = "openapi-test-key"
-    app = deploy(serve_cluster, "openapi_keyed", tiny_checkpoints["qwen3"], dict(SERVE_ENGINE),
-                 ingress={"api_key": key, "max_body_bytes": 4096})
-    try:
-        api = schemathesis.openapi.from_url(app.url + "/openapi.json")
-        answers: dict[tuple[str, str], int] = {}
-        for op in (result.ok() for result in api.get_all_operations()):
-            cases = [("anonymous", {}, op.Case())]
-            if op.method.upper() == "POST":
-                big = {"prompt": "x" * 8192, "messages": [{"role": "user", "content": "x" * 8192}]}
-                cases = [("anonymous", {}, op.Case(body=big, media_type="application/json")),
-                         ("too large", {"Authorization": f"Bearer {key}"},
-                          op.Case(body=big, media_type="application/json"))]
-            for name, headers, case in cases:
-                response = case.call(base_url=app.url, headers=headers, timeout=TIMEOUT)
-                case.validate_response(response, checks=CHECKS)
-                answers[(op.label, name)] = response.status_code
-        assert answers.pop(("GET /health", "anonymous")) == 200
-        assert {status for (_, name), status in answers.items() if name == "anonymous"} == {401}
-        assert {status for (_, name), status in answers.items() if name == "too large"} == {413}
-    finally:
-        serve.delete("openapi_keyed")
+def test_refusals_are_documented(serve_pool):
+    """On an app with an API key and a 4 KiB body limit (the pool's `qwen3_keyed`), each operation's
+    refusals (401 without the key, 413 for a larger body) have a status code and a content type the
+    schema documents."""
+    key, app = QWEN3_KEY, serve_pool["qwen3_keyed"]
+    api = schemathesis.openapi.from_url(app.url + "/openapi.json")
+    answers: dict[tuple[str, str], int] = {}
+    for op in (result.ok() for result in api.get_all_operations()):
+        cases = [("anonymous", {}, op.Case())]
+        if op.method.upper() == "POST":
+            big = {"prompt": "x" * 8192, "messages": [{"role": "user", "content": "x" * 8192}]}
+            cases = [("anonymous", {}, op.Case(body=big, media_type="application/json")),
+                     ("too large", {"Authorization": f"Bearer {key}"},
+                      op.Case(body=big, media_type="application/json"))]
+        for name, headers, case in cases:
+            response = case.call(base_url=app.url, headers=headers, timeout=TIMEOUT)
+            case.validate_response(response, checks=CHECKS)
+            answers[(op.label, name)] = response.status_code
+    assert answers.pop(("GET /health", "anonymous")) == 200
+    assert {status for (_, name), status in answers.items() if name == "anonymous"} == {401}
+    assert {status for (_, name), status in answers.items() if name == "too large"} == {413}

@@ -1,8 +1,8 @@
-"""Faults: a stalled engine loop. The `sdar_stall` app runs with debug_hooks on,
-stall_timeout_s=2 and a 1 s health check; `EngineServer.debug_stall` (a Ray-handle-only test hook)
-makes its engine loop sleep as a hung forward would. The health check catches it: the requests in
-flight end with an explicit error within 10 s, Serve replaces the replica, and later requests
-succeed. (A TP worker killed mid-stream: tests/test_serve_tp.py.)"""
+"""Faults: a stalled engine loop. The pool's `sdar_drills` app runs with the fault-drill hooks
+(deployments.drills), stall_timeout_s=10 and a 1 s health check; `debug_stall` (a Ray-handle-only test
+hook) makes its engine loop sleep as a hung forward would. The health check catches it: the requests in
+flight end with an explicit error, Serve replaces the replica, and later requests succeed. (A TP
+worker killed mid-stream: tests/test_serve_tp.py.)"""
 
 from __future__ import annotations
 
@@ -26,20 +26,20 @@ def replicas(app: str) -> list[str]:
     return [s["replica"] for s in serve.get_app_handle(app).engine_stats.remote().result()]
 
 
-def test_debug_hook_is_off_by_default_and_has_no_http_route(served_apps, reliability_apps):
-    with pytest.raises(Exception, match="debug hooks are off"):
-        serve.get_deployment_handle("EngineServer", "sdar").debug_stall.remote(30).result()
-    for app in ("sdar", "sdar_stall"):
-        url = (served_apps.get(app) or reliability_apps[app]).url
+def test_production_app_has_no_debug_hook_and_no_http_route_to_one(serve_pool):
+    with pytest.raises(Exception, match="debug_stall' that does not exist"):
+        serve.get_deployment_handle("EngineServer", serve_pool["sdar"].name).debug_stall.remote(30).result()
+    for app in ("sdar", "sdar_drills"):
+        url = serve_pool[app].url
         for method in ("GET", "POST"):
             r = httpx.request(method, url + "/debug_stall", json={"seconds": 30}, timeout=30)
             assert r.status_code in (404, 405), r.text
-    r = httpx.post(served_apps["sdar"].url + "/generate", json=SHORT, timeout=60)
+    r = httpx.post(serve_pool["sdar"].url + "/generate", json=SHORT, timeout=60)
     assert r.status_code == 200 and r.json()["meta_info"]["completion_tokens"] == 6
 
 
-def test_stalled_engine_loop_errors_in_flight_requests_and_replica_is_replaced(reliability_apps):
-    app = reliability_apps["sdar_stall"]
+def test_stalled_engine_loop_errors_in_flight_requests_and_replica_is_replaced(serve_pool):
+    app = serve_pool["sdar_drills"]
     (before,) = replicas(app.name)
     h = serve.get_deployment_handle("EngineServer", app.name)
 

@@ -15,6 +15,7 @@ import pytest
 import yaml
 from conftest import KEY, engine_totals, sse_events, write_hostile_checkpoint
 from fastapi.routing import APIRoute
+from pydantic import ValidationError
 from ray import serve
 
 from configs import EngineConfig, GenerationConfig
@@ -104,8 +105,9 @@ def test_local_config_binds_loopback_with_limits():
     (app,) = config["applications"]
     ingress = app["args"]["ingress"]
     assert ingress["max_body_bytes"] > 0 and "api_key" in ingress and "max_concurrent_requests" in ingress
-    parsed = AppArgs.model_validate(app["args"])  # the shipped config is valid as written
-    assert not parsed.debug_hooks
+    AppArgs.model_validate(app["args"])  # the shipped config is valid as written
+    with pytest.raises(ValidationError, match="debug_hooks"):  # the production app has no test hooks
+        AppArgs.model_validate(app["args"] | {"debug_hooks": True})
 
 
 def _ingress_gauges(url: str) -> tuple[float, float]:

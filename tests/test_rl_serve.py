@@ -101,7 +101,7 @@ def ckpts(tmp_path_factory) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def rl_app(serve_cluster, ckpts):
     # streams deltas (SGLang's incremental_streaming_output): they concatenate to the unary body
-    app = deploy(serve_cluster, "rl", Path(ckpts["old"]), dict(SERVE_ENGINE), num_replicas=2, debug_hooks=True,
+    app = deploy(serve_cluster, "rl", Path(ckpts["old"]), dict(SERVE_ENGINE), num_replicas=2, drills=True,
                  hold_timeout_s=3.0, incremental_streaming_output=True)
     yield app
     serve.delete(app.name)

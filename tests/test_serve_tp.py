@@ -9,19 +9,17 @@ import time
 import httpx
 import pytest
 import ray
-from conftest import SERVE_ENGINE, deploy, in_flight_then, sse_events
+from conftest import TP2_KEY as KEY
+from conftest import in_flight_then, sse_events
 from ray import serve
 
-KEY = "test-secret-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 @pytest.fixture(scope="module")
-def tp2_app(serve_cluster, tiny_checkpoints):
-    app = deploy(serve_cluster, "sdar_tp2", tiny_checkpoints["sdar"], dict(SERVE_ENGINE, tp=2),
-                 ingress={"api_key": KEY})
-    yield app
-    serve.delete(app.name)
+def tp2_app(serve_pool):
+    """The pool's `sdar_tp2`: tp=2, behind an API key."""
+    return serve_pool["sdar_tp2"]
 
 
 def tp_stats(app) -> list[dict]:

@@ -266,6 +266,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.system  # sglang-router in a process of its own
 def test_sglang_router_in_front_returns_what_the_app_returns(served_apps, tmp_path):
     """sglang-router (the package trainers put in front of SGLang servers) registers the app as its
     worker and forwards /generate with its own extra fields; the answers equal the app's own."""

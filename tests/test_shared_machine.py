@@ -65,6 +65,7 @@ def _ready_line(server: subprocess.Popen, timeout: float) -> str:
     raise AssertionError(f"blockserve serve did not answer within {timeout:g}s")
 
 
+@pytest.mark.system  # `blockserve serve` starts a cluster of its own
 def test_blockserve_serve_listens_on_loopback_only_and_refuses_a_taken_port(tmp_path):
     """At tp=2, so the tensor-parallel group's TCP store and gloo pairs are among the sockets."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_AUTH_MODE": "disabled"}
@@ -99,6 +100,7 @@ def test_blockserve_serve_listens_on_loopback_only_and_refuses_a_taken_port(tmp_
         _stop(server)
 
 
+@pytest.mark.system  # the `blockserve serve` command as typed
 @pytest.mark.parametrize("model, says", [
     ("models/nope", ["models/nope", "Hugging Face", "HF_HUB_OFFLINE"]),  # shaped like an HF id: both tries named
     ("/nonexistent/blockserve/ckpt", ["/nonexistent/blockserve/ckpt", "not a directory"]),
@@ -115,6 +117,7 @@ def test_a_wrong_model_path_exits_at_once_naming_it(model, says, tmp_path):
     assert not ray_dir.exists()  # refused before any Ray process started
 
 
+@pytest.mark.system  # the `blockserve serve` command as typed
 def test_a_directory_that_is_not_a_checkpoint_is_refused_naming_what_it_lacks(tiny_checkpoints, tmp_path):
     path = tmp_path / "sdar"
     shutil.copytree(tiny_checkpoints["sdar"], path)

@@ -10,8 +10,7 @@ import json
 import os
 
 import pytest
-from conftest import SERVE_ENGINE, deploy
-from ray import serve
+from conftest import APPS
 
 from bench.soak.__main__ import main, soak
 from bench.soak.settings import SoakSettings
@@ -21,12 +20,14 @@ SHORT = dict(prompts=1, samples=2, max_tokens=8, drill_tokens=48)
 
 
 @pytest.fixture(scope="module")
-def soak_app(serve_cluster, tiny_checkpoints):
-    app = deploy(serve_cluster, "soak", tiny_checkpoints["sdar"], dict(SERVE_ENGINE), debug_hooks=True)
-    yield app
-    serve.delete(app.name)
+def soak_app(serve_pool):
+    """The pool's `sdar_drills` (the leak test needs the drill hooks), with no tensor-parallel application
+    beside it: on one node the soak's process probe counts every TP worker as the soaked app's."""
+    serve_pool.release(*(name for name, spec in APPS.items() if spec.engine.get("tp", 1) > 1))
+    return serve_pool["sdar_drills"]
 
 
+@pytest.mark.system
 def test_a_short_soak_keeps_every_promise(soak_app, tmp_path):
     s = SoakSettings(url=soak_app.url, app=soak_app.name, iterations=4, drop_client_every=2, out=str(tmp_path),
                      **SHORT)
@@ -42,6 +43,7 @@ def test_a_short_soak_keeps_every_promise(soak_app, tmp_path):
     assert (tmp_path / "rss_mb.png").stat().st_size > 0 and (tmp_path / "summary.json").exists()
 
 
+@pytest.mark.system
 def test_a_leak_put_in_on_purpose_fails_the_soak(soak_app, tmp_path):
     argv = ["--url", soak_app.url, "--app", soak_app.name, "--iterations", "6", "--inject-leak-mb", "32",
             "--no-broadcast", "--out", str(tmp_path), *(f"--{k.replace('_', '-')}={v}" for k, v in SHORT.items())]

@@ -338,14 +338,9 @@ print("RESULT " + json.dumps(serve.get_app_handle(sys.argv[1]).generate.remote(j
 
 
 @pytest.fixture(scope="module")
-def tp2_scoring_app(serve_cluster, tiny_checkpoints):
-    from conftest import SERVE_ENGINE, deploy
-    from ray import serve
-
-    app = deploy(serve_cluster, "traj_tp2", tiny_checkpoints["sdar"], dict(SERVE_ENGINE, tp=2,
-                                                                           logprobs_mode="raw_logprobs"))
-    yield app
-    serve.delete(app.name)
+def tp2_scoring_app(serve_pool):
+    """The pool's `sdar_tp2`: tp=2 with raw_logprobs scoring, behind an API key."""
+    return serve_pool["sdar_tp2"]
 
 
 def test_http_and_handle_at_tp2_match_the_pipeline(serve_cluster, tp2_scoring_app, tiny_checkpoints):
@@ -355,7 +350,9 @@ def test_http_and_handle_at_tp2_match_the_pipeline(serve_cluster, tp2_scoring_ap
     from pathlib import Path
 
     import httpx
-    from conftest import SERVE_ENGINE, without_ids
+    from conftest import SERVE_ENGINE, TP2_KEY, without_ids
+
+    auth = {"Authorization": f"Bearer {TP2_KEY}"}
 
     prompts = [_prompt(B + 1), _prompt(B + 3, 1)]
     gen = GenerationConfig(max_new_tokens=11, ignore_eos=True, logprobs=1, return_dllm_replay=True, do_sample=True,
@@ -366,7 +363,7 @@ def test_http_and_handle_at_tp2_match_the_pipeline(serve_cluster, tp2_scoring_ap
     body = {"input_ids": prompts, "sampling_params": {"max_new_tokens": 0, "temperature": 0.8},
             "return_logprob": True, "top_logprobs_num": 1,
             "dllm_trajectory": [trajectory(o).model_dump(exclude_none=True) for o in outs]}
-    http = httpx.post(tp2_scoring_app.url + "/generate", json=body, timeout=180).json()
+    http = httpx.post(tp2_scoring_app.url + "/generate", json=body, headers=auth, timeout=180).json()
     assert isinstance(http, list) and len(http) == 2, http
     for got, want in zip(http, local):
         meta = got["meta_info"]
@@ -382,7 +379,7 @@ def test_http_and_handle_at_tp2_match_the_pipeline(serve_cluster, tp2_scoring_ap
     handle = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[7:])
     assert [without_ids(b) for b in handle] == [without_ids(b) for b in http]
     bad = dict(body, dllm_trajectory=[dict(body["dllm_trajectory"][0], step_map=[1]), body["dllm_trajectory"][1]])
-    r = httpx.post(tp2_scoring_app.url + "/generate", json=bad, timeout=60)
+    r = httpx.post(tp2_scoring_app.url + "/generate", json=bad, headers=auth, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "dllm_trajectory.step_map", r.text
 
 

@@ -30,8 +30,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import deploy
-from ray_env import SERVE_ENGINE
+from conftest import QWEN3_KEY as AR_KEY
 from selenium import webdriver
 from selenium.webdriver.chrome.options import Options
 from selenium.webdriver.chrome.service import Service
@@ -50,7 +49,6 @@ pytestmark = pytest.mark.skipif(
            "(apt-get install chromium chromium-driver; .ci/run installs them)")
 
 PROMPT = "copy [h,e,l,l,o] ->"
-AR_KEY = "viewer-test-key"
 WAIT_S = 180  # a generous bound for a page's requests on a loaded 2-core machine
 
 
@@ -70,14 +68,10 @@ def browser():
 
 
 @pytest.fixture(scope="module")
-def ar_key_app(serve_cluster, tiny_checkpoints):
-    """Tiny Qwen3 (AR) behind an API key, streaming deltas (incremental_streaming_output)."""
-    from ray import serve
-
-    app = deploy(serve_cluster, "viewer_ar", tiny_checkpoints["qwen3"], dict(SERVE_ENGINE),
-                 incremental_streaming_output=True, ingress={"api_key": AR_KEY})
-    yield app
-    serve.delete(app.name, _blocking=False)
+def ar_key_app(serve_pool):
+    """The pool's `qwen3_keyed`: tiny Qwen3 (AR) behind an API key, streaming deltas
+    (incremental_streaming_output)."""
+    return serve_pool["qwen3_keyed"]
 
 
 class _CorsFiles(SimpleHTTPRequestHandler):
