@@ -1,0 +1,207 @@
+"""Renoising decoding of DiffusionGemma against transformers' `generate()` (batch 1 after
+`torch.manual_seed(seed)`, DynamicCache, SDPA, float32 CPU): seeded requests give its tokens cut the
+same way, settle steps computed from its per-step drafts, logprobs from its last-step logits; alone,
+batched, and whatever the batch around them.
+
+The tiny checkpoint's final norm is scaled up so its canvases converge as a trained model's do
+(peaked distributions: the stop rule ends canvases after varying numbers of steps), and its
+self-conditioning output scaled down: a random network's self-conditioning amplifies float32
+rounding differences (any two implementations' ~1e-6) by 2-4x per step, so after a few steps no
+two implementations would draw alike; damped, the loop is contractive and the draws stay equal."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from configs import EngineConfig, GenerationConfig
+from engine.core.decoding.canvas_loop import CanvasDecoder
+from engine.core.decoding.renoising import RenoiseKnobs
+from engine.model.checkpoint import load_model_spec
+from engine.model.families.diffusion_gemma.reference import load_reference
+from engine.model.families.diffusion_gemma.tiny import write_tiny_diffusion_gemma
+from engine.worker.runner import ModelRunner
+
+pytest.importorskip("transformers.models.diffusion_gemma")
+PAGE = 4
+CANVAS = 16
+KNOBS = RenoiseKnobs(max_denoising_steps=12, stability_threshold=0, stop_entropy=0.8)
+SEEDS = range(5)
+PROMPT_LENGTHS = (1, 9, 40)  # 40 crosses the tiny sliding window (8)
+MAX_NEW = (16, 40, 3 * CANVAS)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One intra-op thread: a tiny model's forwards on a shared machine run many times faster."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    path = write_tiny_diffusion_gemma(tmp_path_factory.mktemp("dg") / "tiny", canvas_length=CANVAS)
+    weights = load_file(path / "model.safetensors")
+    weights["model.decoder.norm.weight"] *= 12.0
+    weights["model.decoder.self_conditioning.down_proj.weight"] *= 0.05
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+@pytest.fixture(scope="module")
+def runner(ckpt):
+    config = EngineConfig(device="cpu", kv_block_size=PAGE, num_kv_blocks=4096, max_batch_size=64,
+                          max_prefill_token_num=256)
+    return ModelRunner(load_model_spec(ckpt), config)
+
+
+class Drafts:
+    """A logits streamer: every step's processed logits, and where each canvas ended."""
+
+    _takes_logits = True
+
+    def __init__(self):
+        self.steps: list[torch.Tensor] = []
+        self.canvas_ends: list[int] = []
+
+    def put(self, value) -> None:
+        self.canvas_ends.append(len(self.steps))
+
+    def put_draft(self, logits) -> None:
+        self.steps.append(logits[0].float().clone())
+
+    def end(self) -> None:
+        pass
+
+
+def settle_steps(drafts: Drafts) -> list[int]:
+    """Per generated token: the request-wide step from which its position's argmax never changed."""
+    out, bounds = [], drafts.canvas_ends[1:]  # the first put is the prompt
+    start = 0
+    for end in bounds:
+        argmax = torch.stack([z.argmax(-1) for z in drafts.steps[start:end]])  # [steps, L]
+        final = argmax[-1]
+        for pos in range(argmax.shape[1]):
+            j = argmax.shape[0]
+            while j > 0 and argmax[j - 1, pos] == final[pos]:
+                j -= 1
+            out.append(start + j + 1)
+        start = end
+    return out
+
+
+@pytest.fixture(scope="module")
+def oracle(ckpt, runner):
+    """transformers' 3-canvas output per (seed, prompt length): tokens, settle steps, last-step logits
+    per canvas, canvases' step counts. Shorter max_new_tokens take its first canvases (the same draws)."""
+    model = load_reference(ckpt)
+    vocab = runner.model.gemma.vocab_size
+    out = {}
+    for length in PROMPT_LENGTHS:
+        prompt = torch.randint(0, vocab, (length,), generator=torch.Generator().manual_seed(100 + length)).tolist()
+        for seed in SEEDS:
+            drafts = Drafts()
+            torch.manual_seed(seed)
+            seqs = model.generate(torch.tensor([prompt]), max_new_tokens=max(MAX_NEW), streamer=drafts,
+                                  max_denoising_steps=KNOBS.max_denoising_steps, t_min=KNOBS.t_min,
+                                  t_max=KNOBS.t_max, stability_threshold=KNOBS.stability_threshold,
+                                  confidence_threshold=KNOBS.stop_entropy).sequences
+            last = [drafts.steps[e - 1] for e in drafts.canvas_ends[1:]]
+            steps = [b - a for a, b in zip(drafts.canvas_ends, drafts.canvas_ends[1:], strict=False)]
+            out[seed, length] = {"prompt": prompt, "tokens": seqs[0, length:].tolist(),
+                                 "settle": settle_steps(drafts), "last": last, "steps": steps}
+    return out
+
+
+def _decoder(runner) -> CanvasDecoder:
+    g = runner.model.gemma
+    return CanvasDecoder(runner.execute, runner.layer_groups.pools, PAGE, g.sliding_window, g.canvas_length,
+                         g.vocab_size, KNOBS)
+
+
+def _check(result, ref, max_new: int) -> None:
+    assert result.output_ids == ref["tokens"][:max_new]
+    assert result.step_map == ref["settle"][:max_new]
+    assert result.finish_reason == "length"
+    canvases = -(-max_new // CANVAS)
+    assert [c["steps"] for c in result.replay] == ref["steps"][:canvases]
+    assert {c["stop"] for c in result.replay} <= {"stable", "max_steps"}
+
+
+def test_batched_requests_equal_transformers(runner, oracle):
+    """Every (seed, prompt, max_new_tokens) in one batch of 45 requests."""
+    dec = _decoder(runner)
+    for (seed, length), ref in oracle.items():
+        for max_new in MAX_NEW:
+            dec.add(f"{seed}-{length}-{max_new}", ref["prompt"], GenerationConfig(max_new_tokens=max_new,
+                                                                                  random_seed=seed))
+    results = {r.request_id: r for r in dec.run()}
+    for (seed, length), ref in oracle.items():
+        for max_new in MAX_NEW:
+            _check(results[f"{seed}-{length}-{max_new}"], ref, max_new)
+    # the knobs made canvases end on the stop rule after varying numbers of steps
+    assert len({s for ref in oracle.values() for s in ref["steps"]}) > 1
+
+
+@pytest.mark.parametrize("size", [1, 4, 16])
+def test_batch_invariance(runner, oracle, size):
+    """A seeded request alone, with 3 others and with 15 others (other prompts, seeds, lengths)."""
+    seed, length = 3, 9
+    ref = oracle[seed, length]
+    dec = _decoder(runner)
+    dec.add("probe", ref["prompt"], GenerationConfig(max_new_tokens=40, random_seed=seed))
+    others = [k for k in oracle if k != (seed, length)]
+    for i in range(size - 1):
+        s, n = others[i % len(others)]
+        dec.add(f"other{i}", oracle[s, n]["prompt"], GenerationConfig(max_new_tokens=16 * (1 + i % 3),
+                                                                      random_seed=1000 + i))
+    result = next(r for r in dec.run() if r.request_id == "probe")
+    _check(result, ref, 40)
+
+
+@pytest.mark.parametrize("raw", [False, True])
+def test_logprobs_from_the_last_step(runner, oracle, raw):
+    seed, length = 1, 40
+    ref = oracle[seed, length]
+    dec = _decoder(runner)
+    dec.add("lp", ref["prompt"], GenerationConfig(max_new_tokens=3 * CANVAS, random_seed=seed, logprobs=2),
+            raw_logprobs=raw)
+    result = dec.run()[0]
+    _check(result, ref, 3 * CANVAS)
+    for c, z in enumerate(ref["last"]):
+        temperature = KNOBS.temperature(KNOBS.max_denoising_steps - ref["steps"][c] + 1)
+        expected = torch.log_softmax(z * temperature if raw else z, dim=-1)
+        for pos in range(CANVAS):
+            entry = result.logprobs[c * CANVAS + pos]
+            token = result.output_ids[c * CANVAS + pos]
+            assert abs(entry["logprob"] - expected[pos, token].item()) < 1e-4
+            assert [i for _, i in entry["top"]][0] == token
+
+
+def test_trace_replays_to_the_output(runner, oracle):
+    seed, length = 2, 1
+    ref = oracle[seed, length]
+    dec = _decoder(runner)
+    dec.add("tr", ref["prompt"], GenerationConfig(max_new_tokens=40, random_seed=seed, return_step_trace=True))
+    result = dec.run()[0]
+    _check(result, ref, 40)
+    canvas = [None] * 40
+    for event in result.trace:
+        for p, t in zip(event["positions"], event["token_ids"], strict=True):
+            canvas[p] = t
+        assert event["accepted"] >= 1 and event["temperature"] > 0 and event["mean_entropy"] >= 0
+    assert canvas == result.output_ids
+    assert [e["step"] for e in result.trace] == list(range(1, len(result.trace) + 1))
+    assert len(result.trace) == sum(c["steps"] for c in result.replay)
+
+
+def test_unseeded_requests_differ(runner, oracle):
+    ref = oracle[0, 9]
+    dec = _decoder(runner)
+    for i in range(2):
+        dec.add(f"u{i}", ref["prompt"], GenerationConfig(max_new_tokens=16))
+    a, b = dec.run()
+    assert a.output_ids != b.output_ids
