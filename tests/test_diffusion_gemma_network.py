@@ -16,12 +16,16 @@ from engine.model.families.diffusion_gemma.attention import CANVAS, ENCODE, Gemm
 from engine.model.families.diffusion_gemma.config import FULL, SLIDING, load_gemma_spec, parse_config
 from engine.model.families.diffusion_gemma.loading import load_gemma_weights
 from engine.model.families.diffusion_gemma.network import DiffusionGemmaNetwork
-from engine.model.families.diffusion_gemma.reference import ReferenceSequence, load_reference
+from engine.model.families.diffusion_gemma.reference import (
+    ReferenceSequence,
+    assert_close,
+    load_reference,
+    random_tokens,
+)
 from engine.model.families.diffusion_gemma.tiny import write_tiny_diffusion_gemma
 
 pytest.importorskip("transformers.models.diffusion_gemma")
 PAGE = 4
-TOL = 1e-4
 
 
 @pytest.fixture(scope="module")
@@ -86,47 +90,37 @@ class PagedEngine:
         return out
 
 
-def _tokens(n: int, seed: int, vocab: int) -> list[int]:
-    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def _close(a: torch.Tensor, b: torch.Tensor) -> None:
-    assert a.shape == b.shape
-    err = (a - b).abs().max().item()
-    assert err < TOL, err
-
-
 @pytest.mark.parametrize("prompt_len", [1, 7, 8, 9, 40])
 def test_encoder_and_canvas_match_transformers(reference, network, prompt_len):
     spec = network.spec
-    prompt = _tokens(prompt_len, prompt_len, spec.vocab_size)
-    canvas = _tokens(spec.canvas_length, 100 + prompt_len, spec.vocab_size)
+    prompt = random_tokens(prompt_len, prompt_len, spec.vocab_size)
+    canvas = random_tokens(spec.canvas_length, 100 + prompt_len, spec.vocab_size)
     ref = ReferenceSequence(reference)
     eng = PagedEngine(network)
     eng.add(0)
-    _close(eng.forward([(0, ENCODE, prompt, None)])[0], ref.encode(prompt))
+    assert_close(eng.forward([(0, ENCODE, prompt, None)])[0], ref.encode(prompt))
     first = ref.canvas(canvas)
-    _close(eng.forward([(0, CANVAS, canvas, None)])[0], first)
+    assert_close(eng.forward([(0, CANVAS, canvas, None)])[0], first)
     # the next step: a new canvas, self-conditioned on the first step's processed logits
     processed = first / 0.7
-    canvas2 = _tokens(spec.canvas_length, 200 + prompt_len, spec.vocab_size)
-    _close(eng.forward([(0, CANVAS, canvas2, processed)])[0], ref.canvas(canvas2, processed))
+    canvas2 = random_tokens(spec.canvas_length, 200 + prompt_len, spec.vocab_size)
+    assert_close(eng.forward([(0, CANVAS, canvas2, processed)])[0], ref.canvas(canvas2, processed))
 
 
 def test_commit_then_second_canvas(reference, network):
     spec = network.spec
     ref, eng = ReferenceSequence(reference), PagedEngine(network)
     eng.add(0)
-    prompt = _tokens(5, 1, spec.vocab_size)
+    prompt = random_tokens(5, 1, spec.vocab_size)
     ref.encode(prompt)
     eng.forward([(0, ENCODE, prompt, None)])
     for block in range(3):  # commits cross the window: 5 + 16 + 16 ... > 8
-        draft = _tokens(spec.canvas_length, 10 + block, spec.vocab_size)
+        draft = random_tokens(spec.canvas_length, 10 + block, spec.vocab_size)
         sc = ref.canvas(draft)
         committed = sc.argmax(-1).tolist()
-        _close(eng.forward([(0, ENCODE, committed, None)])[0], ref.encode(committed))
-        nxt = _tokens(spec.canvas_length, 20 + block, spec.vocab_size)
-        _close(eng.forward([(0, CANVAS, nxt, sc)])[0], ref.canvas(nxt, sc))
+        assert_close(eng.forward([(0, ENCODE, committed, None)])[0], ref.encode(committed))
+        nxt = random_tokens(spec.canvas_length, 20 + block, spec.vocab_size)
+        assert_close(eng.forward([(0, CANVAS, nxt, sc)])[0], ref.canvas(nxt, sc))
 
 
 def test_batched_sequences_of_different_lengths(reference, network):
@@ -135,21 +129,21 @@ def test_batched_sequences_of_different_lengths(reference, network):
     lengths = [3, 9, 21]
     refs = [ReferenceSequence(reference) for _ in lengths]
     eng = PagedEngine(network)
-    prompts = [_tokens(n, 30 + n, spec.vocab_size) for n in lengths]
+    prompts = [random_tokens(n, 30 + n, spec.vocab_size) for n in lengths]
     for s in range(len(prompts)):
         eng.add(s)
     outs = eng.forward([(s, ENCODE, p, None) for s, p in enumerate(prompts)])
     for s, p in enumerate(prompts):
-        _close(outs[s], refs[s].encode(p))
-    canvases = [_tokens(spec.canvas_length, 40 + s, spec.vocab_size) for s in range(3)]
-    commit = _tokens(spec.canvas_length, 50, spec.vocab_size)
+        assert_close(outs[s], refs[s].encode(p))
+    canvases = [random_tokens(spec.canvas_length, 40 + s, spec.vocab_size) for s in range(3)]
+    commit = random_tokens(spec.canvas_length, 50, spec.vocab_size)
     sc = torch.randn(spec.canvas_length, spec.vocab_size, generator=torch.Generator().manual_seed(3))
     outs = eng.forward([(0, CANVAS, canvases[0], None), (1, ENCODE, commit, None), (2, CANVAS, canvases[2], sc)])
-    _close(outs[0], refs[0].canvas(canvases[0]))
-    _close(outs[1], refs[1].encode(commit))
-    _close(outs[2], refs[2].canvas(canvases[2], sc))
+    assert_close(outs[0], refs[0].canvas(canvases[0]))
+    assert_close(outs[1], refs[1].encode(commit))
+    assert_close(outs[2], refs[2].canvas(canvases[2], sc))
     outs = eng.forward([(1, CANVAS, canvases[1], None)])
-    _close(outs[0], refs[1].canvas(canvases[1]))
+    assert_close(outs[0], refs[1].canvas(canvases[1]))
 
 
 def test_long_context_keeps_only_the_window_pages(reference, network):
@@ -158,15 +152,15 @@ def test_long_context_keeps_only_the_window_pages(reference, network):
     spec = network.spec
     ref, eng = ReferenceSequence(reference), PagedEngine(network, pages=1024)
     eng.add(0)
-    prompt = _tokens(3000, 7, spec.vocab_size)
+    prompt = random_tokens(3000, 7, spec.vocab_size)
     window_pages = -(-(spec.sliding_window - 1) // PAGE) + 1
     for i in range(0, len(prompt), 256):
         chunk = prompt[i: i + 256]
-        _close(eng.forward([(0, ENCODE, chunk, None)])[0], ref.encode(chunk))
+        assert_close(eng.forward([(0, ENCODE, chunk, None)])[0], ref.encode(chunk))
         assert eng.managers[SLIDING].held_pages(eng.tables[0][SLIDING]) <= window_pages
     assert eng.managers[FULL].held_pages(eng.tables[0][FULL]) == -(-3000 // PAGE)
-    canvas = _tokens(spec.canvas_length, 8, spec.vocab_size)
-    _close(eng.forward([(0, CANVAS, canvas, None)])[0], ref.canvas(canvas))
+    canvas = random_tokens(spec.canvas_length, 8, spec.vocab_size)
+    assert_close(eng.forward([(0, CANVAS, canvas, None)])[0], ref.canvas(canvas))
 
 
 def test_both_config_forms_parse_alike(ckpt):

@@ -12,14 +12,18 @@ from configs import EngineConfig
 from engine.kv.page_manager import KVPageManager, PageTable
 from engine.model.checkpoint import load_model_spec
 from engine.model.families.diffusion_gemma.config import FULL, SLIDING
-from engine.model.families.diffusion_gemma.reference import ReferenceSequence, load_reference
+from engine.model.families.diffusion_gemma.reference import (
+    ReferenceSequence,
+    assert_close,
+    load_reference,
+    random_tokens,
+)
 from engine.model.families.diffusion_gemma.tiny import write_tiny_diffusion_gemma
 from engine.worker.forward_batch import ForwardBatch
 from engine.worker.runner import ModelRunner
 
 pytest.importorskip("transformers.models.diffusion_gemma")
 PAGE = 4
-TOL = 1e-4
 
 
 @pytest.fixture(scope="module")
@@ -81,16 +85,6 @@ class Driver:
         return out
 
 
-def _tokens(n: int, seed: int, vocab: int) -> list[int]:
-    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def _close(a: torch.Tensor, b: torch.Tensor) -> None:
-    assert a.shape == b.shape
-    err = (a - b).abs().max().item()
-    assert err < TOL, err
-
-
 def test_flex_attention_refused_by_name(ckpt):
     """The canvas pass has no flex or flash kernel yet: asking for one is refused, naming the field
     (flash on a machine without it is refused by the backend selection already)."""
@@ -109,38 +103,38 @@ def test_pools_know_the_groups(runner):
 def test_requests_of_different_lengths_in_one_forward(runner, reference):
     vocab, canvas_len = runner.model.gemma.vocab_size, runner.model.gemma.canvas_length
     driver = Driver(runner)
-    prompts = {"a": _tokens(1, 1, vocab), "b": _tokens(9, 2, vocab), "c": _tokens(40, 3, vocab)}
+    prompts = {"a": random_tokens(1, 1, vocab), "b": random_tokens(9, 2, vocab), "c": random_tokens(40, 3, vocab)}
     refs = {r: ReferenceSequence(reference) for r in prompts}
     outs = driver.forward([(r, "encode", p, None, None) for r, p in prompts.items()])
     for out, (r, p) in zip(outs, prompts.items(), strict=True):
-        _close(out, refs[r].encode(p))
+        assert_close(out, refs[r].encode(p))
     temperature = 0.8
-    canvases = {r: _tokens(canvas_len, 10 + i, vocab) for i, r in enumerate(prompts)}
+    canvases = {r: random_tokens(canvas_len, 10 + i, vocab) for i, r in enumerate(prompts)}
     outs = driver.forward([(r, "canvas", c, None, temperature) for r, c in canvases.items()])
     first = {}
     for out, (r, c) in zip(outs, canvases.items(), strict=True):
         first[r] = refs[r].canvas(c)
-        _close(out, first[r])
+        assert_close(out, first[r])
     # step 2 of "a" and "c" (self-conditioned on step 1 / T), "b" commits its canvas meanwhile
-    nxt = {r: _tokens(canvas_len, 20 + i, vocab) for i, r in enumerate(prompts)}
+    nxt = {r: random_tokens(canvas_len, 20 + i, vocab) for i, r in enumerate(prompts)}
     commit_b = first["b"].argmax(-1).tolist()
     outs = driver.forward([("a", "canvas", nxt["a"], "a", None), ("b", "encode", commit_b, None, None),
                            ("c", "canvas", nxt["c"], "c", None)])
-    _close(outs[0], refs["a"].canvas(nxt["a"], first["a"] / temperature))
-    _close(outs[1], refs["b"].encode(commit_b))
-    _close(outs[2], refs["c"].canvas(nxt["c"], first["c"] / temperature))
+    assert_close(outs[0], refs["a"].canvas(nxt["a"], first["a"] / temperature))
+    assert_close(outs[1], refs["b"].encode(commit_b))
+    assert_close(outs[2], refs["c"].canvas(nxt["c"], first["c"] / temperature))
     # "b"'s second canvas after its commit
-    _close(driver.forward([("b", "canvas", nxt["b"], None, None)])[0], refs["b"].canvas(nxt["b"]))
+    assert_close(driver.forward([("b", "canvas", nxt["b"], None, None)])[0], refs["b"].canvas(nxt["b"]))
 
 
 def test_long_context_holds_only_the_window_in_sliding_pages(runner, reference):
     vocab = runner.model.gemma.vocab_size
     driver, ref = Driver(runner), ReferenceSequence(reference)
-    prompt = _tokens(3000, 5, vocab)
+    prompt = random_tokens(3000, 5, vocab)
     for i in range(0, len(prompt), 256):
         chunk = prompt[i: i + 256]
-        _close(driver.forward([("long", "encode", chunk, None, None)])[0], ref.encode(chunk))
+        assert_close(driver.forward([("long", "encode", chunk, None, None)])[0], ref.encode(chunk))
         held = driver.managers[SLIDING].held_pages(driver.tables["long"][SLIDING])
         assert held <= -(-(runner.model.gemma.sliding_window - 1) // PAGE) + 1
-    canvas = _tokens(runner.model.gemma.canvas_length, 6, vocab)
-    _close(driver.forward([("long", "canvas", canvas, None, None)])[0], ref.canvas(canvas))
+    canvas = random_tokens(runner.model.gemma.canvas_length, 6, vocab)
+    assert_close(driver.forward([("long", "canvas", canvas, None, None)])[0], ref.canvas(canvas))

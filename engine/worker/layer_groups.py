@@ -55,11 +55,16 @@ class LayerGroupPasses:
         hidden = model(ids, positions, kv_caches, meta)
         rows = torch.tensor(batch.sample_rows, dtype=torch.long, device=self.device)
         out = ForwardOutput(logits=model.logits(hidden[rows]))
+        sampled = {r: i for i, r in enumerate(batch.sample_rows)}
         row = 0
         for s, keep in enumerate(batch.keep_conditioning or [None] * n):
             if keep is not None:
                 key, temperature = keep
-                logits = model.logits(hidden[row: row + batch.q_lens[s]])
+                span = range(row, row + batch.q_lens[s])
+                if all(r in sampled for r in span):  # the canvas's logits were projected already
+                    logits = out.logits[[sampled[r] for r in span]]
+                else:
+                    logits = model.logits(hidden[span.start: span.stop])
                 self.conditioning[key] = model.soft_embedding(logits / temperature)
             row += batch.q_lens[s]
         return out

@@ -61,3 +61,15 @@ def load_reference(path) -> object:
 
     return DiffusionGemmaForBlockDiffusion.from_pretrained(str(path), dtype=torch.float32,
                                                            attn_implementation="sdpa").eval()
+
+
+def random_tokens(n: int, seed: int, vocab: int) -> list[int]:
+    """`n` seeded uniform token ids (prompts and canvases of the tests)."""
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def assert_close(a: torch.Tensor, b: torch.Tensor, tol: float = 1e-4) -> None:
+    """Same shape, max absolute difference under `tol` (the tests' bar against transformers)."""
+    assert a.shape == b.shape, (a.shape, b.shape)
+    err = (a - b).abs().max().item()
+    assert err < tol, err
