@@ -4,14 +4,17 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
-from configs.generation_config import UnmaskingStrategy
+from configs.knobs import knob_model
 
 LogprobsMode = Literal["raw_logits", "raw_logprobs", "processed_logits", "processed_logprobs"]
 
 
-class EngineConfig(BaseModel):
+EngineKnobs = knob_model("EngineKnobs", "The engine-wide decoding knobs (`configs.knobs`).", per_request=False)
+
+
+class EngineConfig(EngineKnobs):
     """How one engine replica runs. Every field is optional; defaults suit a CPU test machine.
 
     `num_kv_blocks` may be an int (pages) or a float in (0, 1] (fraction of free device memory on
@@ -39,34 +42,6 @@ class EngineConfig(BaseModel):
         2048, ge=1, description="chunked-prefill budget: most prompt tokens fed in one step"
     )
     enable_prefix_caching: bool = True
-    dllm_block_length: int | None = Field(None, ge=1)
-    dllm_unmasking_strategy: UnmaskingStrategy = "low_confidence_dynamic"
-    dllm_denoising_steps: int | None = Field(None, ge=1, description="default: the block length")
-    dllm_confidence_threshold: float = Field(
-        0.85, ge=0.0, le=1.0, description="low_confidence_dynamic: reveal every position at least this confident"
-    )
-    dllm_entropy_threshold: float = Field(
-        0.35, gt=0.0, description="entropy_bounded: reveal the lowest-entropy positions while their summed "
-        "entropy (nats) stays below this bound"
-    )
-    dllm_edit_threshold: float = Field(
-        0.0, ge=0.0, le=1.0, description="joint_threshold: rewrite a revealed token when the model's candidate for "
-        "its position differs and is more confident than this"
-    )
-    dllm_max_post_edit_steps: int = Field(
-        16, ge=0, description="joint_threshold: steps a block may keep editing after its last mask is revealed"
-    )
-    dllm_penalty_lambda: float = Field(
-        0.0, ge=0.0, allow_inf_nan=False, description="joint_threshold: lower the logit of the token at the "
-        "previous position by this much (repetition damping inside a block)"
-    )
-    dllm_sub_block_length: int = Field(
-        8, ge=1, description="Fast-dLLM v2: a block is decoded in sub-blocks of this many positions, left to right "
-        "(must divide the block length)"
-    )
-    dllm_commit_fusion: bool = Field(
-        True, description="fuse a block's commit forward with the next block's first step"
-    )
     logprobs_mode: LogprobsMode | None = Field(
         None, description="raw_* = from the model's logits; processed_* = from the distribution the sampler drew "
         "from (after penalties, temperature and top-k/top-p/min-p)"
@@ -89,10 +64,6 @@ class EngineConfig(BaseModel):
         False, description="overlap host and device: the host prepares one half of the running requests' next "
         "step while the device runs the other half's (one GPU, CUDA; elsewhere the halves just run one after the "
         "other)"
-    )
-    seed: int = Field(0, description="seed of the model's random init before loading (not of sampling)")
-    dllm_mask_token_id: int | None = Field(
-        None, ge=0, description="mask token of a block-diffusion model whose checkpoint names none"
     )
 
     @model_validator(mode="after")

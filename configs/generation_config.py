@@ -2,31 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
-
+from configs.knobs import knob_model
 from configs.limits import MAX_N, MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY
 from configs.trajectory import DllmTrajectory
 
-UnmaskingStrategy = Literal["low_confidence_dynamic", "low_confidence_static", "sequential", "entropy_bounded",
-                            "random", "joint_threshold"]
-
-
-class DllmOverrides(BaseModel):
-    """Block-diffusion settings a request may override (None = the engine's setting); the same
-    fields, with the same bounds, in `GenerationConfig` and in every HTTP request model."""
-
-    dllm_unmasking_strategy: UnmaskingStrategy | None = None
-    dllm_denoising_steps: int | None = Field(None, ge=1)
-    dllm_confidence_threshold: float | None = Field(None, ge=0.0, le=1.0)
-    dllm_entropy_threshold: float | None = Field(None, gt=0.0)
-    dllm_edit_threshold: float | None = Field(None, ge=0.0, le=1.0)
-    dllm_max_post_edit_steps: int | None = Field(None, ge=0)
-    dllm_penalty_lambda: float | None = Field(None, ge=0.0, allow_inf_nan=False)
-    dllm_block_length: int | None = Field(
-        None, ge=1, description="must equal the model's block length if given (it cannot change per request)"
-    )
+# the per-request decoding knobs (None = the engine's setting): the same fields, with the same bounds,
+# in `GenerationConfig` and in every HTTP request model
+DllmOverrides = knob_model("DllmOverrides", "Block-diffusion settings a request may override (None = the engine's "
+                           "setting).", per_request=True)
 
 
 class GenerationConfig(DllmOverrides):

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from configs import GenerationConfig
+from configs.knobs import KNOBS, request_knobs, rules_of, unusable
 from engine.errors import RequestError
 
 
@@ -95,6 +96,34 @@ def _check_scoring(limits: ModelLimits, prompt: str | list[int], ids: list[int],
     if limits.logprobs_mode is None:
         raise RequestError("this engine was started with logprobs_mode=None; restart it with logprobs_mode="
                            "'raw_logprobs' or 'raw_logits' to score inputs", "logprobs_mode")
+
+
+def _readers(paradigm: str) -> str:
+    return ", ".join(k.name for k in request_knobs() if paradigm in k.used_by) or "none"
+
+
+def check_knobs(params: GenerationConfig, paradigm: str, rule: str | None) -> None:
+    """The request's decoding knobs against the model's paradigm and the request's unmasking rule
+    (`rule`: the resolved one; None for a paradigm without rules), from the knob table: a knob the
+    paradigm does not read, a rule it does not decode with, or a `strict_rules` knob the rule does not
+    read is a RequestError naming the field."""
+    for knob in unusable(paradigm):
+        if knob.per_request and getattr(params, knob.name) is not None:
+            what = "this model is autoregressive" if paradigm == "autoregressive" else \
+                f"this model decodes with {paradigm} decoding, which reads only {_readers(paradigm)}"
+            raise RequestError(f"{knob.name} does not apply to this model: it is read by "
+                               f"{' and '.join(knob.used_by)} decoding and {what}; leave it unset", knob.name)
+    if rule is None:
+        return
+    rules = rules_of(paradigm)
+    if rule not in rules:
+        raise RequestError(f"dllm_unmasking_strategy={rule!r} does not apply to this model ({paradigm} decoding); "
+                           f"leave it unset or use {' or '.join(rules)}", "dllm_unmasking_strategy")
+    for knob in KNOBS.values():
+        if knob.per_request and knob.strict_rules and rule not in knob.rules and getattr(params, knob.name) is not None:
+            raise RequestError(f"{knob.name} applies to the unmasking rule {' or '.join(knob.rules)} only and this "
+                               f"request decodes with {rule}: set dllm_unmasking_strategy to "
+                               f"{' or '.join(map(repr, knob.rules))}, or leave {knob.name} unset", knob.name)
 
 
 def process_input(tokenizer: Any, limits: ModelLimits, prompt: str | list[int], params: GenerationConfig

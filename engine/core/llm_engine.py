@@ -23,6 +23,7 @@ from dataclasses import asdict
 from typing import TypeVar
 
 from configs import EngineConfig, GenerationConfig
+from configs.knobs import request_knobs
 from engine.carrier import OutputChunk, Response
 from engine.core.batch import build_batch
 from engine.core.decoding import DecodingStrategy, PickedRows, strategy_for
@@ -59,9 +60,8 @@ T = TypeVar("T")
 
 # Request fields that shape the sampling distribution (named when a request's step fails).
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "do_sample", "random_seed",
-                    "min_new_tokens", "stop_token_ids", "dllm_unmasking_strategy", "dllm_denoising_steps",
-                    "dllm_confidence_threshold", "dllm_entropy_threshold", "dllm_edit_threshold",
-                    "dllm_max_post_edit_steps", "dllm_penalty_lambda")
+                    "min_new_tokens", "stop_token_ids",
+                    *(k.name for k in request_knobs() if k.name != "dllm_block_length"))
 
 
 def _merged(chunks: list[OutputChunk]) -> OutputChunk:
@@ -143,24 +143,7 @@ class LLMEngine:
 
     def unmasking_settings(self, p: GenerationConfig) -> UnmaskingSettings:
         """The request's block-diffusion knobs over the engine's defaults."""
-        cfg = self.config
-        if p.dllm_block_length is not None and p.dllm_block_length != self.block_length:
-            raise RequestError(f"dllm_block_length={p.dllm_block_length}: this model decodes blocks of "
-                               f"{self.block_length} tokens and the block length cannot change per request; "
-                               "leave it unset", "dllm_block_length")
-
-        def pick(value, default):
-            return default if value is None else value
-
-        return UnmaskingSettings(
-            strategy=pick(p.dllm_unmasking_strategy, cfg.dllm_unmasking_strategy),
-            denoising_steps=pick(p.dllm_denoising_steps, cfg.dllm_denoising_steps or self.block_length),
-            confidence_threshold=pick(p.dllm_confidence_threshold, cfg.dllm_confidence_threshold),
-            entropy_threshold=pick(p.dllm_entropy_threshold, cfg.dllm_entropy_threshold),
-            edit_threshold=pick(p.dllm_edit_threshold, cfg.dllm_edit_threshold),
-            max_post_edit_steps=pick(p.dllm_max_post_edit_steps, cfg.dllm_max_post_edit_steps),
-            penalty_lambda=pick(p.dllm_penalty_lambda, cfg.dllm_penalty_lambda),
-        )
+        return UnmaskingSettings.resolve(p, self.config, self.block_length)
 
     def abort(self, request_id: str) -> OutputChunk | None:
         """Stop a request now and free its pages; returns its final chunk (finish_reason abort)."""

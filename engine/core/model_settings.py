@@ -7,10 +7,15 @@ config). `EngineStats` are the replica's counters (metrics, benches).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from configs import EngineConfig
+from configs.knobs import ENGINE_WIDE_IGNORED, PARADIGMS, rules_of, unusable
+from engine.core.decoding import paradigm_of
 from engine.model.checkpoint import ModelSpec
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -46,9 +51,35 @@ def resolve_block_length(config: EngineConfig, spec: ModelSpec) -> int | None:
     return config.dllm_block_length or spec.block_size or spec.family.default_block_length
 
 
+def check_engine_knobs(config: EngineConfig, spec: ModelSpec) -> None:
+    """Each engine-wide `dllm_*` knob set (to anything but its default) must be one the model's paradigm
+    reads, and the unmasking rule one it decodes with (the knob table, `configs.knobs`); a ValueError
+    names the field otherwise. A paradigm in `ENGINE_WIDE_IGNORED` logs the knobs it ignores instead."""
+    paradigm, model_type = paradigm_of(spec.family), spec.family.model_type
+    if paradigm not in PARADIGMS:
+        return  # no decoding strategy: `strategy_for` refuses the model
+    what = "autoregressive" if paradigm == "autoregressive" else f"decoded with {paradigm} decoding"
+    unused = {k.name: (k, getattr(config, k.name)) for k in unusable(paradigm) if k.name in config.model_fields_set}
+    unused = {name: (k, v) for name, (k, v) in unused.items() if v != k.default}
+    if unused and paradigm in ENGINE_WIDE_IGNORED:
+        log.warning("model_type %r is %s: it ignores the engine settings %s", model_type, what,
+                    ", ".join(f"{name}={v!r}" for name, (_, v) in unused.items()))
+        return
+    if unused:
+        name, (knob, value) = next(iter(unused.items()))
+        raise ValueError(f"{name}={value!r} does not apply to this model: model_type {model_type!r} is {what} and "
+                         f"{name} is read by {' and '.join(knob.used_by)} decoding; leave it unset")
+    rules, rule = rules_of(paradigm), config.dllm_unmasking_strategy
+    if rules and rule not in rules:
+        raise ValueError(f"dllm_unmasking_strategy={rule!r} does not apply to this model: model_type "
+                         f"{model_type!r} is {what}, which decodes with {' or '.join(rules)}; leave it unset")
+
+
 def with_family_defaults(config: EngineConfig, spec: ModelSpec) -> EngineConfig:
-    """`config` with the model family's published decoding defaults for the `dllm_*` fields the user
-    left unset (e.g. LLaDA2's threshold 0.95); fields the user set are kept."""
+    """`config`, its knobs checked (`check_engine_knobs`), with the model family's published decoding
+    defaults for the `dllm_*` fields the user left unset (e.g. LLaDA2's threshold 0.95); fields the
+    user set are kept."""
+    check_engine_knobs(config, spec)
     defaults = {k: v for k, v in spec.family.decoding_defaults.items() if k not in config.model_fields_set}
     return config.model_copy(update=defaults) if defaults else config
 

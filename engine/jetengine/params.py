@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from configs import EngineConfig, GenerationConfig
+from configs.knobs import upstream_names
 from engine.upstream_fields import HALF_DTYPES, engine_dtype, refuse_unsupported, validated
 
 
@@ -36,11 +37,8 @@ class SamplingParams:
     seed: int | None = None
 
 
-_SAMPLING_NAMES = {"max_new_tokens": "max_tokens", "top_k": "topk", "top_p": "topp",
-                   "dllm_block_length": "block_length", "dllm_denoising_steps": "denoising_steps",
-                   "dllm_confidence_threshold": "dynamic_threshold", "dllm_entropy_threshold": "eb_threshold",
-                   "dllm_unmasking_strategy": "remasking_strategy", "stop_token_ids": "stop_words",
-                   "random_seed": "seed"}
+_SAMPLING_NAMES = {"max_new_tokens": "max_tokens", "top_k": "topk", "top_p": "topp", "stop_token_ids": "stop_words",
+                   "random_seed": "seed", **upstream_names("jetengine.sampling")}
 
 
 def to_generation_config(sp: SamplingParams) -> GenerationConfig:
@@ -52,10 +50,8 @@ def to_generation_config(sp: SamplingParams) -> GenerationConfig:
     values = dict(max_new_tokens=sp.max_tokens, do_sample=True, temperature=sp.temperature, top_k=sp.topk,
                   top_p=sp.topp, repetition_penalty=sp.repetition_penalty, random_seed=sp.seed,
                   ignore_eos=sp.ignore_eos or sp.stop_words is not None, stop_token_ids=stop_ids,
-                  dllm_block_length=sp.block_length, dllm_denoising_steps=sp.denoising_steps,
-                  dllm_confidence_threshold=sp.dynamic_threshold, dllm_entropy_threshold=sp.eb_threshold,
-                  dllm_unmasking_strategy=sp.remasking_strategy, skip_special_tokens=False,
-                  include_stop_str_in_output=True, return_dllm_replay=True)
+                  skip_special_tokens=False, include_stop_str_in_output=True, return_dllm_replay=True,
+                  **{knob: getattr(sp, name) for knob, name in upstream_names("jetengine.sampling").items()})
     return validated(GenerationConfig, values, "SamplingParams", _SAMPLING_NAMES)
 
 
@@ -89,8 +85,7 @@ _CONFIG_UNSUPPORTED = {"diversity_enforce": False, "epsilon_greedy": False, "hf_
 
 _CONFIG_NAMES = {"max_prefill_token_num": "max_num_batched_tokens", "max_batch_size": "max_num_seqs",
                  "tp": "tensor_parallel_size", "cuda_graphs": "enforce_eager", "kv_block_size": "kvcache_block_size",
-                 "num_kv_blocks": "num_kvcache_blocks", "dllm_mask_token_id": "mask_token_id",
-                 "dllm_block_length": "block_length"}
+                 "num_kv_blocks": "num_kvcache_blocks", **upstream_names("jetengine.config")}
 
 
 def to_engine_config(config: Config, model_max_len: int, on_cuda: bool) -> EngineConfig:

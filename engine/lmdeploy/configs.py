@@ -13,6 +13,7 @@ from typing import Any
 
 from configs import EngineConfig
 from configs import GenerationConfig as EngineGenerationConfig
+from configs.knobs import upstream_names
 from engine.upstream_fields import HALF_DTYPES, engine_dtype, refuse_unsupported, validated
 
 
@@ -152,9 +153,8 @@ def to_engine_config(config: PytorchEngineConfig, on_cuda: bool) -> EngineConfig
         kv_block_size=config.block_size, max_prefill_token_num=config.max_prefill_token_num,
         num_kv_blocks=config.num_gpu_blocks if config.num_gpu_blocks > 0 else float(config.cache_max_entry_count),
         enable_prefix_caching=config.enable_prefix_caching, cuda_graphs=not config.eager_mode,
-        logprobs_mode=config.logprobs_mode, dllm_block_length=config.dllm_block_length,
-        dllm_unmasking_strategy=config.dllm_unmasking_strategy, dllm_denoising_steps=config.dllm_denoising_steps,
-        dllm_confidence_threshold=config.dllm_confidence_threshold)
+        logprobs_mode=config.logprobs_mode,
+        **{knob: getattr(config, name) for knob, name in upstream_names("lmdeploy").items()})
     if config.max_batch_size is not None:
         values["max_batch_size"] = config.max_batch_size
     return validated(EngineConfig, values, "PytorchEngineConfig", _ENGINE_NAMES)

@@ -125,7 +125,6 @@ class ModelRunner:
                                               config.kv_block_size, spec.head_dim)
         self.dllm_block_length = None
         self.tp = tp or TPContext()
-        torch.manual_seed(config.seed)
         self.model: PreNormDecoderLM | None = self._prepare(build_model(spec, self.device, self.dtype, tp))
         # a network whose layers form groups of their own K/V geometry sizes and runs them itself
         self.layer_groups = (LayerGroupPasses(self.model, config, self.device, self.dtype, self.tp.size,

@@ -1,7 +1,8 @@
-"""Decoding paradigms behind one interface (`DecodingStrategy`): autoregressive and block diffusion.
+"""Decoding paradigms behind one interface (`DecodingStrategy`): autoregressive, block diffusion and
+sub-block decoding, each running the request's unmasking rule (`engine.core.decoding.rules`).
 
-`strategy_for` picks a model family's strategy: autoregressive for causal LMs; for block-diffusion
-families, the one their `block_decoding` names.
+`strategy_for` picks a model family's strategy by its paradigm (`paradigm_of`: its `block_decoding`,
+or autoregressive for causal LMs), the name the knob table (`configs.knobs`) declares knobs for.
 """
 
 from __future__ import annotations
@@ -13,18 +14,23 @@ from engine.core.decoding.block_diffusion import BlockDiffusionDecoding
 from engine.core.decoding.sub_block import SubBlockDecoding
 from engine.model.families import ModelFamily
 
+STRATEGIES: dict[str, type[DecodingStrategy]] = {
+    s.paradigm: s for s in (AutoregressiveDecoding, BlockDiffusionDecoding, SubBlockDecoding)}
+
+
+def paradigm_of(family: ModelFamily) -> str | None:
+    """The family's decoding paradigm, as the knob table names it (None: a diffusion family that names
+    no block decoding, which no strategy here runs)."""
+    return family.block_decoding if family.is_dllm else "autoregressive"
+
 
 def strategy_for(family: ModelFamily, config: EngineConfig, mask_id: int | None) -> DecodingStrategy:
     """The decoding strategy of `family` under `config` (whose `dllm_block_length` is resolved)."""
-    if not family.is_dllm:
-        return AutoregressiveDecoding()
-    if family.block_decoding == "block":
-        return BlockDiffusionDecoding(config.dllm_block_length, mask_id, config.dllm_commit_fusion)
-    if family.block_decoding == "sub_block":
-        return SubBlockDecoding.from_config(config, mask_id)
-    raise ValueError(f"model_type {family.model_type!r}: no decoding strategy for block_decoding="
-                     f"{family.block_decoding!r}")
+    paradigm = paradigm_of(family)
+    if paradigm not in STRATEGIES:
+        raise ValueError(f"model_type {family.model_type!r}: no decoding strategy for block_decoding={paradigm!r}")
+    return STRATEGIES[paradigm].from_config(config, mask_id)
 
 
 __all__ = ["AutoregressiveDecoding", "BlockDiffusionDecoding", "DecodingStrategy", "PickedRows", "SubBlockDecoding",
-           "strategy_for"]
+           "paradigm_of", "strategy_for"]

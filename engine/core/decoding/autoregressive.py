@@ -2,21 +2,17 @@
 
 from __future__ import annotations
 
-from configs import GenerationConfig
+from configs import EngineConfig
 from engine.core.decoding.base import DecodingStrategy, PickedRows
-from engine.core.decoding.editing import EDITING_FIELDS
 from engine.core.sequence import Sequence
-from engine.errors import RequestError
 
 
 class AutoregressiveDecoding(DecodingStrategy):
     needs_confidence = False
 
-    def check_request(self, params: GenerationConfig, settings: object) -> None:
-        for name in EDITING_FIELDS:
-            if getattr(params, name) is not None:
-                raise RequestError(f"{name} is a token-editing knob of block-diffusion models and this model is "
-                                   f"autoregressive: leave it unset", name)
+    @classmethod
+    def from_config(cls, config: EngineConfig, mask_id: int | None) -> AutoregressiveDecoding:
+        return cls()
 
     def start(self, seq: Sequence) -> None:
         """Nothing to prepare: the prompt is fed, the first token is sampled from its last row."""

@@ -5,6 +5,28 @@ asks what to feed (`feed_target`) and which positions' logits pick tokens (`samp
 hands the picked tokens back (`advance`), then asks how much of the output is final
 (`num_final`) and feeds those tokens to the stop rule; when the request goes on, `after_step`
 prepares the next step (block diffusion: opens the next block).
+
+What a paradigm reads of the request is declared in `configs.knobs` under its `paradigm` name
+(the default `check_request` refuses the rest); what differs between unmasking rules inside a
+paradigm is the rule object's (`engine.core.decoding.rules`), so a strategy holds no branch per rule.
+
+The interface does not assume that a shown token is final. A paradigm whose tokens change after
+they are shown -- e.g. a *renoising canvas*, where every position of a canvas is rewritten each
+step, a separate forward commits the canvas without sampling, and tokens are final only when the
+canvas ends -- maps onto it as follows:
+
+- `start` appends the canvas (its initial noise tokens); `sample_positions` returns every canvas
+  position each step, and `advance` rewrites all of them and returns every index it wrote;
+- `provisional_writes` is True: the step trace shows the rewrites, the output is bounded only by
+  final tokens;
+- `num_final` stays at the canvas' start until the canvas ends, so the stop rule (and streaming)
+  sees only committed tokens, as it does for token editing;
+- the committing forward is a `feed_target` of `(canvas end, False)`: a forward that writes the
+  canvas' final K/V and samples nothing; `computed_after` returns the canvas' start while it is
+  being rewritten and its end after that commit;
+- `after_step` opens the next canvas once the current one has ended; `cacheable_prefix` is the
+  committed prefix only;
+- `lowered_logits` and `row_params` shape the logits and the sampling of each step's rows.
 """
 
 from __future__ import annotations
@@ -13,7 +35,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from configs import GenerationConfig
+from configs import EngineConfig, GenerationConfig
+from engine.core.input_processing import check_knobs
 from engine.core.sequence import Sequence
 
 if TYPE_CHECKING:
@@ -32,13 +55,23 @@ class PickedRows:
 
 
 class DecodingStrategy(ABC):
+    #: the paradigm's name in the knob table (`configs.knobs.PARADIGMS`): which knobs and rules it reads
+    paradigm: str = "autoregressive"
     #: feeds must end on multiples of this (a block-causal query sees its whole block)
     chunk_alignment: int = 1
     #: whether the unmasking needs the confidence of every sampled row
     needs_confidence: bool = True
 
-    def check_request(self, params: GenerationConfig, settings: UnmaskingSettings | None) -> None:  # noqa: B027
-        """Raise RequestError naming the field when a request asks for what this strategy cannot do."""
+    def check_request(self, params: GenerationConfig, settings: UnmaskingSettings | None) -> None:
+        """Raise RequestError naming the field when a request asks for what this strategy cannot do:
+        by default, what the knob table refuses for its paradigm and the request's rule."""
+        check_knobs(params, self.paradigm, None if settings is None else settings.strategy)
+
+    @classmethod
+    @abstractmethod
+    def from_config(cls, config: EngineConfig, mask_id: int | None) -> DecodingStrategy:
+        """The strategy of an engine config whose `dllm_block_length` is resolved and whose knobs were
+        checked against this paradigm when the engine was built."""
 
     @abstractmethod
     def start(self, seq: Sequence) -> None:

@@ -15,7 +15,11 @@ steps. With fusion off, a separate forward commits the finished block first.
 reveals at least one token); a token's value is the counter of the step that revealed it.
 `block_step_map`: the 1-based index of that step within the token's own block.
 
-Token editing (a rule of `engine.core.decoding.editing`, e.g. `joint_threshold`) generalises this:
+What differs between unmasking rules is the rule object's (`engine.core.decoding.rules`): which
+positions a step samples, what it does to the logits, which tokens it writes, when they are final
+and when the block ends; this strategy calls the request's rule and holds no branch per rule.
+
+Token editing (an `EditRule`, e.g. `joint_threshold`) generalises this:
 every generated position of the block is sampled each step, a step may also rewrite revealed
 tokens, and the block ends only on a step that writes nothing (or past its post-edit budget). So a
 block's tokens are final only when it ends: `num_final` stops at the block's start until then, the
@@ -29,45 +33,35 @@ forward: no block spends a forward only to end or to persist.
 
 from __future__ import annotations
 
-from configs import GenerationConfig
+from configs import EngineConfig, GenerationConfig
 from engine.core.decoding.base import DecodingStrategy, PickedRows
-from engine.core.decoding.editing import EDITING_FIELDS, EDITING_RULES, BlockRows, budget_spent
-from engine.core.decoding.unmasking import NEEDS_ENTROPY, RULES, UnmaskingSettings, choose_rows, tokens_this_step
+from engine.core.decoding.rules import RULES, DecodingRule
+from engine.core.decoding.unmasking import UnmaskingSettings
 from engine.core.sequence import DLLMBlock, Sequence
-from engine.errors import RequestError
-
-
-def step_seed(seq: Sequence) -> int:
-    """The seed of a rule's draws at the sequence's current step: its seed mixed with its step counter."""
-    return (seq.seed * 1_000_003 + seq.step_counter) & ((1 << 63) - 1)
 
 
 class BlockDiffusionDecoding(DecodingStrategy):
+    paradigm = "block"
+
     def __init__(self, block_length: int, mask_id: int, commit_fusion: bool = True):
         self.block_length = block_length
         self.mask_id = mask_id
         self.commit_fusion = commit_fusion
         self.chunk_alignment = block_length
 
+    @classmethod
+    def from_config(cls, config: EngineConfig, mask_id: int) -> BlockDiffusionDecoding:
+        """The strategy of an engine config whose `dllm_block_length` is resolved."""
+        return cls(config.dllm_block_length, mask_id, config.dllm_commit_fusion)
+
     def check_request(self, params: GenerationConfig, settings: UnmaskingSettings) -> None:
-        if settings.strategy in EDITING_RULES:
-            if params.dllm_trajectory is not None:
-                raise RequestError(f"dllm_trajectory: a rollout decoded with token editing ({settings.strategy}) "
-                                   "cannot be scored: its tokens' inputs changed after they were written; score "
-                                   "rollouts decoded without edits", "dllm_trajectory")
-            return
-        if settings.strategy not in RULES:
-            raise RequestError(f"dllm_unmasking_strategy={settings.strategy!r} does not apply to this model; "
-                               f"use one of {', '.join([*RULES, *EDITING_RULES])}", "dllm_unmasking_strategy")
-        for name in EDITING_FIELDS:
-            if getattr(params, name) is not None:
-                raise RequestError(f"{name} applies to token editing only: set dllm_unmasking_strategy to "
-                                   f"{' or '.join(map(repr, EDITING_RULES))}, or leave {name} unset", name)
+        super().check_request(params, settings)
+        RULES[settings.strategy].check_request(params)
 
     @staticmethod
-    def edits(seq: Sequence) -> bool:
-        """Whether the sequence decodes with a token-editing rule."""
-        return seq.unmasking.strategy in EDITING_RULES
+    def rule(seq: Sequence) -> DecodingRule:
+        """The unmasking rule the sequence decodes with."""
+        return RULES[seq.unmasking.strategy]
 
     def start(self, seq: Sequence) -> None:
         seq.stop_bound = seq.params.max_new_tokens
@@ -99,17 +93,10 @@ class BlockDiffusionDecoding(DecodingStrategy):
         return seq.block.end - seq.num_computed <= 2 * self.block_length
 
     def sample_positions(self, seq: Sequence, end: int) -> list[int]:
-        if self.edits(seq):  # every generated position of the block: revealed ones may be rewritten
-            return list(range(max(seq.block.start, seq.prompt_len), seq.block.end))
-        return list(seq.block.masked)
+        return self.rule(seq).sample_positions(seq)
 
     def lowered_logits(self, seq: Sequence, positions: list[int]) -> tuple[float, list[int]] | None:
-        """Token editing's λ penalty: at each position but the block's first, the token now at the
-        position before it."""
-        amount = seq.unmasking.penalty_lambda
-        if not amount or not self.edits(seq):
-            return None
-        return amount, [seq.tokens[p - 1] if p > seq.block.start else -1 for p in positions]
+        return self.rule(seq).lowered_logits(seq, positions)
 
     def token_index(self, seq: Sequence, position: int) -> int:
         return position - seq.prompt_len  # logits at p decide token p (no shift)
@@ -118,75 +105,17 @@ class BlockDiffusionDecoding(DecodingStrategy):
         return seq.block.start if sampled else end  # the block being denoised changes until revealed
 
     def wants_entropy(self, seq: Sequence) -> bool:
-        return seq.unmasking.strategy in NEEDS_ENTROPY
+        return self.rule(seq).needs_entropy
 
     def provisional_writes(self, seq: Sequence) -> bool:
-        return self.edits(seq)
+        return self.rule(seq).edits
 
     def advance(self, seq: Sequence, rows: PickedRows) -> list[int]:
-        if self.edits(seq):
-            return self._edit(seq, rows)
-        block, settings = seq.block, seq.unmasking
-        n = tokens_this_step(block.num_masked_at_start, settings.denoising_steps, block.step_index)
-        positions = rows.positions
-        chosen = choose_rows(rows.confidence, rows.entropy or [0.0] * len(positions), n, settings, step_seed(seq))
-        seq.step_counter += 1
-        block.step_index += 1
-        revealed = [self.write(seq, positions[i], rows.tokens[i], rows.logprobs[i]) for i in chosen]
-        if len(chosen) == len(positions):
-            block.masked = []
-        else:
-            chosen_set = set(chosen)
-            block.masked = [p for i, p in enumerate(positions) if i not in chosen_set]
-        return revealed
-
-    def _edit(self, seq: Sequence, rows: PickedRows) -> list[int]:
-        """One step of a token-editing rule: write what it picks, or end the block."""
-        block, positions = seq.block, rows.positions
-        masked = [seq.tokens[p] == self.mask_id for p in positions]
-        if not any(masked):
-            block.post_edit_steps += 1
-        view = BlockRows([seq.tokens[p] for p in positions], rows.tokens, rows.confidence, masked)
-        writes = EDITING_RULES[seq.unmasking.strategy](view, block.post_edit_steps, seq.unmasking)
-        if writes is None:  # this forward fed the final tokens: keep its K/V as the block's commit
-            block.ended, block.masked = True, []
-            seq.num_computed = max(seq.num_computed, block.end)
-            return []
-        seq.step_counter += 1
-        block.step_index += 1
-        written = [self.write(seq, positions[i], rows.tokens[i], rows.logprobs[i], final=False) for i in writes]
-        block.masked = [p for p in positions if seq.tokens[p] == self.mask_id]
-        if not block.masked and budget_spent(block.post_edit_steps, seq.unmasking):
-            # the next step could only end the block: its tokens are final now, and their K/V ride on
-            # the next block's first forward (as after a last reveal), which spares that step's forward
-            block.ended = True
-        return written
-
-    @staticmethod
-    def write(seq: Sequence, position: int, token: int, logprob: dict | None, final: bool = True) -> int:
-        """Write `token` at `position` in the current step (the counters already advanced); returns its
-        generated index. A `final` stop id outside `min_new_tokens` bounds the output (an editing
-        rule's writes are not final: the stop rule reads them when their block ends)."""
-        g = position - seq.prompt_len
-        seq.tokens[position] = token
-        seq.out_steps[g] = seq.step_counter
-        seq.out_block_steps[g] = seq.block.step_index
-        seq.out_logprobs[g] = logprob
-        seq.penalty_ids.add(token)
-        if final and token in seq.stop_ids and g >= seq.params.min_new_tokens:
-            seq.stop_bound = min(seq.stop_bound, g + 1)
-        return g
+        return self.rule(seq).advance(seq, rows, self.mask_id)
 
     def num_final(self, seq: Sequence) -> int:
-        if self.edits(seq):  # a block's tokens are final when it ends
-            block = seq.block
-            return max(0, (block.end if block.ended else block.start) - seq.prompt_len)
-        n, limit = seq.num_revealed, seq.num_generated_positions
-        while n < limit and seq.out_steps[n] is not None:
-            n += 1
-        seq.num_revealed = n
-        return n
+        return self.rule(seq).num_final(seq)
 
     def after_step(self, seq: Sequence) -> None:
-        if seq.block.ended if self.edits(seq) else not seq.block.masked:
+        if self.rule(seq).block_done(seq):
             self._open_block(seq)

@@ -26,7 +26,6 @@ token at the position before it; it is applied to the logits before the sampler 
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.core.decoding.unmasking import UnmaskingSettings, above_threshold_or_best
@@ -64,10 +63,3 @@ def budget_spent(post_edit_steps: int, settings: UnmaskingSettings) -> bool:
     """Whether a block without masks, after `post_edit_steps` post-edit steps, ends at its next step
     writing nothing: that step would exceed `max_post_edit_steps`."""
     return post_edit_steps >= settings.max_post_edit_steps
-
-
-EditingRule = Callable[[BlockRows, int, UnmaskingSettings], "list[int] | None"]
-
-EDITING_RULES: dict[str, EditingRule] = {"joint_threshold": joint_threshold}
-# request fields only an editing rule reads
-EDITING_FIELDS = ("dllm_edit_threshold", "dllm_max_post_edit_steps", "dllm_penalty_lambda")

@@ -23,16 +23,17 @@ from __future__ import annotations
 from configs import EngineConfig, GenerationConfig
 from engine.core.decoding.base import PickedRows
 from engine.core.decoding.block_diffusion import BlockDiffusionDecoding
-from engine.core.decoding.editing import EDITING_FIELDS
-from engine.core.decoding.unmasking import UnmaskingSettings, above_threshold_or_best
+from engine.core.decoding.rules import write_token
+from engine.core.decoding.unmasking import above_threshold_or_best
 from engine.core.sequence import Sequence
-from engine.errors import RequestError
-
-# request fields of other unmasking rules that this decoding has no use for
-_NOT_APPLICABLE = ("dllm_denoising_steps", "dllm_entropy_threshold", *EDITING_FIELDS)
 
 
 class SubBlockDecoding(BlockDiffusionDecoding):
+    """Decodes with `low_confidence_dynamic` only (the knob table's `sub_block` rules): its own reveal
+    step replaces the rule's choice; the rule's finality and block end (reveal-only) are kept."""
+
+    paradigm = "sub_block"
+
     def __init__(self, block_length: int, sub_block_length: int, mask_id: int):
         if sub_block_length < 1 or block_length % sub_block_length:
             raise ValueError(f"dllm_sub_block_length={sub_block_length} must be >= 1 and divide the block "
@@ -42,26 +43,9 @@ class SubBlockDecoding(BlockDiffusionDecoding):
 
     @classmethod
     def from_config(cls, config: EngineConfig, mask_id: int) -> SubBlockDecoding:
-        """The strategy of an engine config whose `dllm_block_length` is resolved; engine-wide knobs that
-        do not apply to sub-block decoding are a ValueError naming them."""
-        if config.dllm_unmasking_strategy != "low_confidence_dynamic":
-            raise ValueError(f"dllm_unmasking_strategy={config.dllm_unmasking_strategy!r} does not apply to this "
-                             "model (sub-block decoding with dllm_confidence_threshold); leave it unset")
-        if config.dllm_denoising_steps is not None:
-            raise ValueError("dllm_denoising_steps does not apply to this model (a sub-block takes as many steps as "
-                             "its threshold needs); leave it unset")
+        """The strategy of an engine config whose `dllm_block_length` is resolved (its knobs were checked
+        against the paradigm when the engine was built)."""
         return cls(config.dllm_block_length, config.dllm_sub_block_length, mask_id)
-
-    def check_request(self, params: GenerationConfig, settings: UnmaskingSettings) -> None:
-        if settings.strategy != "low_confidence_dynamic":
-            raise RequestError(f"dllm_unmasking_strategy={settings.strategy!r} does not apply to this model: it "
-                               "reveals every position of the current sub-block above dllm_confidence_threshold, "
-                               "else the most confident one; leave it unset or use low_confidence_dynamic",
-                               "dllm_unmasking_strategy")
-        for name in _NOT_APPLICABLE:
-            if getattr(params, name) is not None:
-                raise RequestError(f"{name} does not apply to this model (sub-block decoding takes only "
-                                   "dllm_confidence_threshold); leave it unset", name)
 
     @staticmethod
     def _inheriting(seq: Sequence) -> bool:
@@ -108,7 +92,7 @@ class SubBlockDecoding(BlockDiffusionDecoding):
             chosen = above_threshold_or_best(rows.confidence, seq.unmasking.confidence_threshold)
         seq.step_counter += 1
         block.step_index += 1
-        revealed = [self.write(seq, rows.positions[i] + 1, rows.tokens[i], rows.logprobs[i]) for i in chosen]
+        revealed = [write_token(seq, rows.positions[i] + 1, rows.tokens[i], rows.logprobs[i]) for i in chosen]
         written = {seq.prompt_len + g for g in revealed}
         block.masked = [p for p in block.masked if p not in written]
         return revealed

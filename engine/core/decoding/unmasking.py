@@ -1,13 +1,14 @@
 """Unmasking rules: which masked positions of a block one denoising step reveals.
 
-A rule is one function `rule(confidence, entropy, n, settings, step_seed) -> chosen` registered in
-`RULES` under the name users pass as `dllm_unmasking_strategy`; adding a strategy is adding one
-function here. `step_seed` is the request's seed mixed with its step counter, for rules that draw.
+A rule's choice is one function `rule(confidence, entropy, n, settings, step_seed) -> chosen`; the
+rule object that runs it (`engine.core.decoding.rules.RULES`, under the name users pass as
+`dllm_unmasking_strategy`) is declared beside its knobs in `configs.knobs`. `step_seed` is the
+request's seed mixed with its step counter, for rules that draw.
 
 The candidates are the block's still-masked positions in ascending order, given as columns (one
 entry per candidate, so a step makes no per-candidate objects): `confidence`, the probability of its
 candidate token under the distribution the sampler drew from, and `entropy`, the entropy of that
-distribution (nats; computed only for the rules in `NEEDS_ENTROPY`). `n` is the step's quota: with M
+distribution (nats; computed only for the rules that need it). `n` is the step's quota: with M
 positions masked when the block opened and S denoising steps, the block's s-th step (s = 0, 1, ...)
 has `n_s = M // S + (1 if s < M % S else 0)`. A rule returns the indices of at least one and at most
 all candidates. Ties break toward the lower position.
@@ -19,10 +20,16 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from configs import EngineConfig, GenerationConfig
+from configs.knobs import request_knobs
+from engine.errors import RequestError
+
 
 @dataclass(frozen=True)
 class UnmaskingSettings:
-    """A request's block-diffusion knobs, resolved once from the request and the engine defaults."""
+    """A request's block-diffusion knobs, resolved once from the request and the engine defaults
+    (one attribute per per-request knob of `configs.knobs` but the block length, named by its
+    `setting`)."""
 
     strategy: str
     denoising_steps: int
@@ -31,6 +38,22 @@ class UnmaskingSettings:
     edit_threshold: float = 0.0
     max_post_edit_steps: int = 16
     penalty_lambda: float = 0.0
+
+    @classmethod
+    def resolve(cls, params: GenerationConfig, config: EngineConfig, block_length: int) -> UnmaskingSettings:
+        """The request's knobs over the engine's (`config`, family defaults applied); a request's
+        `dllm_block_length` must equal the model's."""
+        if params.dllm_block_length is not None and params.dllm_block_length != block_length:
+            raise RequestError(f"dllm_block_length={params.dllm_block_length}: this model decodes blocks of "
+                               f"{block_length} tokens and the block length cannot change per request; leave it "
+                               "unset", "dllm_block_length")
+        values = {}
+        for knob in request_knobs():
+            if knob.name != "dllm_block_length":
+                value = getattr(params, knob.name)
+                values[knob.setting] = getattr(config, knob.name) if value is None else value
+        values["denoising_steps"] = values["denoising_steps"] or block_length  # default: one token per step
+        return cls(**values)
 
 
 def tokens_this_step(num_masked_at_block_start: int, steps: int, step_index: int) -> int:
@@ -95,20 +118,4 @@ def above_threshold_or_best(confidence: list[float], threshold: float) -> list[i
     return chosen or [max(range(len(confidence)), key=lambda i: (confidence[i], -i))]
 
 
-Rule = Callable[[list[float], list[float], int, UnmaskingSettings, int], list[int]]
-
-RULES: dict[str, Rule] = {
-    "sequential": sequential,
-    "low_confidence_static": low_confidence_static,
-    "low_confidence_dynamic": low_confidence_dynamic,
-    "entropy_bounded": entropy_bounded,
-    "random": random_order,
-}
-NEEDS_ENTROPY = frozenset({"entropy_bounded"})
-
-
-def choose_rows(confidence: list[float], entropy: list[float], n: int, settings: UnmaskingSettings,
-                step_seed: int = 0) -> list[int]:
-    """The indices of the candidates to reveal this step, ascending."""
-    n = max(1, min(n, len(confidence)))
-    return sorted(RULES[settings.strategy](confidence, entropy, n, settings, step_seed))
+Rule = Callable[[list[float], list[float], int, "UnmaskingSettings", int], list[int]]

@@ -1,0 +1,191 @@
+"""Decoding rules as objects: what one unmasking rule (`dllm_unmasking_strategy`) does inside a block.
+
+A rule is declared in `configs.knobs` (`RuleSpec`: its name, the paradigms it serves, whether it
+edits; the knobs name the rules that read them) and run here: one `DecodingRule` per name in
+`RULES`, the one registry. The block strategies (`BlockDiffusionDecoding`, `SubBlockDecoding`)
+hold the paradigm -- blocks, feeds, K/V commits -- and call the request's rule for what differs
+between rules:
+
+- `sample_positions`: the block positions whose logits this step samples;
+- `lowered_logits`: what it does to the logits before the sampler picks (token editing's λ);
+- `advance`: which picked tokens it writes (reveals, and for an editing rule rewrites);
+- `num_final` / `block_done`: when tokens become final and when the block ends;
+- `check_request`: what a request may not combine with it (beyond the knob table's refusals).
+
+Two kinds exist: `RevealRule` (each revealed token is final; a block ends with its last mask) and
+`EditRule` (token editing: revealed tokens may be rewritten, so a block's tokens are final only
+when the block ends, on a step that writes nothing or past its post-edit budget).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from configs import GenerationConfig
+from configs.knobs import RULE_SPECS, RuleSpec, rule_knobs
+from engine.core.decoding.base import PickedRows
+from engine.core.decoding.editing import BlockRows, budget_spent, joint_threshold
+from engine.core.decoding.unmasking import (
+    Rule,
+    UnmaskingSettings,
+    entropy_bounded,
+    low_confidence_dynamic,
+    low_confidence_static,
+    random_order,
+    sequential,
+    tokens_this_step,
+)
+from engine.core.sequence import Sequence
+from engine.errors import RequestError
+
+
+def step_seed(seq: Sequence) -> int:
+    """The seed of a rule's draws at the sequence's current step: its seed mixed with its step counter."""
+    return (seq.seed * 1_000_003 + seq.step_counter) & ((1 << 63) - 1)
+
+
+def write_token(seq: Sequence, position: int, token: int, logprob: dict | None, final: bool = True) -> int:
+    """Write `token` at `position` in the current step (the counters already advanced); returns its
+    generated index. A `final` stop id outside `min_new_tokens` bounds the output (an editing rule's
+    writes are not final: the stop rule reads them when their block ends)."""
+    g = position - seq.prompt_len
+    seq.tokens[position] = token
+    seq.out_steps[g] = seq.step_counter
+    seq.out_block_steps[g] = seq.block.step_index
+    seq.out_logprobs[g] = logprob
+    seq.penalty_ids.add(token)
+    if final and token in seq.stop_ids and g >= seq.params.min_new_tokens:
+        seq.stop_bound = min(seq.stop_bound, g + 1)
+    return g
+
+
+@dataclass(frozen=True)
+class DecodingRule(ABC):
+    """The hooks every rule has; `spec` is its declaration, `knobs` the request knobs it reads."""
+
+    spec: RuleSpec
+    needs_entropy: bool = False
+
+    @property
+    def knobs(self) -> tuple[str, ...]:
+        return rule_knobs(self.spec.name)
+
+    @property
+    def edits(self) -> bool:
+        """Whether a step's writes stay provisional until their block ends."""
+        return self.spec.edits
+
+    def check_request(self, params: GenerationConfig) -> None:  # noqa: B027 (most rules refuse nothing more)
+        """Raise RequestError naming the field when a request asks what this rule cannot do."""
+
+    def sample_positions(self, seq: Sequence) -> list[int]:
+        return list(seq.block.masked)
+
+    def lowered_logits(self, seq: Sequence, positions: list[int]) -> tuple[float, list[int]] | None:
+        return None
+
+    @abstractmethod
+    def advance(self, seq: Sequence, rows: PickedRows, mask_id: int) -> list[int]:
+        """Apply the step's picked tokens; returns the generated indices written, ascending."""
+
+    def num_final(self, seq: Sequence) -> int:
+        """Revealed tokens are final: the leading generated positions that hold one."""
+        n, limit = seq.num_revealed, seq.num_generated_positions
+        while n < limit and seq.out_steps[n] is not None:
+            n += 1
+        seq.num_revealed = n
+        return n
+
+    def block_done(self, seq: Sequence) -> bool:
+        return not seq.block.masked
+
+
+@dataclass(frozen=True)
+class RevealRule(DecodingRule):
+    """A rule that only reveals: `choose` picks which masked candidates a step reveals (its quota n
+    from the block's denoising steps)."""
+
+    choose: Rule | None = None
+
+    def advance(self, seq: Sequence, rows: PickedRows, mask_id: int) -> list[int]:
+        block, settings = seq.block, seq.unmasking
+        n = tokens_this_step(block.num_masked_at_start, settings.denoising_steps, block.step_index)
+        positions = rows.positions
+        n = max(1, min(n, len(rows.confidence)))
+        chosen = sorted(self.choose(rows.confidence, rows.entropy or [0.0] * len(positions), n, settings,
+                                    step_seed(seq)))
+        seq.step_counter += 1
+        block.step_index += 1
+        revealed = [write_token(seq, positions[i], rows.tokens[i], rows.logprobs[i]) for i in chosen]
+        if len(chosen) == len(positions):
+            block.masked = []
+        else:
+            chosen_set = set(chosen)
+            block.masked = [p for i, p in enumerate(positions) if i not in chosen_set]
+        return revealed
+
+
+@dataclass(frozen=True)
+class EditRule(DecodingRule):
+    """A token-editing rule: every generated position of the block is sampled each step; `pick` (see
+    `engine.core.decoding.editing`) returns the indices to write, or None when the block ends."""
+
+    pick: Callable[[BlockRows, int, UnmaskingSettings], list[int] | None] | None = None
+
+    def check_request(self, params: GenerationConfig) -> None:
+        if params.dllm_trajectory is not None:
+            raise RequestError(f"dllm_trajectory: a rollout decoded with token editing ({self.spec.name}) cannot be "
+                               "scored: its tokens' inputs changed after they were written; score rollouts decoded "
+                               "without edits", "dllm_trajectory")
+
+    def sample_positions(self, seq: Sequence) -> list[int]:
+        return list(range(max(seq.block.start, seq.prompt_len), seq.block.end))  # revealed ones may be rewritten
+
+    def lowered_logits(self, seq: Sequence, positions: list[int]) -> tuple[float, list[int]] | None:
+        """The λ penalty: at each position but the block's first, the token now at the position before it."""
+        amount = seq.unmasking.penalty_lambda
+        if not amount:
+            return None
+        return amount, [seq.tokens[p - 1] if p > seq.block.start else -1 for p in positions]
+
+    def advance(self, seq: Sequence, rows: PickedRows, mask_id: int) -> list[int]:
+        """Write what the rule picks, or end the block."""
+        block, positions = seq.block, rows.positions
+        masked = [seq.tokens[p] == mask_id for p in positions]
+        if not any(masked):
+            block.post_edit_steps += 1
+        view = BlockRows([seq.tokens[p] for p in positions], rows.tokens, rows.confidence, masked)
+        writes = self.pick(view, block.post_edit_steps, seq.unmasking)
+        if writes is None:  # this forward fed the final tokens: keep its K/V as the block's commit
+            block.ended, block.masked = True, []
+            seq.num_computed = max(seq.num_computed, block.end)
+            return []
+        seq.step_counter += 1
+        block.step_index += 1
+        written = [write_token(seq, positions[i], rows.tokens[i], rows.logprobs[i], final=False) for i in writes]
+        block.masked = [p for p in positions if seq.tokens[p] == mask_id]
+        if not block.masked and budget_spent(block.post_edit_steps, seq.unmasking):
+            # the next step could only end the block: its tokens are final now, and their K/V ride on
+            # the next block's first forward (as after a last reveal), which spares that step's forward
+            block.ended = True
+        return written
+
+    def num_final(self, seq: Sequence) -> int:
+        """A block's tokens are final when it ends."""
+        block = seq.block
+        return max(0, (block.end if block.ended else block.start) - seq.prompt_len)
+
+    def block_done(self, seq: Sequence) -> bool:
+        return seq.block.ended
+
+
+RULES: dict[str, DecodingRule] = {r.spec.name: r for r in (
+    RevealRule(RULE_SPECS["sequential"], choose=sequential),
+    RevealRule(RULE_SPECS["low_confidence_static"], choose=low_confidence_static),
+    RevealRule(RULE_SPECS["low_confidence_dynamic"], choose=low_confidence_dynamic),
+    RevealRule(RULE_SPECS["entropy_bounded"], needs_entropy=True, choose=entropy_bounded),
+    RevealRule(RULE_SPECS["random"], choose=random_order),
+    EditRule(RULE_SPECS["joint_threshold"], pick=joint_threshold),
+)}
