@@ -205,3 +205,49 @@ def test_unseeded_requests_differ(runner, oracle):
         dec.add(f"u{i}", ref["prompt"], GenerationConfig(max_new_tokens=16))
     a, b = dec.run()
     assert a.output_ids != b.output_ids
+
+
+def _transformers(ckpt, prompt: list[int], seed: int, knobs: RenoiseKnobs, **kwargs) -> tuple[list[int], Drafts]:
+    from transformers.models.diffusion_gemma.generation_diffusion_gemma import EntropyBoundSamplerConfig
+
+    drafts = Drafts()
+    torch.manual_seed(seed)
+    seqs = load_reference(ckpt).generate(
+        torch.tensor([prompt]), max_new_tokens=3 * CANVAS, streamer=drafts,
+        max_denoising_steps=knobs.max_denoising_steps, t_min=knobs.t_min, t_max=knobs.t_max,
+        sampler_config=EntropyBoundSamplerConfig(entropy_bound=knobs.entropy_bound),
+        stability_threshold=knobs.stability_threshold, confidence_threshold=knobs.stop_entropy, **kwargs).sequences
+    return seqs[0, len(prompt):].tolist(), drafts
+
+
+def test_stable_and_confident_stop(ckpt, runner, oracle):
+    """The stability history (argmax unchanged since the previous step) decides the stop."""
+    knobs = RenoiseKnobs(max_denoising_steps=40, entropy_bound=8.0, stability_threshold=1, stop_entropy=1.5)
+    dec = CanvasDecoder(runner.execute, runner.layer_groups.pools, PAGE, runner.model.gemma.sliding_window,
+                        CANVAS, runner.model.gemma.vocab_size, knobs)
+    expected = {}
+    for seed in SEEDS:
+        prompt = oracle[seed, 9]["prompt"]
+        expected[seed] = _transformers(ckpt, prompt, seed, knobs)
+        dec.add(str(seed), prompt, GenerationConfig(max_new_tokens=3 * CANVAS, random_seed=seed))
+    stops = set()
+    for result in dec.run():
+        tokens, drafts = expected[int(result.request_id)]
+        assert result.output_ids == tokens
+        assert result.step_map == settle_steps(drafts)
+        stops |= {c["stop"] for c in result.replay}
+    assert stops == {"stable", "max_steps"}
+
+
+def test_stop_id_cuts_the_output(ckpt, runner, oracle):
+    """A stop id inside a canvas ends the request there (kept); transformers stops after that canvas."""
+    ref = oracle[4, 40]
+    stop = ref["tokens"][CANVAS + 5]
+    first = ref["tokens"].index(stop)
+    tokens, _ = _transformers(ckpt, ref["prompt"], 4, KNOBS, eos_token_id=stop)
+    dec = _decoder(runner)
+    dec.add("eos", ref["prompt"], GenerationConfig(max_new_tokens=3 * CANVAS, random_seed=4, stop_token_ids=[stop]))
+    result = dec.run()[0]
+    assert result.finish_reason == "stop"
+    assert result.output_ids == tokens[: first + 1] == ref["tokens"][: first + 1]
+    assert len(result.step_map) == first + 1
