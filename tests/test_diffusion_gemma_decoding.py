@@ -3,24 +3,22 @@
 same way, settle steps computed from its per-step drafts, logprobs from its last-step logits; alone,
 batched, and whatever the batch around them.
 
-The tiny checkpoint's final norm is scaled up so its canvases converge as a trained model's do
-(peaked distributions: the stop rule ends canvases after varying numbers of steps), and its
-self-conditioning output scaled down: a random network's self-conditioning amplifies float32
-rounding differences (any two implementations' ~1e-6) by 2-4x per step, so after a few steps no
-two implementations would draw alike; damped, the loop is contractive and the draws stay equal."""
+The tiny checkpoint's canvases converge as a trained model's do (`converging_checkpoint`: its final
+norm scaled up, its self-conditioning damped -- undamped, a random network's self-conditioning
+amplifies any two implementations' ~1e-6 float32 differences 2-4x per step, and after a few steps
+they no longer draw alike)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
+from bench.diffusion_gemma import converging_checkpoint
 from configs import EngineConfig, GenerationConfig
 from engine.core.decoding.canvas_loop import CanvasDecoder
 from engine.core.decoding.renoising import RenoiseKnobs
 from engine.model.checkpoint import load_model_spec
 from engine.model.families.diffusion_gemma.reference import load_reference
-from engine.model.families.diffusion_gemma.tiny import write_tiny_diffusion_gemma
 from engine.worker.runner import ModelRunner
 
 pytest.importorskip("transformers.models.diffusion_gemma")
@@ -43,12 +41,7 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    path = write_tiny_diffusion_gemma(tmp_path_factory.mktemp("dg") / "tiny", canvas_length=CANVAS)
-    weights = load_file(path / "model.safetensors")
-    weights["model.decoder.norm.weight"] *= 12.0
-    weights["model.decoder.self_conditioning.down_proj.weight"] *= 0.05
-    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
-    return path
+    return converging_checkpoint(tmp_path_factory.mktemp("dg") / "tiny", CANVAS)
 
 
 @pytest.fixture(scope="module")
