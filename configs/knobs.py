@@ -4,8 +4,8 @@ A knob is declared once here -- its type, bounds, engine-wide default, meaning, 
 paradigms read it and, within a paradigm, which unmasking rules -- and everything else is built
 from this table: the `dllm_*` fields of `EngineConfig` and of the per-request `DllmOverrides`
 (hence `GenerationConfig` and every HTTP request model, OpenAPI included), the names the
-lmdeploy and JetEngine adapters map, the refusals on a model that cannot use a knob, and the
-tables of docs/config-reference.md.
+lmdeploy and JetEngine adapters and SGLang's `--dllm-algorithm-config` keys map, the refusals on
+a model that cannot use a knob, and the tables of docs/config-reference.md.
 
 A *paradigm* is how a model family decodes (its family's registry row names it): `autoregressive`
 (one token per forward), `block` (block diffusion: every masked position of a block is a candidate
@@ -71,10 +71,10 @@ class Knob:
     (the engine's setting). `bounds` are pydantic's constraints (ge, le, gt, allow_inf_nan), the same
     engine-wide and per request. `rules`: the unmasking rules that read it (None: every rule of its
     paradigms). `upstream`: its name in another engine's settings (`lmdeploy`, `jetengine.sampling`,
-    `jetengine.config`), for the adapters. `strict_rules`: a request setting it under a rule that does not
-    read it is refused (token editing's knobs: asking for edits without an editing rule is a mistake);
-    the other rule-specific knobs are a request's settings for whichever rule it decodes with, accepted
-    under every rule of their paradigms."""
+    `jetengine.config`, `sglang.algorithm`: SGLang's dLLM algorithm config), for the adapters.
+    `strict_rules`: a request setting it under a rule that does not read it is refused (token editing's
+    knobs: asking for edits without an editing rule is a mistake); the other rule-specific knobs are a
+    request's settings for whichever rule it decodes with, accepted under every rule of their paradigms."""
 
     name: str
     type: Any
@@ -100,7 +100,7 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
          "the family's", DIFFUSION, {"ge": 1},
          request_doc="must equal the model's block length if given (it cannot change per request)",
          upstream={"lmdeploy": "dllm_block_length", "jetengine.sampling": "block_length",
-                   "jetengine.config": "block_length"}),
+                   "jetengine.config": "block_length", "sglang.algorithm": "block_size"}),
     Knob("dllm_unmasking_strategy", UnmaskingStrategy, "low_confidence_dynamic", "the unmasking rule: which "
          "masked positions a denoising step reveals (and, for joint_threshold, which tokens it rewrites)",
          DIFFUSION, upstream={"lmdeploy": "dllm_unmasking_strategy", "jetengine.sampling": "remasking_strategy"}),
@@ -109,18 +109,20 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
          upstream={"lmdeploy": "dllm_denoising_steps", "jetengine.sampling": "denoising_steps"}),
     Knob("dllm_confidence_threshold", float, 0.85, "low_confidence_dynamic: reveal every position at least this "
          "confident", DIFFUSION, _UNIT, rules=("low_confidence_dynamic", "joint_threshold"),
-         upstream={"lmdeploy": "dllm_confidence_threshold", "jetengine.sampling": "dynamic_threshold"}),
+         upstream={"lmdeploy": "dllm_confidence_threshold", "jetengine.sampling": "dynamic_threshold",
+                   "sglang.algorithm": "threshold"}),
     Knob("dllm_entropy_threshold", float, 0.35, "entropy_bounded: reveal the lowest-entropy positions while their "
          "summed entropy (nats) stays below this bound", ("block",), {"gt": 0.0}, rules=("entropy_bounded",),
          upstream={"jetengine.sampling": "eb_threshold"}),
     Knob("dllm_edit_threshold", float, 0.0, "joint_threshold: rewrite a revealed token when the model's candidate "
          "for its position differs and is more confident than this", ("block",), _UNIT, rules=EDITING_RULES,
-         strict_rules=True),
+         strict_rules=True, upstream={"sglang.algorithm": "edit_threshold"}),
     Knob("dllm_max_post_edit_steps", int, 16, "joint_threshold: steps a block may keep editing after its last mask "
-         "is revealed", ("block",), {"ge": 0}, rules=EDITING_RULES, strict_rules=True),
+         "is revealed", ("block",), {"ge": 0}, rules=EDITING_RULES, strict_rules=True,
+         upstream={"sglang.algorithm": "max_post_edit_steps"}),
     Knob("dllm_penalty_lambda", float, 0.0, "joint_threshold: lower the logit of the token at the previous position "
          "by this much (repetition damping inside a block)", ("block",), {"ge": 0.0, "allow_inf_nan": False},
-         rules=EDITING_RULES, strict_rules=True),
+         rules=EDITING_RULES, strict_rules=True, upstream={"sglang.algorithm": "penalty_lambda"}),
     Knob("dllm_sub_block_length", int, 8, "Fast-dLLM v2: a block is decoded in sub-blocks of this many positions, "
          "left to right (must divide the block length)", ("sub_block",), {"ge": 1}, per_request=False),
     Knob("dllm_commit_fusion", bool, True, "fuse a block's commit forward with the next block's first step",

@@ -17,10 +17,11 @@ from typing import Any
 
 import yaml
 
+from configs.knobs import upstream_names
+
 ALGORITHMS = {"LowConfidence": "low_confidence_dynamic", "JointThreshold": "joint_threshold"}
-CONFIG_KEYS = {"threshold": "dllm_confidence_threshold", "edit_threshold": "dllm_edit_threshold",
-               "max_post_edit_steps": "dllm_max_post_edit_steps", "penalty_lambda": "dllm_penalty_lambda",
-               "block_size": "dllm_block_length"}
+# SGLang's key -> the EngineConfig field (from the knob table)
+CONFIG_KEYS = {key: knob for knob, key in upstream_names("sglang.algorithm").items()}
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
