@@ -244,3 +244,25 @@ def test_stop_id_cuts_the_output(ckpt, runner, oracle):
     assert result.finish_reason == "stop"
     assert result.output_ids == tokens[: first + 1] == ref["tokens"][: first + 1]
     assert len(result.step_map) == first + 1
+
+
+def test_knobs_from_generation_config_and_overrides():
+    sampler = {"entropy_bound": 0.2, "_cls_name": "EntropyBoundSamplerConfig"}
+    gen = {"max_denoising_steps": 32, "sampler_config": sampler,
+           "t_min": 0.3, "t_max": 0.9, "stability_threshold": 2, "confidence_threshold": 0.01, "max_new_tokens": 256}
+    knobs = RenoiseKnobs.from_generation_config(gen)
+    assert knobs == RenoiseKnobs(32, 0.2, 0.3, 0.9, 2, 0.01)
+    assert RenoiseKnobs.from_generation_config({"t_min": None}) == RenoiseKnobs()
+    assert knobs.override({"dllm_t_max": 0.7, "dllm_entropy_bound": None, "top_k": 3}) == RenoiseKnobs(
+        32, 0.2, 0.3, 0.7, 2, 0.01)
+    with pytest.raises(ValueError, match="dllm_t_min"):
+        knobs.override({"dllm_t_min": 0.95})
+    # T(c) as transformers' schedule computes it (float32 arithmetic on an int32 countdown), bit for bit
+    from transformers.models.diffusion_gemma.generation_diffusion_gemma import (
+        LinearTemperatureScheduleLogitsProcessor,
+    )
+
+    schedule = LinearTemperatureScheduleLogitsProcessor(knobs.t_min, knobs.t_max, knobs.max_denoising_steps)
+    logits = torch.randn(4, 8)
+    for c in (32, 17, 1):
+        assert torch.equal(logits / knobs.temperature(c), schedule(None, logits, torch.tensor(c, dtype=torch.int32)))

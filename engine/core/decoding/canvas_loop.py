@@ -57,10 +57,11 @@ class CanvasDecoder:
 
     def __init__(self, execute: Callable[[ForwardBatch], ForwardOutput], pools: dict[str, int], page_size: int,
                  sliding_window: int, canvas_length: int, vocab_size: int, knobs: RenoiseKnobs,
-                 stop_ids: frozenset[int] = frozenset(), max_batch_size: int = 64):
+                 stop_ids: frozenset[int] = frozenset(), max_batch_size: int = 64,
+                 device: torch.device | str = "cpu"):
         self.execute, self.page_size, self.window = execute, page_size, sliding_window
         self.canvas_length, self.vocab_size, self.knobs = canvas_length, vocab_size, knobs
-        self.stop_ids, self.max_batch_size = stop_ids, max_batch_size
+        self.stop_ids, self.max_batch_size, self.device = stop_ids, max_batch_size, torch.device(device)
         self.managers = {g: KVPageManager(n, page_size, enable_prefix_caching=False) for g, n in pools.items()}
         self.waiting: list[_Request] = []
         self.active: list[_Request] = []
@@ -70,20 +71,24 @@ class CanvasDecoder:
             raw_logprobs: bool = False) -> None:
         if not prompt:
             raise ValueError("prompt must hold at least one token")
-        state = CanvasState(knobs or self.knobs, request_generator(params.random_seed), self.canvas_length,
-                            self.vocab_size, keep_logits=params.logprobs is not None)
+        state = CanvasState(knobs or self.knobs, request_generator(params.random_seed, self.device),
+                            self.canvas_length, self.vocab_size, keep_logits=params.logprobs is not None)
         self.waiting.append(_Request(rid, prompt, params, state, self.stop_ids, raw_logprobs))
 
     def run(self) -> list[CanvasResult]:
         """Decode every added request; results in the order they finished."""
         done: list[CanvasResult] = []
-        while self.waiting or self.active:
-            while self.waiting and len(self.active) < self.max_batch_size:
-                self.active.append(self.waiting.pop(0))
-            done += self._step()
+        while self.has_unfinished():
+            done += self.step()
         return done
 
-    def _step(self) -> list[CanvasResult]:
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.active)
+
+    def step(self) -> list[CanvasResult]:
+        """One forward over every active request (admitting waiting ones first); the requests it finished."""
+        while self.waiting and len(self.active) < self.max_batch_size:
+            self.active.append(self.waiting.pop(0))
         groups = list(self.managers)
         batch = ForwardBatch(input_ids=[], positions=[], q_lens=[], kv_lens=[], slot_mapping=[], page_tables=[],
                              group_page_tables={g: [] for g in groups}, drop_conditioning=self.drop)
@@ -113,7 +118,7 @@ class CanvasDecoder:
         for r, kind in zip(self.active, batch.pass_kinds, strict=True):
             if kind == ENCODE:
                 self._committed(r)
-            elif self._canvas_step(r, logits[row: row + self.canvas_length].float().cpu()):
+            elif self._canvas_step(r, logits[row: row + self.canvas_length].float()):
                 finished.append(r)
             if kind == CANVAS:
                 row += self.canvas_length

@@ -110,11 +110,13 @@ class CanvasState:
 
     def open_canvas(self) -> list[int]:
         """Draw a new canvas (uniform tokens) and reset the per-canvas state; its tokens."""
-        self.tokens = torch.randint(0, self.vocab_size, (1, self.canvas_length), generator=self.generator)
+        gen = self.generator
+        self.tokens = torch.randint(0, self.vocab_size, (1, self.canvas_length), generator=gen, device=gen.device)
         self.countdown = self.knobs.max_denoising_steps
         self.argmax = self.history = self.changed_at = self.last_logits = None
         if self.knobs.stability_threshold:
-            self.history = torch.full((self.knobs.stability_threshold, self.canvas_length), -1, dtype=torch.long)
+            self.history = torch.full((self.knobs.stability_threshold, self.canvas_length), -1, dtype=torch.long,
+                                      device=gen.device)
         self.stop = None
         return self.tokens[0].tolist()
 
@@ -143,7 +145,7 @@ class CanvasState:
         within = torch.cumsum(sorted_entropy, dim=-1) - sorted_entropy <= knobs.entropy_bound
         accept = torch.scatter(torch.zeros_like(within), -1, order, within)
         kept = torch.where(accept, sampled, self.tokens)
-        noise = torch.randint(0, self.vocab_size, (1, self.canvas_length), generator=gen)
+        noise = torch.randint(0, self.vocab_size, (1, self.canvas_length), generator=gen, device=gen.device)
         self.tokens = torch.where(~accept, noise, kept)
 
         canvas_step = self.canvas_step + 1
@@ -197,9 +199,11 @@ class CanvasState:
         return out
 
 
-def request_generator(seed: int | None) -> torch.Generator:
-    """The request's own CPU generator: seeded, or freshly seeded from the OS when no seed is given."""
-    gen = torch.Generator()
+def request_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
+    """The request's own generator on the device its logits are on: seeded, or freshly seeded from the
+    OS when no seed is given. (On CPU a seed draws what `torch.manual_seed(seed)` makes the global
+    generator draw; another device's generator draws its own, equally reproducible, stream.)"""
+    gen = torch.Generator(device=device)
     if seed is None:
         gen.seed()
     else:
