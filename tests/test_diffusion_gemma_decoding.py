@@ -109,10 +109,10 @@ def oracle(ckpt, runner):
     return out
 
 
-def _decoder(runner) -> CanvasDecoder:
+def _decoder(runner, **kwargs) -> CanvasDecoder:
     g = runner.model.gemma
     return CanvasDecoder(runner.execute, runner.layer_groups.pools, PAGE, g.sliding_window, g.canvas_length,
-                         g.vocab_size, KNOBS)
+                         g.vocab_size, KNOBS, **kwargs)
 
 
 def _check(result, ref, max_new: int) -> None:
@@ -266,3 +266,16 @@ def test_knobs_from_generation_config_and_overrides():
     logits = torch.randn(4, 8)
     for c in (32, 17, 1):
         assert torch.equal(logits / knobs.temperature(c), schedule(None, logits, torch.tensor(c, dtype=torch.int32)))
+
+
+@pytest.mark.parametrize("chunk", [16, 7])
+def test_long_prompts_and_commits_in_chunks(runner, oracle, chunk):
+    """Encoder passes of at most `chunk` tokens (the 40-token prompt in 3 or 6, a 7-token chunk splits
+    each commit too); the sliding pages before the window released after each."""
+    dec = _decoder(runner, max_prefill_tokens=chunk)
+    for seed in SEEDS:
+        dec.add(str(seed), oracle[seed, 40]["prompt"], GenerationConfig(max_new_tokens=40, random_seed=seed))
+    for result in dec.run():
+        _check(result, oracle[int(result.request_id), 40], 40)
+    assert all(m.num_free_pages == n for m, n in zip(dec.managers.values(), runner.layer_groups.pools.values(),
+                                                       strict=True))

@@ -58,10 +58,11 @@ class CanvasDecoder:
     def __init__(self, execute: Callable[[ForwardBatch], ForwardOutput], pools: dict[str, int], page_size: int,
                  sliding_window: int, canvas_length: int, vocab_size: int, knobs: RenoiseKnobs,
                  stop_ids: frozenset[int] = frozenset(), max_batch_size: int = 64,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", max_prefill_tokens: int = 256):
         self.execute, self.page_size, self.window = execute, page_size, sliding_window
         self.canvas_length, self.vocab_size, self.knobs = canvas_length, vocab_size, knobs
         self.stop_ids, self.max_batch_size, self.device = stop_ids, max_batch_size, torch.device(device)
+        self.chunk = max_prefill_tokens  # the most tokens one encoder pass writes (a long prompt goes in chunks)
         self.managers = {g: KVPageManager(n, page_size, enable_prefix_caching=False) for g, n in pools.items()}
         self.waiting: list[_Request] = []
         self.active: list[_Request] = []
@@ -95,7 +96,7 @@ class CanvasDecoder:
         self.drop = []
         for r in self.active:
             kind = ENCODE if r.pending else CANVAS
-            tokens = r.pending if kind == ENCODE else r.state.tokens[0].tolist()
+            tokens = r.pending[: self.chunk] if kind == ENCODE else r.state.tokens[0].tolist()
             if kind == ENCODE:
                 for g, manager in self.managers.items():
                     table = r.tables.setdefault(g, PageTable())
@@ -115,9 +116,9 @@ class CanvasDecoder:
             batch.keep_conditioning.append((r.rid, r.state.temperature) if canvas else None)
         logits = self.execute(batch).logits
         finished, row = [], 0
-        for r, kind in zip(self.active, batch.pass_kinds, strict=True):
+        for r, kind, written in zip(self.active, batch.pass_kinds, batch.q_lens, strict=True):
             if kind == ENCODE:
-                self._committed(r)
+                self._committed(r, written)
             elif self._canvas_step(r, logits[row: row + self.canvas_length].float()):
                 finished.append(r)
             if kind == CANVAS:
@@ -129,11 +130,12 @@ class CanvasDecoder:
                 manager.free(r.tables[g])
         return [r.result for r in finished]
 
-    def _committed(self, r: _Request) -> None:
-        r.committed += len(r.pending)
-        r.pending = []
+    def _committed(self, r: _Request, written: int) -> None:
+        r.committed += written
+        del r.pending[:written]
         self.managers[SLIDING].release_before(r.tables[SLIDING], r.committed - (self.window - 1))
-        r.state.open_canvas()
+        if not r.pending:
+            r.state.open_canvas()
 
     def _canvas_step(self, r: _Request, logits: torch.Tensor) -> bool:
         """Apply one canvas step; True when the request finished."""
