@@ -7,9 +7,9 @@ half's, which the device ran meanwhile). The engine only orchestrates: what to f
 strategy's (`engine.core.decoding`), where an output ends is the stop rule's (`engine.core.stopping`),
 batch layout and scoring rows live in `engine.core.batch` / `engine.core.scoring`.
 
-Fault isolation: a step that raises is re-run one request at a time (K/V writes are idempotent and
-sampling draws are counter-based, so a re-run reproduces exactly what that request would have got
-in the batch); only the request(s) that still fail end, with an error naming their parameters.
+Two concerns live in mixins of their own: fault isolation (`engine.core.fault_isolation`: a failing
+step is re-run one request at a time) and the operations on every rank (`engine.core.rank_operations`:
+memory, the trainer's update group, weight updates).
 """
 
 from __future__ import annotations
@@ -18,16 +18,14 @@ import itertools
 import logging
 import secrets
 import time
-from collections.abc import Callable
 from dataclasses import asdict
-from typing import TypeVar
 
 from configs import EngineConfig, GenerationConfig
-from configs.knobs import request_knobs
 from engine.carrier import OutputChunk, Response
 from engine.core.batch import build_batch
 from engine.core.decoding import DecodingStrategy, PickedRows, strategy_for
 from engine.core.decoding.unmasking import UnmaskingSettings
+from engine.core.fault_isolation import FaultIsolation
 from engine.core.input_processing import ModelLimits, process_input
 from engine.core.model_settings import (
     EngineStats,
@@ -38,6 +36,7 @@ from engine.core.model_settings import (
 )
 from engine.core.output_builder import OutputBuilder
 from engine.core.overlap import LaunchedForward, OverlapSchedule
+from engine.core.rank_operations import RankOperations
 from engine.core.sampler import PickedOnHost, RowGroup, logprob_entries, logprob_values, pick_tokens
 from engine.core.scheduler import ScheduledSeq, Scheduler
 from engine.core.scoring import take_score_rows
@@ -45,24 +44,15 @@ from engine.core.sequence import SeqStatus, Sequence
 from engine.core.stopping import StopChecker
 from engine.core.trajectory import TrajectoryOutput, scoring_done, take_view_rows
 from engine.core.trajectory_plan import context_tokens, plan_trajectory
-from engine.errors import RequestError, WeightUpdateError
+from engine.errors import RequestError
 from engine.executor.base import Executor, ExecutorFactory
 from engine.executor.local import LocalExecutor
 from engine.kv.page_manager import KVPageManager
 from engine.model.checkpoint import load_model_spec
 from engine.model.source import resolve_model_path
 from engine.tokenizer import load_tokenizer
-from engine.worker.update_group import GROUP_JOIN_TIMEOUT_S, WEIGHT_OP_TIMEOUT_S
-from engine.worker.weight_sources import DiskWeights, WeightSource, check_same_architecture
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
-
-# Request fields that shape the sampling distribution (named when a request's step fails).
-_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "do_sample", "random_seed",
-                    "min_new_tokens", "stop_token_ids",
-                    *(k.name for k in request_knobs() if k.name != "dllm_block_length"))
-
 
 def _merged(chunks: list[OutputChunk]) -> OutputChunk:
     """One chunk carrying the consecutive deltas `chunks` (at least one) of one request."""
@@ -73,7 +63,7 @@ def _merged(chunks: list[OutputChunk]) -> OutputChunk:
     return OutputChunk(**fields)
 
 
-class LLMEngine:
+class LLMEngine(RankOperations, FaultIsolation):
     def __init__(self, model_path: str, config: EngineConfig | None = None,
                  executor_factory: ExecutorFactory | None = None):
         """`model_path`: a checkpoint directory, or a Hugging Face model id (local cache first)."""
@@ -209,75 +199,6 @@ class LLMEngine:
     def shutdown(self) -> None:
         self.executor.shutdown()
 
-    # ---- memory and the trainer's update group, on every rank ---------------------------------
-    def release_memory(self, tags: list[str]) -> None:
-        """Free the weights and/or the KV cache on every rank. Releasing the KV cache first retracts
-        the running requests and flushes the prefix cache."""
-        self._land_all()
-        if "kv_cache" in tags:
-            self.retract_all()
-            self.flush_cache()
-        self.executor.run_on_ranks("release_memory", tags)
-
-    def resume_memory(self, tags: list[str]) -> None:
-        self.executor.run_on_ranks("resume_memory", tags, timeout_s=WEIGHT_OP_TIMEOUT_S)
-
-    def init_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
-                          group_name: str, backend: str, timeout_s: float = GROUP_JOIN_TIMEOUT_S) -> None:
-        """Every rank joins the trainer's group as `rank_offset` + its tensor-parallel rank. A group
-        that does not form within `timeout_s` raises WeightUpdateError naming who did not join; the
-        ranks that had joined leave it again."""
-        try:
-            self.executor.run_on_ranks("init_update_group", master_address, master_port, rank_offset, world_size,
-                                       group_name, backend, timeout_s, timeout_s=timeout_s + 60.0)
-        except Exception as e:
-            if getattr(e, "fatal", False):
-                raise
-            self.executor.run_on_ranks("destroy_update_group", group_name, True)
-            raise
-
-    def destroy_update_group(self, group_name: str) -> None:
-        self.executor.run_on_ranks("destroy_update_group", group_name)
-
-    # ---- weight updates (two phases over every rank; see engine.worker.weight_staging) -----------
-    def stage_weights(self, source: WeightSource) -> None:
-        """Phase one: every rank stages its slices of `source`. Raises WeightUpdateError when any rank
-        refuses; every rank has then discarded what it staged (nothing changed)."""
-        if isinstance(source, DiskWeights):
-            check_same_architecture(self.spec, load_model_spec(source.path))
-        self._land_all()
-        try:
-            self.executor.run_on_ranks("stage_weights", source, timeout_s=WEIGHT_OP_TIMEOUT_S)
-        except Exception as e:
-            if getattr(e, "fatal", False):
-                raise
-            self.discard_weights()
-            if isinstance(e, WeightUpdateError):
-                raise
-            raise WeightUpdateError(f"weight update failed while staging ({type(e).__name__}: {e})") from e
-
-    def commit_weights(self, weight_version: str | None = None) -> str:
-        """Phase two: every rank swaps its staged slices in; the prefix cache is flushed. Returns the
-        `weight_version` now served: the given one, else the previous one unchanged (as SGLang; a
-        trainer sending one update per bucket names the version on the last)."""
-        self._land_all()
-        self.executor.run_on_ranks("commit_weights")
-        self.flush_cache()
-        self.stats.weight_updates += 1
-        if weight_version is not None:
-            self.weight_version = str(weight_version)
-        return self.weight_version
-
-    def discard_weights(self) -> None:
-        """Phase two of a refused update: every rank drops what it staged."""
-        self.executor.run_on_ranks("discard_weights")
-
-    def update_weights(self, source: WeightSource, weight_version: str | None = None) -> str:
-        """Stage on every rank, then commit on every rank (or, refused, discard on every rank and raise
-        WeightUpdateError: nothing changed). Returns the new `weight_version`."""
-        self.stage_weights(source)
-        return self.commit_weights(weight_version)
-
     # ---- the step ----------------------------------------------------------------------------
     def step(self) -> list[OutputChunk]:
         """One forward's worth of work; returns the chunks it made (and any made since the last step).
@@ -315,51 +236,10 @@ class LLMEngine:
         fwd, failed = self._guarded(launched.items, lambda: self._read(launched))
         return failed if fwd is None else self._apply(fwd)
 
-    def _guarded(self, items: list[ScheduledSeq], run: Callable[[], T]) -> tuple[T | None, list[OutputChunk]]:
-        """(run(), []); when it raises, (None, the chunks of re-running `items` one by one). A fatal
-        executor error goes up."""
-        try:
-            return run(), []
-        except Exception as e:  # noqa: BLE001 - isolated: see _isolate
-            if getattr(e, "fatal", False):
-                raise
-            return None, self._isolate(items, e)
-
     def _land_all(self) -> None:
         """Apply every forward in flight now, before something changes what they ran on (weights, KV
         pages) or ends one of their requests; their chunks go out with the next step."""
         self.overlap.land_all(self._land)
-
-    def _isolate(self, items: list[ScheduledSeq], error: Exception) -> list[OutputChunk]:
-        """Re-run each request of a failed step alone; end only those that fail alone."""
-        log.warning("engine step over %d requests failed (%s: %s); re-running them one by one",
-                    len(items), type(error).__name__, error)
-        chunks: list[OutputChunk] = []
-        for it in items:
-            if it.seq.request_id not in self.seqs:
-                continue
-            try:
-                fwd = self._forward([it])
-            except Exception as e:  # noqa: BLE001 - this request's own failure
-                if getattr(e, "fatal", False):
-                    raise
-                chunks += self._fail_alone(it.seq, e)
-            else:
-                chunks += self._apply(fwd)
-        return chunks
-
-    def _fail_alone(self, seq: Sequence, error: Exception) -> list[OutputChunk]:
-        log.error("request %s failed in its own step: %s: %s", seq.request_id, type(error).__name__, error)
-        self.stats.isolated_failures += 1
-        chunk = self.fail(seq.request_id, self._failure_message(seq, error))
-        return [chunk] if chunk is not None else []
-
-    @staticmethod
-    def _failure_message(seq: Sequence, error: Exception) -> str:
-        p = seq.params
-        named = ", ".join(f"{f}={getattr(p, f)!r}" for f in _SAMPLING_FIELDS if f in p.model_fields_set)
-        return (f"this request's step failed ({type(error).__name__}: {error}); its sampling parameters: "
-                f"{named or 'defaults'}: change them and retry")
 
     def _forward(self, items: list[ScheduledSeq]) -> LaunchedForward:
         """Run the model and the sampler; nothing is applied to the sequences yet."""
