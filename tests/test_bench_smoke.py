@@ -86,6 +86,7 @@ def test_bench_serve_part(serve_cluster, tmp_path):
     assert r["http"]["errors"] == 0 and r["match_rate"] == 1.0, r
 
 
+@pytest.mark.system  # the bench command as a user types it, in a process of its own
 def test_outputs_dump_and_compare(tmp_path):
     """Two dumps of the same checkout compare identical (exit 0); a changed token is caught (exit 1)."""
     ckpt, a, b = tmp_path / "ckpt", tmp_path / "a.json", tmp_path / "b.json"
@@ -102,6 +103,7 @@ def test_outputs_dump_and_compare(tmp_path):
     assert proc.returncode == 1 and json.loads(proc.stdout)["sdar/sequential"]["identical"] == 7
 
 
+@pytest.mark.system  # the bench command as a user types it, in a process of its own
 def test_overhead():
     # 160 > 4 * CALLS_AT: the long run also takes its profiled call counts
     r = _run_module("bench.overhead", "--short", "8", "--long", "160", "--concurrency", "2")
@@ -111,12 +113,14 @@ def test_overhead():
         assert r[paradigm]["ratio_long_vs_short"] > 0
 
 
+@pytest.mark.system  # the bench command as a user types it, in a process of its own
 def test_fused_elementwise():
     r = _run_module("bench.fused_elementwise", "--toy")
     assert not r["fell_back_to_eager"] and set(r["tokens"]) == {"1", "16"}
     assert all(row["max_abs_diff"] < 1e-5 and row["speedup"] > 0 for row in r["tokens"].values()), r
 
 
+@pytest.mark.system  # the bench command as a user types it, in a process of its own
 def test_moe():
     r = _run_module("bench.moe", "--toy")
     assert r["command"] == "python -m bench.moe --toy" and r["outputs_identical_on_hf_sample"], r

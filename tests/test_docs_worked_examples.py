@@ -44,6 +44,7 @@ def test_python_example_prints_what_it_says(block, tmp_path):
     assert out.getvalue().splitlines() == expected
 
 
+@pytest.mark.system  # the documented commands as typed, each in a process of its own
 @pytest.mark.parametrize("line", [c for _, c in COMMANDS], ids=[n for n, _ in COMMANDS])
 def test_checkpoint_command_writes_a_model_the_engine_loads(line, tmp_path):
     argv = shlex.split(line.replace("/tmp/", f"{tmp_path}/"))
