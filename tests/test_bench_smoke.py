@@ -1,7 +1,7 @@
 """Every bench entry point run at toy size, so none can rot: `python -m bench` (its in-process parts in
 a subprocess as a user runs it, `bench.memory` among them; its Ray Serve part on this session's
 cluster), `bench.overhead`, `bench.moe`, `bench.weight_sync`, `bench.prefix_routing`, `bench.load`,
-`bench.outputs`, `bench.fused_elementwise`.
+`bench.outputs`, `bench.fused_elementwise`, `bench.diffusion_gemma`.
 bench.gpu_check's CPU-side parts are tests/test_gpu_check.py's, bench.trajectory_scoring's
 tests/test_trajectory_scoring.py's. The figures of a toy run mean nothing; what is checked is that
 each part runs to the end and that its own cross-checks (outputs equal to the baselines') hold."""
@@ -23,7 +23,8 @@ from bench.plan import plan
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKED_HERE = {"bench", "bench.memory", "bench.overhead", "bench.moe", "bench.weight_sync", "bench.prefix_routing",
-               "bench.load", "bench.outputs", "bench.fused_elementwise", "bench.published_configs"}
+               "bench.load", "bench.outputs", "bench.fused_elementwise", "bench.published_configs",
+               "bench.diffusion_gemma"}
 SMOKED_ELSEWHERE = {"bench.gpu_check": "test_gpu_check.py", "bench.trajectory_scoring": "test_trajectory_scoring.py",
                     "bench.fast_dllm": "test_fast_dllm.py", "bench.soak": "test_soak.py",
                     "bench.llada2": "test_llada2_diffusers.py"}
@@ -178,3 +179,12 @@ def test_bench_toy_as_typed_from_the_repository_root_prints_and_leaves_the_tree_
     r = json.loads(proc.stdout)
     assert r["serve"]["http"]["errors"] == 0 and r["serve"]["match_rate"] == 1.0, r["serve"]
     assert _work_tree_state() == before
+
+
+def test_diffusion_gemma_bench_toy():
+    """The canvas loop against transformers' generate() at toy size: every seeded request identical."""
+    pytest.importorskip("transformers.models.diffusion_gemma")
+    r = _run_module("bench.diffusion_gemma", "--requests", "2", "--max-new-tokens", "8", "--canvas", "8",
+                    "--steps", "4")
+    assert r["identical_to_transformers"] == 2
+    assert r["engine"]["concurrent_2_tok_s"] > 0 and r["transformers"]["static_batch_2_tok_s"] > 0
