@@ -21,9 +21,11 @@ SHORT = dict(prompts=1, samples=2, max_tokens=8, drill_tokens=48)
 
 @pytest.fixture(scope="module")
 def soak_app(serve_pool):
-    """The pool's `sdar_drills` (the leak test needs the drill hooks), with no tensor-parallel application
-    beside it: on one node the soak's process probe counts every TP worker as the soaked app's."""
-    serve_pool.release(*(name for name, spec in APPS.items() if spec.engine.get("tp", 1) > 1))
+    """The pool's `sdar_drills` (the leak test needs the drill hooks), deployed afresh for the soak (the
+    fault tests before it stall and replace its replicas, and the soak counts its engine ranks from the
+    app's processes), with no tensor-parallel application beside it: on one node the soak's process
+    probe counts every TP worker as the soaked app's."""
+    serve_pool.release("sdar_drills", *(name for name, spec in APPS.items() if spec.engine.get("tp", 1) > 1))
     return serve_pool["sdar_drills"]
 
 
