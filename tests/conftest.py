@@ -79,6 +79,24 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="session")
+def gemma_ckpt(tmp_path_factory) -> Path:
+    """A tiny DiffusionGemma checkpoint written by transformers' own classes (both layer types, a
+    sliding window of 8), read-only, shared by the network and runner tests."""
+    pytest.importorskip("transformers.models.diffusion_gemma")
+    from engine.model.families.diffusion_gemma.tiny import write_tiny_diffusion_gemma
+
+    return write_tiny_diffusion_gemma(tmp_path_factory.mktemp("dg") / "tiny")
+
+
+@pytest.fixture(scope="session")
+def gemma_reference(gemma_ckpt):
+    """transformers' DiffusionGemmaForBlockDiffusion on `gemma_ckpt`, driven as its generate() runs it."""
+    from engine.model.families.diffusion_gemma.reference import load_reference
+
+    return load_reference(gemma_ckpt)
+
+
+@pytest.fixture(scope="session")
 def ar_ckpt(tmp_path_factory) -> str:
     """A tiny Qwen3 (AR) checkpoint with mildly peaked logits, shared by the engine-level tests."""
     from tools.tiny_checkpoint import write_tiny_checkpoint

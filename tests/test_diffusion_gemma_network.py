@@ -19,23 +19,21 @@ from engine.model.families.diffusion_gemma.network import DiffusionGemmaNetwork
 from engine.model.families.diffusion_gemma.reference import (
     ReferenceSequence,
     assert_close,
-    load_reference,
     random_tokens,
 )
-from engine.model.families.diffusion_gemma.tiny import write_tiny_diffusion_gemma
 
 pytest.importorskip("transformers.models.diffusion_gemma")
 PAGE = 4
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return write_tiny_diffusion_gemma(tmp_path_factory.mktemp("dg") / "tiny")
+def ckpt(gemma_ckpt):
+    return gemma_ckpt
 
 
 @pytest.fixture(scope="module")
-def reference(ckpt):
-    return load_reference(ckpt)
+def reference(gemma_reference):
+    return gemma_reference
 
 
 @pytest.fixture(scope="module")

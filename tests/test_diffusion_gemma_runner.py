@@ -15,10 +15,8 @@ from engine.model.families.diffusion_gemma.config import FULL, SLIDING
 from engine.model.families.diffusion_gemma.reference import (
     ReferenceSequence,
     assert_close,
-    load_reference,
     random_tokens,
 )
-from engine.model.families.diffusion_gemma.tiny import write_tiny_diffusion_gemma
 from engine.worker.forward_batch import ForwardBatch
 from engine.worker.runner import ModelRunner
 
@@ -27,13 +25,13 @@ PAGE = 4
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return write_tiny_diffusion_gemma(tmp_path_factory.mktemp("dg") / "tiny")
+def ckpt(gemma_ckpt):
+    return gemma_ckpt
 
 
 @pytest.fixture(scope="module")
-def reference(ckpt):
-    return load_reference(ckpt)
+def reference(gemma_reference):
+    return gemma_reference
 
 
 @pytest.fixture(scope="module")
