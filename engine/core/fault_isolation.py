@@ -12,7 +12,6 @@ from typing import TypeVar
 from configs.knobs import request_knobs
 from engine.carrier import OutputChunk
 from engine.core.model_settings import EngineStats
-from engine.core.overlap import LaunchedForward
 from engine.core.scheduler import ScheduledSeq
 from engine.core.sequence import Sequence
 
@@ -26,19 +25,11 @@ _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalt
 
 
 class FaultIsolation:
-    """Runs a step's forward so that one request's failure ends that request only."""
+    """Runs a step's forward so that one request's failure ends that request only. Uses the engine's
+    `_forward`, `_apply` and `fail`."""
 
     seqs: dict[str, Sequence]
     stats: EngineStats
-
-    def _forward(self, items: list[ScheduledSeq]) -> LaunchedForward:  # the engine's
-        raise NotImplementedError
-
-    def _apply(self, fwd: LaunchedForward) -> list[OutputChunk]:  # the engine's
-        raise NotImplementedError
-
-    def fail(self, request_id: str, message: str) -> OutputChunk | None:  # the engine's
-        raise NotImplementedError
 
     def _guarded(self, items: list[ScheduledSeq], run: Callable[[], T]) -> tuple[T | None, list[OutputChunk]]:
         """(run(), []); when it raises, (None, the chunks of re-running `items` one by one). A fatal

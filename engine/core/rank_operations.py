@@ -15,21 +15,13 @@ from engine.worker.weight_sources import DiskWeights, WeightSource, check_same_a
 
 
 class RankOperations:
-    """What a trainer asks of every rank of one replica (the engine's part of RL control)."""
+    """What a trainer asks of every rank of one replica (the engine's part of RL control). Uses the
+    engine's `_land_all`, `retract_all` and `flush_cache`."""
 
     executor: Executor
     spec: ModelSpec
     stats: EngineStats
     weight_version: str
-
-    def _land_all(self) -> None:  # the engine's: apply the forwards in flight
-        raise NotImplementedError
-
-    def retract_all(self) -> int:  # the engine's
-        raise NotImplementedError
-
-    def flush_cache(self) -> None:  # the engine's
-        raise NotImplementedError
 
     # ---- memory and the trainer's update group, on every rank ---------------------------------
     def release_memory(self, tags: list[str]) -> None:
