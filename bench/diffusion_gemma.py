@@ -6,8 +6,8 @@ then decodes the same seeded prompts on both sides, float32 on CPU:
 
 - **transformers**: `generate()` one request at a time (`torch.manual_seed(seed)` before each) and
   once as its own static batch of all requests;
-- **engine**: `CanvasDecoder` on the model runner, one request at a time and all requests in flight
-  together (one forward serves every request's pass).
+- **engine**: `LLMEngine`, one request at a time and all requests in flight together (one forward
+  serves every request's pass).
 
 After an untimed warm-up of both, it prints one JSON object: seconds and generated tokens per
 second per side and mode, and how many seeded requests got tokens identical to transformers'
@@ -26,12 +26,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from configs import EngineConfig, GenerationConfig
-from engine.core.decoding.canvas_loop import CanvasDecoder
 from engine.core.decoding.renoising import RenoiseKnobs
-from engine.model.checkpoint import load_model_spec
+from engine.core.llm_engine import LLMEngine
 from engine.model.families.diffusion_gemma.reference import load_reference
 from engine.model.families.diffusion_gemma.tiny import write_tiny_diffusion_gemma
-from engine.worker.runner import ModelRunner
 
 
 def converging_checkpoint(path: Path, canvas_length: int, norm_scale: float = 12.0,
@@ -59,11 +57,12 @@ def run(requests: int, max_new_tokens: int, canvas: int, steps: int, prompt_len:
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = converging_checkpoint(Path(tmp) / "tiny", canvas)
         model = load_reference(ckpt)
-        runner = ModelRunner(load_model_spec(ckpt), EngineConfig(
+        eng = LLMEngine(str(ckpt), EngineConfig(
             device="cpu", kv_block_size=16, num_kv_blocks=4096, max_batch_size=max(requests, 1),
-            max_prefill_token_num=max(256, prompt_len)))
-    g = runner.model.gemma
-    prompts = [torch.randint(0, g.vocab_size, (prompt_len,), generator=torch.Generator().manual_seed(i)).tolist()
+            max_prefill_token_num=max(256, prompt_len),
+            **{f"dllm_{name}": value for name, value in vars(knobs).items()}))
+    vocab = eng.spec.vocab_size
+    prompts = [torch.randint(0, vocab, (prompt_len,), generator=torch.Generator().manual_seed(i)).tolist()
                for i in range(requests)]
     hf_kwargs = {"max_new_tokens": max_new_tokens, "max_denoising_steps": steps, "t_min": knobs.t_min,
                  "t_max": knobs.t_max, "stability_threshold": 0, "confidence_threshold": knobs.stop_entropy}
@@ -81,13 +80,15 @@ def run(requests: int, max_new_tokens: int, canvas: int, steps: int, prompt_len:
         model.generate(torch.tensor(prompts), **hf_kwargs)
 
     def engine(concurrent: int) -> list[list[int]]:
-        done = {}
+        done: dict[int, list[int]] = {}
         for first in range(0, requests, concurrent):
-            dec = CanvasDecoder(runner.execute, runner.layer_groups.pools, 16, g.sliding_window, g.canvas_length,
-                                g.vocab_size, knobs)
             for seed in range(first, min(first + concurrent, requests)):
-                dec.add(str(seed), prompts[seed], GenerationConfig(max_new_tokens=max_new_tokens, random_seed=seed))
-            done.update({int(r.request_id): r.output_ids for r in dec.run()})
+                done[seed] = []
+                eng.add_request(prompts[seed], GenerationConfig(max_new_tokens=max_new_tokens, random_seed=seed),
+                                str(seed))
+            while eng.has_unfinished():
+                for chunk in eng.step():
+                    done[int(chunk.request_id)] += chunk.token_ids
         return [done[i] for i in range(requests)]
 
     tokens = requests * max_new_tokens

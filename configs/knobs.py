@@ -9,7 +9,8 @@ a model that cannot use a knob, and the tables of docs/config-reference.md.
 
 A *paradigm* is how a model family decodes (its family's registry row names it): `autoregressive`
 (one token per forward), `block` (block diffusion: every masked position of a block is a candidate
-at every step) or `sub_block` (a token shift and sub-blocks decoded left to right). A knob a
+at every step), `sub_block` (a token shift and sub-blocks decoded left to right) or `renoising`
+(DiffusionGemma: a canvas of random tokens refined as a whole, every position rewritten each step). A knob a
 paradigm does not read is refused on its models: per request with a 400 naming the field, and
 engine-wide at engine start when set to anything but its default (an autoregressive engine logs them
 as ignored instead: see `ENGINE_WIDE_IGNORED`). Token editing's knobs are refused on a request whose
@@ -25,11 +26,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, create_model
 
-Paradigm = Literal["autoregressive", "block", "sub_block"]
+Paradigm = Literal["autoregressive", "block", "sub_block", "renoising"]
 PARADIGMS: dict[str, str] = {
     "autoregressive": "causal LMs: one token per forward",
     "block": "block diffusion: every masked position of the block is a candidate at every step",
     "sub_block": "a token shift and sub-blocks of the block decoded left to right",
+    "renoising": "uniform-state renoising: every position of a canvas is resampled or re-noised at every step",
 }
 DIFFUSION: tuple[Paradigm, ...] = ("block", "sub_block")
 # Paradigms whose engines accept (and log as ignored) engine-wide knobs they do not read: one engine
@@ -129,7 +131,27 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
          ("block",), per_request=False),
     Knob("dllm_mask_token_id", int | None, None, "mask token of a block-diffusion model whose checkpoint names none",
          DIFFUSION, {"ge": 0}, per_request=False, upstream={"jetengine.config": "mask_token_id"}),
+    # renoising (DiffusionGemma); the checkpoint's generation_config.json replaces these defaults
+    Knob("dllm_max_denoising_steps", int, 48, "renoising: steps per canvas at most (N of the temperature schedule)",
+         ("renoising",), {"ge": 1}, upstream={"sglang.algorithm": "max_denoising_steps"}),
+    Knob("dllm_entropy_bound", float, 0.1, "renoising: accept the lowest-entropy samples while their summed entropy, "
+         "less the last one's, stays within this bound (nats); the rest are re-noised", ("renoising",),
+         {"gt": 0.0, "allow_inf_nan": False}, upstream={"sglang.algorithm": "sampler_config.entropy_bound"}),
+    Knob("dllm_t_min", float, 0.4, "renoising: the temperature of a canvas's last step (must be below dllm_t_max)",
+         ("renoising",), {"ge": 0.0, "allow_inf_nan": False},
+         upstream={"sglang.algorithm": "temperature_schedule.t_min"}),
+    Knob("dllm_t_max", float, 0.8, "renoising: the temperature a canvas starts from (falls linearly to dllm_t_min "
+         "over dllm_max_denoising_steps)", ("renoising",), {"gt": 0.0, "allow_inf_nan": False},
+         upstream={"sglang.algorithm": "temperature_schedule.t_max"}),
+    Knob("dllm_stability_threshold", int, 1, "renoising: a canvas may stop once its argmax equals that of this many "
+         "previous steps", ("renoising",), {"ge": 0},
+         upstream={"sglang.algorithm": "stopping_config.stability_threshold"}),
+    Knob("dllm_stop_entropy", float, 0.005, "renoising: a stable canvas stops once its mean entropy (nats) is "
+         "below this",
+         ("renoising",), {"gt": 0.0, "allow_inf_nan": False},
+         upstream={"sglang.algorithm": "stopping_config.confidence_threshold"}),
 )}
+RENOISING_KNOBS: tuple[str, ...] = tuple(k.name for k in KNOBS.values() if "renoising" in k.used_by)
 
 
 def request_knobs() -> list[Knob]:

@@ -60,6 +60,8 @@ class _CarrierFields:
     dllm_replay_token_ids: list[int] | None = None
     dllm_replay_step_maps: list[int] | None = None  # the step that revealed each position, 0 where never
     dllm_stop_length: int | None = None  # how many of the block's positions are output tokens (the first ones)
+    # renoising (on request; in the last chunk only): per canvas {"steps": its steps, "stop": "stable" | "max_steps"}
+    dllm_replay_canvases: list[dict[str, Any]] | None = None
     queue_time_s: float | None = None  # first chunk only: seconds from add_request to first admission
     entropy: list[float] | None = None  # per token (trajectory scoring, on request): entropy in nats
 
@@ -96,7 +98,7 @@ class Response(_CarrierFields):
         self.entropy = _extend(self.entropy, chunk.entropy)
         self.weight_versions = _extend(self.weight_versions, chunk.weight_versions)
         for name in ("finish_reason", "matched", "error", "num_steps", "weight_version", "dllm_replay_token_ids",
-                     "dllm_replay_step_maps", "dllm_stop_length", "queue_time_s"):
+                     "dllm_replay_step_maps", "dllm_stop_length", "dllm_replay_canvases", "queue_time_s"):
             value = getattr(chunk, name)
             if value is not None:
                 setattr(self, name, value)

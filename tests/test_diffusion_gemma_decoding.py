@@ -1,7 +1,7 @@
-"""Renoising decoding of DiffusionGemma against transformers' `generate()` (batch 1 after
-`torch.manual_seed(seed)`, DynamicCache, SDPA, float32 CPU): seeded requests give its tokens cut the
-same way, settle steps computed from its per-step drafts, logprobs from its last-step logits; alone,
-batched, and whatever the batch around them.
+"""Renoising decoding of DiffusionGemma in the engine against transformers' `generate()` (batch 1
+after `torch.manual_seed(seed)`, DynamicCache, SDPA, float32 CPU): seeded requests give its tokens
+cut the same way, settle steps computed from its per-step drafts, logprobs from its last-step
+logits; alone, batched, and whatever the batch around them.
 
 The tiny checkpoint's canvases converge as a trained model's do (`converging_checkpoint`: its final
 norm scaled up, its self-conditioning damped -- undamped, a random network's self-conditioning
@@ -15,11 +15,11 @@ import torch
 
 from bench.diffusion_gemma import converging_checkpoint
 from configs import EngineConfig, GenerationConfig
-from engine.core.decoding.canvas_loop import CanvasDecoder
+from engine.carrier import Response
 from engine.core.decoding.renoising import RenoiseKnobs
-from engine.model.checkpoint import load_model_spec
+from engine.core.llm_engine import LLMEngine
+from engine.model.families.diffusion_gemma import generation_defaults
 from engine.model.families.diffusion_gemma.reference import load_reference
-from engine.worker.runner import ModelRunner
 
 pytest.importorskip("transformers.models.diffusion_gemma")
 PAGE = 4
@@ -44,11 +44,31 @@ def ckpt(tmp_path_factory):
     return converging_checkpoint(tmp_path_factory.mktemp("dg") / "tiny", CANVAS)
 
 
+def _engine(ckpt, **config) -> LLMEngine:
+    knobs = {f"dllm_{name}": value for name, value in vars(KNOBS).items()}
+    return LLMEngine(str(ckpt), EngineConfig(**{"device": "cpu", "kv_block_size": PAGE, "num_kv_blocks": 4096,
+                                                "max_batch_size": 64, "max_prefill_token_num": 256, **knobs,
+                                                **config}))
+
+
 @pytest.fixture(scope="module")
-def runner(ckpt):
-    config = EngineConfig(device="cpu", kv_block_size=PAGE, num_kv_blocks=4096, max_batch_size=64,
-                          max_prefill_token_num=256)
-    return ModelRunner(load_model_spec(ckpt), config)
+def engine(ckpt):
+    return _engine(ckpt)
+
+
+def run(engine: LLMEngine, requests: dict[str, tuple[list[int], GenerationConfig]]) -> dict[str, Response]:
+    """Every request added at once, stepped to the end; the whole response of each."""
+    chunks: dict[str, list] = {rid: [] for rid in requests}
+    for rid, (prompt, params) in requests.items():
+        engine.add_request(prompt, params, rid)
+    while engine.has_unfinished():
+        for chunk in engine.step():
+            chunks[chunk.request_id].append(chunk)
+    return {rid: Response.from_chunks(c) for rid, c in chunks.items()}
+
+
+def params(**kwargs) -> GenerationConfig:
+    return GenerationConfig(return_dllm_replay=True, **kwargs)
 
 
 class Drafts:
@@ -87,11 +107,11 @@ def settle_steps(drafts: Drafts) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def oracle(ckpt, runner):
+def oracle(ckpt, engine):
     """transformers' 3-canvas output per (seed, prompt length): tokens, settle steps, last-step logits
     per canvas, canvases' step counts. Shorter max_new_tokens take its first canvases (the same draws)."""
     model = load_reference(ckpt)
-    vocab = runner.model.gemma.vocab_size
+    vocab = engine.spec.vocab_size
     out = {}
     for length in PROMPT_LENGTHS:
         prompt = torch.randint(0, vocab, (length,), generator=torch.Generator().manual_seed(100 + length)).tolist()
@@ -109,29 +129,21 @@ def oracle(ckpt, runner):
     return out
 
 
-def _decoder(runner, **kwargs) -> CanvasDecoder:
-    g = runner.model.gemma
-    return CanvasDecoder(runner.execute, runner.layer_groups.pools, PAGE, g.sliding_window, g.canvas_length,
-                         g.vocab_size, KNOBS, **kwargs)
-
-
-def _check(result, ref, max_new: int) -> None:
-    assert result.output_ids == ref["tokens"][:max_new]
+def _check(result: Response, ref, max_new: int) -> None:
+    assert result.token_ids == ref["tokens"][:max_new]
     assert result.step_map == ref["settle"][:max_new]
     assert result.finish_reason == "length"
     canvases = -(-max_new // CANVAS)
-    assert [c["steps"] for c in result.replay] == ref["steps"][:canvases]
-    assert {c["stop"] for c in result.replay} <= {"stable", "max_steps"}
+    assert [c["steps"] for c in result.dllm_replay_canvases] == ref["steps"][:canvases]
+    assert {c["stop"] for c in result.dllm_replay_canvases} <= {"stable", "max_steps"}
+    assert result.num_steps == sum(ref["steps"][:canvases])
 
 
-def test_batched_requests_equal_transformers(runner, oracle):
+def test_batched_requests_equal_transformers(engine, oracle):
     """Every (seed, prompt, max_new_tokens) in one batch of 45 requests."""
-    dec = _decoder(runner)
-    for (seed, length), ref in oracle.items():
-        for max_new in MAX_NEW:
-            dec.add(f"{seed}-{length}-{max_new}", ref["prompt"], GenerationConfig(max_new_tokens=max_new,
-                                                                                  random_seed=seed))
-    results = {r.request_id: r for r in dec.run()}
+    results = run(engine, {f"{seed}-{length}-{max_new}": (ref["prompt"], params(max_new_tokens=max_new,
+                                                                                 random_seed=seed))
+                           for (seed, length), ref in oracle.items() for max_new in MAX_NEW})
     for (seed, length), ref in oracle.items():
         for max_new in MAX_NEW:
             _check(results[f"{seed}-{length}-{max_new}"], ref, max_new)
@@ -140,64 +152,56 @@ def test_batched_requests_equal_transformers(runner, oracle):
 
 
 @pytest.mark.parametrize("size", [1, 4, 16])
-def test_batch_invariance(runner, oracle, size):
+def test_batch_invariance(engine, oracle, size):
     """A seeded request alone, with 3 others and with 15 others (other prompts, seeds, lengths)."""
     seed, length = 3, 9
     ref = oracle[seed, length]
-    dec = _decoder(runner)
-    dec.add("probe", ref["prompt"], GenerationConfig(max_new_tokens=40, random_seed=seed))
+    requests = {"probe": (ref["prompt"], params(max_new_tokens=40, random_seed=seed))}
     others = [k for k in oracle if k != (seed, length)]
     for i in range(size - 1):
         s, n = others[i % len(others)]
-        dec.add(f"other{i}", oracle[s, n]["prompt"], GenerationConfig(max_new_tokens=16 * (1 + i % 3),
-                                                                      random_seed=1000 + i))
-    result = next(r for r in dec.run() if r.request_id == "probe")
-    _check(result, ref, 40)
+        requests[f"other{i}"] = (oracle[s, n]["prompt"], params(max_new_tokens=16 * (1 + i % 3), random_seed=1000 + i))
+    _check(run(engine, requests)["probe"], ref, 40)
 
 
 @pytest.mark.parametrize("raw", [False, True])
-def test_logprobs_from_the_last_step(runner, oracle, raw):
+def test_logprobs_from_the_last_step(ckpt, engine, oracle, raw):
     seed, length = 1, 40
     ref = oracle[seed, length]
-    dec = _decoder(runner)
-    dec.add("lp", ref["prompt"], GenerationConfig(max_new_tokens=3 * CANVAS, random_seed=seed, logprobs=2),
-            raw_logprobs=raw)
-    result = dec.run()[0]
+    eng = _engine(ckpt, logprobs_mode="raw_logprobs") if raw else engine
+    result = run(eng, {"lp": (ref["prompt"], params(max_new_tokens=3 * CANVAS, random_seed=seed, logprobs=2))})["lp"]
     _check(result, ref, 3 * CANVAS)
     for c, z in enumerate(ref["last"]):
         temperature = KNOBS.temperature(KNOBS.max_denoising_steps - ref["steps"][c] + 1)
         expected = torch.log_softmax(z * temperature if raw else z, dim=-1)
         for pos in range(CANVAS):
             entry = result.logprobs[c * CANVAS + pos]
-            token = result.output_ids[c * CANVAS + pos]
-            assert abs(entry["logprob"] - expected[pos, token].item()) < 1e-4
-            assert [i for _, i in entry["top"]][0] == token
+            token = result.token_ids[c * CANVAS + pos]
+            assert abs(entry[token] - expected[pos, token].item()) < 1e-4
+            top = sorted(expected[pos].tolist(), reverse=True)[:2]
+            assert len(entry) in (2, 3) and max(entry.values()) == pytest.approx(top[0], abs=1e-4)
 
 
-def test_trace_replays_to_the_output(runner, oracle):
+def test_trace_replays_to_the_output(engine, oracle):
     seed, length = 2, 1
     ref = oracle[seed, length]
-    dec = _decoder(runner)
-    dec.add("tr", ref["prompt"], GenerationConfig(max_new_tokens=40, random_seed=seed, return_step_trace=True))
-    result = dec.run()[0]
+    result = run(engine, {"tr": (ref["prompt"], params(max_new_tokens=40, random_seed=seed,
+                                                       return_step_trace=True))})["tr"]
     _check(result, ref, 40)
     canvas = [None] * 40
-    for event in result.trace:
+    for event in result.step_trace:
         for p, t in zip(event["positions"], event["token_ids"], strict=True):
             canvas[p] = t
         assert event["accepted"] >= 1 and event["temperature"] > 0 and event["mean_entropy"] >= 0
-    assert canvas == result.output_ids
-    assert [e["step"] for e in result.trace] == list(range(1, len(result.trace) + 1))
-    assert len(result.trace) == sum(c["steps"] for c in result.replay)
+    assert canvas == result.token_ids
+    assert [e["step"] for e in result.step_trace] == list(range(1, len(result.step_trace) + 1))
+    assert len(result.step_trace) == sum(c["steps"] for c in result.dllm_replay_canvases)
 
 
-def test_unseeded_requests_differ(runner, oracle):
+def test_unseeded_requests_differ(engine, oracle):
     ref = oracle[0, 9]
-    dec = _decoder(runner)
-    for i in range(2):
-        dec.add(f"u{i}", ref["prompt"], GenerationConfig(max_new_tokens=16))
-    a, b = dec.run()
-    assert a.output_ids != b.output_ids
+    a, b = run(engine, {f"u{i}": (ref["prompt"], params(max_new_tokens=16)) for i in range(2)}).values()
+    assert a.token_ids != b.token_ids
 
 
 def _transformers(ckpt, prompt: list[int], seed: int, knobs: RenoiseKnobs, **kwargs) -> tuple[list[int], Drafts]:
@@ -213,50 +217,50 @@ def _transformers(ckpt, prompt: list[int], seed: int, knobs: RenoiseKnobs, **kwa
     return seqs[0, len(prompt):].tolist(), drafts
 
 
-def test_stable_and_confident_stop(ckpt, runner, oracle):
-    """The stability history (argmax unchanged since the previous step) decides the stop."""
+def test_stable_and_confident_stop(ckpt, engine, oracle):
+    """The stability history (argmax unchanged since the previous step) decides the stop; the knobs are
+    the request's own, over the engine's."""
     knobs = RenoiseKnobs(max_denoising_steps=40, entropy_bound=8.0, stability_threshold=1, stop_entropy=1.5)
-    dec = CanvasDecoder(runner.execute, runner.layer_groups.pools, PAGE, runner.model.gemma.sliding_window,
-                        CANVAS, runner.model.gemma.vocab_size, knobs)
-    expected = {}
-    for seed in SEEDS:
-        prompt = oracle[seed, 9]["prompt"]
-        expected[seed] = _transformers(ckpt, prompt, seed, knobs)
-        dec.add(str(seed), prompt, GenerationConfig(max_new_tokens=3 * CANVAS, random_seed=seed))
+    own = {f"dllm_{name}": value for name, value in vars(knobs).items()}
+    expected = {seed: _transformers(ckpt, oracle[seed, 9]["prompt"], seed, knobs) for seed in SEEDS}
+    results = run(engine, {str(seed): (oracle[seed, 9]["prompt"], params(max_new_tokens=3 * CANVAS, random_seed=seed,
+                                                                          **own)) for seed in SEEDS})
     stops = set()
-    for result in dec.run():
-        tokens, drafts = expected[int(result.request_id)]
-        assert result.output_ids == tokens
+    for rid, result in results.items():
+        tokens, drafts = expected[int(rid)]
+        assert result.token_ids == tokens
         assert result.step_map == settle_steps(drafts)
-        stops |= {c["stop"] for c in result.replay}
+        stops |= {c["stop"] for c in result.dllm_replay_canvases}
     assert stops == {"stable", "max_steps"}
 
 
-def test_stop_id_cuts_the_output(ckpt, runner, oracle):
+def test_stop_id_cuts_the_output(ckpt, engine, oracle):
     """A stop id inside a canvas ends the request there (kept); transformers stops after that canvas."""
     ref = oracle[4, 40]
     stop = ref["tokens"][CANVAS + 5]
     first = ref["tokens"].index(stop)
     tokens, _ = _transformers(ckpt, ref["prompt"], 4, KNOBS, eos_token_id=stop)
-    dec = _decoder(runner)
-    dec.add("eos", ref["prompt"], GenerationConfig(max_new_tokens=3 * CANVAS, random_seed=4, stop_token_ids=[stop]))
-    result = dec.run()[0]
-    assert result.finish_reason == "stop"
-    assert result.output_ids == tokens[: first + 1] == ref["tokens"][: first + 1]
+    result = run(engine, {"eos": (ref["prompt"], params(max_new_tokens=3 * CANVAS, random_seed=4,
+                                                        stop_token_ids=[stop]))})["eos"]
+    assert result.finish_reason == "stop" and result.matched == stop
+    assert result.token_ids == tokens[: first + 1] == ref["tokens"][: first + 1]
     assert len(result.step_map) == first + 1
 
 
-def test_knobs_from_generation_config_and_overrides():
+def test_knobs_from_generation_config_and_overrides(tmp_path):
     sampler = {"entropy_bound": 0.2, "_cls_name": "EntropyBoundSamplerConfig"}
     gen = {"max_denoising_steps": 32, "sampler_config": sampler,
            "t_min": 0.3, "t_max": 0.9, "stability_threshold": 2, "confidence_threshold": 0.01, "max_new_tokens": 256}
-    knobs = RenoiseKnobs.from_generation_config(gen)
+    defaults = generation_defaults(gen)
+    assert defaults == {"dllm_max_denoising_steps": 32, "dllm_entropy_bound": 0.2, "dllm_t_min": 0.3,
+                        "dllm_t_max": 0.9, "dllm_stability_threshold": 2, "dllm_stop_entropy": 0.01}
+    assert generation_defaults({"t_min": None}) == {}
+    knobs = RenoiseKnobs.of_engine(EngineConfig(**defaults))
     assert knobs == RenoiseKnobs(32, 0.2, 0.3, 0.9, 2, 0.01)
-    assert RenoiseKnobs.from_generation_config({"t_min": None}) == RenoiseKnobs()
-    assert knobs.override({"dllm_t_max": 0.7, "dllm_entropy_bound": None, "top_k": 3}) == RenoiseKnobs(
-        32, 0.2, 0.3, 0.7, 2, 0.01)
+    assert RenoiseKnobs.of_engine(EngineConfig()) == RenoiseKnobs()  # the release's
+    assert knobs.for_request(GenerationConfig(dllm_t_max=0.7, top_k=3)) == RenoiseKnobs(32, 0.2, 0.3, 0.7, 2, 0.01)
     with pytest.raises(ValueError, match="dllm_t_min"):
-        knobs.override({"dllm_t_min": 0.95})
+        knobs.for_request(GenerationConfig(dllm_t_min=0.95))
     # T(c) as transformers' schedule computes it (float32 arithmetic on an int32 countdown), bit for bit
     from transformers.models.diffusion_gemma.generation_diffusion_gemma import (
         LinearTemperatureScheduleLogitsProcessor,
@@ -269,13 +273,23 @@ def test_knobs_from_generation_config_and_overrides():
 
 
 @pytest.mark.parametrize("chunk", [16, 7])
-def test_long_prompts_and_commits_in_chunks(runner, oracle, chunk):
-    """Encoder passes of at most `chunk` tokens (the 40-token prompt in 3 or 6, a 7-token chunk splits
-    each commit too); the sliding pages before the window released after each."""
-    dec = _decoder(runner, max_prefill_tokens=chunk)
-    for seed in SEEDS:
-        dec.add(str(seed), oracle[seed, 40]["prompt"], GenerationConfig(max_new_tokens=40, random_seed=seed))
-    for result in dec.run():
-        _check(result, oracle[int(result.request_id), 40], 40)
-    assert all(m.num_free_pages == n for m, n in zip(dec.managers.values(), runner.layer_groups.pools.values(),
-                                                       strict=True))
+def test_long_prompts_in_chunks(ckpt, oracle, chunk):
+    """Prompt encoder passes of at most `chunk` tokens (the 40-token prompt in 3 or 6); the sliding
+    pages before the window released after each; every page back once the requests end."""
+    eng = _engine(ckpt, max_prefill_token_num=chunk)
+    held = []
+    original = eng.kv.register
+
+    def register(table, tokens, committed):
+        original(table, tokens, committed)
+        held.append(eng.kv.held_pages(table))
+
+    eng.kv.register = register
+    results = run(eng, {str(seed): (oracle[seed, 40]["prompt"], params(max_new_tokens=40, random_seed=seed))
+                        for seed in SEEDS})
+    for rid, result in results.items():
+        _check(result, oracle[int(rid), 40], 40)
+    window = eng.spec.extra.sliding_window
+    assert max(h["sliding_attention"] for h in held) <= -(-(window - 1 + max(chunk, CANVAS)) // PAGE) + 1
+    assert max(h["full_attention"] for h in held) > max(h["sliding_attention"] for h in held)
+    assert all(m.num_free_pages == m.num_pages for m in eng.kv.managers.values())

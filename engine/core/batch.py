@@ -41,13 +41,17 @@ def build_batch(items: list[ScheduledSeq], decoding: DecodingStrategy, page_size
             add_view_rows(batch, it, page_size)
             continue
         seq, base = it.seq, len(batch.input_ids)
-        pages = seq.table.pages
         batch.input_ids += seq.tokens[it.start : it.end]
         batch.positions += range(it.start, it.end)
         batch.q_lens.append(it.end - it.start)
         batch.kv_lens.append(it.end)
-        add_slots(batch.slot_mapping, pages, it.start, it.end, page_size)
-        batch.page_tables.append(pages)  # read up to kv_lens; not copied (the runner pads its own copy)
+        if seq.table.groups:  # layer groups with pools of their own: a table per group, read in place
+            for group, table in seq.table.groups.items():
+                batch.group_page_tables.setdefault(group, []).append(list(table.pages))
+        else:
+            add_slots(batch.slot_mapping, seq.table.pages, it.start, it.end, page_size)
+            batch.page_tables.append(seq.table.pages)  # read up to kv_lens; not copied (the runner pads its own)
+        decoding.pass_fields(batch, seq, it.sample)
         if it.sample:
             positions = decoding.sample_positions(seq, it.end)
             slices.append(SampleSlice(seq, len(batch.sample_rows), positions))

@@ -21,9 +21,10 @@ import time
 from dataclasses import asdict
 
 from configs import EngineConfig, GenerationConfig
+from configs.knobs import DIFFUSION, rules_of
 from engine.carrier import OutputChunk, Response
 from engine.core.batch import build_batch
-from engine.core.decoding import DecodingStrategy, PickedRows, strategy_for
+from engine.core.decoding import DecodingStrategy, PickedRows, paradigm_of, strategy_for
 from engine.core.decoding.unmasking import UnmaskingSettings
 from engine.core.fault_isolation import FaultIsolation
 from engine.core.input_processing import ModelLimits, process_input
@@ -47,6 +48,7 @@ from engine.core.trajectory_plan import context_tokens, plan_trajectory
 from engine.errors import RequestError
 from engine.executor.base import Executor, ExecutorFactory
 from engine.executor.local import LocalExecutor
+from engine.kv.layer_group_pages import LayerGroupPages
 from engine.kv.page_manager import KVPageManager
 from engine.model.checkpoint import load_model_spec
 from engine.model.source import resolve_model_path
@@ -75,12 +77,16 @@ class LLMEngine(RankOperations, FaultIsolation):
         self.block_length = resolve_block_length(config, spec)
         self.config = config = with_family_defaults(config, spec).model_copy(update={
             "max_model_len": resolve_max_model_len(config, spec), "dllm_block_length": self.block_length})
-        self.mask_id = resolve_mask_token_id(spec, self.tokenizer, config) if self.is_dllm else None
-        self.decoding: DecodingStrategy = strategy_for(spec.family, config, self.mask_id)
+        self.paradigm = paradigm_of(spec.family)
+        masked = self.paradigm in DIFFUSION  # a paradigm that unmasks (renoising has no mask token)
+        self.mask_id = resolve_mask_token_id(spec, self.tokenizer, config) if masked else None
+        self.decoding: DecodingStrategy = strategy_for(spec, config, self.mask_id)
         self.executor: Executor = (executor_factory or LocalExecutor)(spec, config)
         self.executor.set_dllm_block_length(self.block_length)
-        self.kv = KVPageManager(self.executor.num_pages, config.kv_block_size,
-                                 config.enable_prefix_caching, self.block_length)
+        groups = self.executor.kv_groups
+        self.kv = (LayerGroupPages(groups, config.kv_block_size) if groups else
+                   KVPageManager(self.executor.num_pages, config.kv_block_size, config.enable_prefix_caching,
+                                 self.block_length))
         self.scheduler = Scheduler(config, self.kv, self.decoding)
         self.limits = ModelLimits(spec.vocab_size, config.max_model_len, config.kv_block_size, self.kv.num_pages,
                                   self.block_length, config.logprobs_mode)
@@ -103,7 +109,7 @@ class LLMEngine(RankOperations, FaultIsolation):
             raise RequestError(f"n={params.n}: the engine runs one sample per request; expand the request with "
                                "GenerationConfig.samples() (the offline pipeline and the servers do)", "n")
         prompt_ids = process_input(self.tokenizer, self.limits, prompt, params)
-        unmasking = self.unmasking_settings(params) if self.is_dllm else None
+        unmasking = self.unmasking_settings(params) if rules_of(self.paradigm) else None
         self.decoding.check_request(params, unmasking)
         stop_ids = set(params.stop_token_ids or [])
         if not params.ignore_eos:
@@ -118,13 +124,14 @@ class LLMEngine(RankOperations, FaultIsolation):
             request_id=request_id, prompt_ids=prompt_ids, params=params, stop_ids=stop_ids,
             stop=StopChecker(self.tokenizer, params, stop_ids), seed=seed, arrival=next(self._ids),
             tokens=list(prompt_ids) if trajectory is None else context_tokens(prompt_ids, params, trajectory),
+            table=self.kv.new_table(),
             next_score_pos=max(params.logprob_start_len, 0), unmasking=unmasking,
             penalty_ids=set(prompt_ids) - {self.mask_id}, trajectory=trajectory,
         )
         self.seqs[request_id] = seq
         if trajectory is None:
             self.decoding.start(seq)
-            self.outputs[request_id] = OutputBuilder(seq, self.is_dllm)
+            self.outputs[request_id] = OutputBuilder(seq, self.is_dllm, self.decoding.replay)
         else:
             self.outputs[request_id] = TrajectoryOutput(seq, self.tokenizer)
         self.scheduler.add(seq)
@@ -161,6 +168,7 @@ class LLMEngine(RankOperations, FaultIsolation):
     def _release(self, seq: Sequence) -> None:
         seq.status = SeqStatus.FINISHED
         self.scheduler.remove(seq)
+        self.decoding.release(seq)
         del self.seqs[seq.request_id]
         del self.outputs[seq.request_id]
 
@@ -254,7 +262,7 @@ class LLMEngine(RankOperations, FaultIsolation):
         self.stats.forward_seconds += time.perf_counter() - t
         self.stats.forwards += 1
         launched = LaunchedForward(items, batch, result, slices)
-        if slices:
+        if slices and not self.decoding.samples_logits:
             self._pick(launched)
         return launched
 
@@ -282,7 +290,13 @@ class LLMEngine(RankOperations, FaultIsolation):
         fwd.on_host, fwd.ks = PickedOnHost(picked, logprobs), ks
 
     def _read(self, fwd: LaunchedForward) -> LaunchedForward:
-        """Wait for the picks on the host and cut them per sequence."""
+        """Wait for the picks on the host and cut them per sequence (a strategy that samples its rows
+        itself gets each sequence's raw logits rows)."""
+        if self.decoding.samples_logits:
+            logits = fwd.result.logits
+            fwd.rows = [PickedRows(sl.positions, [], [], None, [],
+                                   logits=logits[sl.first: sl.first + len(sl.positions)]) for sl in fwd.slices]
+            return fwd
         if fwd.on_host is None:
             return fwd
         tokens, confidence, entropy = fwd.on_host.lists()
@@ -345,9 +359,7 @@ class LLMEngine(RankOperations, FaultIsolation):
             ended = seq.num_output is not None and not self.decoding.provisional_writes(seq)
             shown = [g for g in revealed if g < (seq.num_output if ended else seq.stop_bound)]
             if shown:
-                output.add_trace({
-                    "step": seq.step_counter, "positions": shown, "token_ids": [seq.tokens[base + g] for g in shown],
-                })
+                output.add_trace(self.decoding.trace_event(seq, shown))
         if seq.finish_reason is not None:
             return True
         self.decoding.after_step(seq)

@@ -77,10 +77,12 @@ def check_engine_knobs(config: EngineConfig, spec: ModelSpec) -> None:
 
 def with_family_defaults(config: EngineConfig, spec: ModelSpec) -> EngineConfig:
     """`config`, its knobs checked (`check_engine_knobs`), with the model family's published decoding
-    defaults for the `dllm_*` fields the user left unset (e.g. LLaDA2's threshold 0.95); fields the
+    defaults for the `dllm_*` fields the user left unset (e.g. LLaDA2's threshold 0.95), and over
+    those the checkpoint's own from generation_config.json (DiffusionGemma's schedule); fields the
     user set are kept."""
     check_engine_knobs(config, spec)
-    defaults = {k: v for k, v in spec.family.decoding_defaults.items() if k not in config.model_fields_set}
+    published = {**spec.family.decoding_defaults, **spec.generation_defaults}
+    defaults = {k: v for k, v in published.items() if k not in config.model_fields_set}
     return config.model_copy(update=defaults) if defaults else config
 
 

@@ -7,14 +7,19 @@ and every field describes the same prefix of tokens. Work per chunk is proportio
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from engine.carrier import OutputChunk, StepEvent
 from engine.core.sequence import Sequence
 
 
 class OutputBuilder:
-    def __init__(self, seq: Sequence, is_dllm: bool):
+    def __init__(self, seq: Sequence, is_dllm: bool, replay: Callable[[Sequence, int], dict[str, Any]] | None = None):
+        """`replay`: the final-block replay fields of a finished request (its decoding strategy's)."""
         self.seq = seq
         self.is_dllm = is_dllm
+        self.replay = replay
         p = seq.params
         self.want_logprobs = p.logprobs is not None
         self.want_trace = is_dllm and p.return_step_trace
@@ -83,7 +88,8 @@ class OutputBuilder:
             queue_time_s=seq.admitted_at - seq.added_at if self.first and seq.admitted_at is not None else None,
         )
         if finished and self.want_replay:
-            self._add_replay(chunk, end)
+            for name, value in self.replay(seq, end).items():
+                setattr(chunk, name, value)
         if seq.wants_input_logprobs:
             chunk.input_token_logprobs = self.pending_input_rows if self.first else []
             if seq.params.logprobs:
@@ -95,13 +101,3 @@ class OutputBuilder:
         self.sent_tokens = end
         self.sent_text = max(self.sent_text, text_end)
         return chunk
-
-    def _add_replay(self, chunk: OutputChunk, num_output: int) -> None:
-        """The last block as it stood at finish: its generated positions (mask id where never
-        revealed), the step that revealed each (0 = never), and how many are output tokens."""
-        seq = self.seq
-        first = max(seq.block.start, seq.prompt_len) - seq.prompt_len
-        last = seq.block.end - seq.prompt_len
-        chunk.dllm_replay_token_ids = seq.tokens[seq.prompt_len + first : seq.prompt_len + last]
-        chunk.dllm_replay_step_maps = [s or 0 for s in seq.out_steps[first:last]]
-        chunk.dllm_stop_length = max(0, num_output - first)

@@ -1,4 +1,5 @@
-"""A request's state inside the engine: its tokens, its KV pages, and (block diffusion) its current block."""
+"""A request's state inside the engine: its tokens, its KV pages, and (block diffusion) its current
+block or (renoising) its open canvas."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from configs import GenerationConfig
 from engine.kv.page_manager import PageTable
 
 if TYPE_CHECKING:
+    from engine.core.decoding.renoising import CanvasState
     from engine.core.decoding.unmasking import UnmaskingSettings
     from engine.core.stopping import StopChecker
     from engine.core.trajectory_plan import TrajectoryState
@@ -61,6 +63,7 @@ class Sequence:
     step_counter: int = 0
     num_revealed: int = 0  # leading generated positions revealed (contiguous)
     stop_bound: int = 0  # the output cannot reach past this many tokens (a revealed stop id, max_new_tokens)
+    canvas: CanvasState | None = None  # renoising: the open canvas and the request's generator
     # scoring: next position whose logits row (scoring token position+1) is still owed
     next_score_pos: int = 0
     num_preemptions: int = 0

@@ -29,6 +29,12 @@ class Executor(Protocol):
         engine's page manager may hand out."""
         ...
 
+    @property
+    def kv_groups(self) -> dict[str, tuple[int, int | None]] | None:
+        """Per layer group, (its pages, its sliding window or None), when the network's layer groups
+        keep their K/V in pools of their own (engine.kv.layer_group_pages); None otherwise."""
+        ...
+
     def set_dllm_block_length(self, block_length: int | None) -> None:
         """Set the block length every rank's model decodes in (None: an autoregressive model), before
         the first forward."""

@@ -27,6 +27,10 @@ class LocalExecutor:
     def num_pages(self) -> int:
         return self.runner.num_pages
 
+    @property
+    def kv_groups(self) -> dict[str, tuple[int, int | None]] | None:
+        return self.runner.kv_groups
+
     def set_dllm_block_length(self, block_length: int | None) -> None:
         self.runner.set_dllm_block_length(block_length)
 

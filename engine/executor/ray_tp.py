@@ -156,6 +156,10 @@ class RayTPExecutor:
     def num_pages(self) -> int:
         return self._num_pages
 
+    @property
+    def kv_groups(self) -> dict[str, tuple[int, int | None]] | None:
+        return self.shard.runner.kv_groups  # every rank sizes its pools alike
+
     def describe(self) -> dict[str, Any]:
         return {"executor": "ray_tp", "tp_workers": len(self.workers), "tp_worker_names": list(self.worker_names),
                 "tp_namespace": ray.get_runtime_context().namespace,

@@ -33,12 +33,15 @@ class _Page:
 
 @dataclass
 class PageTable:
-    """A sequence's pages, plus how many of them are registered in the prefix cache."""
+    """A sequence's pages, plus how many of them are registered in the prefix cache. A network whose
+    layer groups keep their K/V in pools of their own (engine.kv.layer_group_pages) gives a sequence
+    one table per group in `groups` instead."""
 
     pages: list[int] = field(default_factory=list)
     registered: int = 0
     parent_hash: int | None = None  # hash of the last registered page's key
     epoch: int = 0  # the cache epoch its first page was taken in; only the current epoch publishes
+    groups: dict[str, PageTable] = field(default_factory=dict)
 
 
 class KVPageManager:
@@ -54,6 +57,10 @@ class KVPageManager:
         self._by_hash: dict[int, int] = {}  # key hash -> page id
         self.prefix_hit_tokens = 0  # accounting for tests and metrics
         self.epoch = 0  # bumped by every flush
+
+    def new_table(self) -> PageTable:
+        """An empty page table for a new sequence."""
+        return PageTable()
 
     # ---- accounting -------------------------------------------------------------------------
     @property

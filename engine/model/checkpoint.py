@@ -116,8 +116,8 @@ def load_model_spec(path: str | Path) -> ModelSpec:
     common = cfg["text_config"] if isinstance(cfg.get("text_config"), dict) else cfg
     eos = _as_id_set(common.get("eos_token_id"))
     gen_file = root / "generation_config.json"
-    if gen_file.is_file():
-        eos |= _as_id_set(_read_json(gen_file).get("eos_token_id"))
+    generation = _read_json(gen_file) if gen_file.is_file() else {}
+    eos |= _as_id_set(generation.get("eos_token_id"))
     heads = common["num_attention_heads"]
     _refuse_sliding_window(cfg)
     dtype = cfg.get("torch_dtype") or cfg.get("dtype")
@@ -150,6 +150,8 @@ def load_model_spec(path: str | Path) -> ModelSpec:
         family = family_of(model_type)
         if family.config_fields is not None:
             fields |= family.config_fields(cfg)
+        if family.generation_defaults is not None:
+            fields["generation_defaults"] = family.generation_defaults(generation)
         return ModelSpec(**fields)
     except KeyError as e:
         raise CheckpointError(f"{config_file} lacks required field {e.args[0]!r}") from e

@@ -18,8 +18,9 @@ from torch import nn
 Paradigm = Literal["AR", "DLLM"]
 # How a block-diffusion family decodes a block (engine.core.decoding picks the strategy by it):
 # "block"     - every masked position of the block is a candidate at every step;
-# "sub_block" - a token shift and sub-blocks decoded left to right.
-BlockDecoding = Literal["block", "sub_block"]
+# "sub_block" - a token shift and sub-blocks decoded left to right;
+# "renoising" - a canvas of random tokens, every position resampled or re-noised at every step.
+BlockDecoding = Literal["block", "sub_block", "renoising"]
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,9 @@ class ModelFamily:
     mask_token_texts: tuple[str, ...] = ()
     #: EngineConfig `dllm_*` values this family decodes with unless the engine config sets them
     decoding_defaults: dict[str, object] = field(default_factory=dict)
+    #: generation_config.json dict -> the EngineConfig `dllm_*` defaults the checkpoint publishes there
+    #: (they replace `decoding_defaults`; fields the engine config sets win over both)
+    generation_defaults: Callable[[dict], dict[str, object]] | None = None
     #: config.json dict -> the ModelSpec fields that differ from the common reading (the family's own
     #: fields; a CheckpointError naming any field it cannot honour). None: the common reading only.
     config_fields: Callable[[dict], dict[str, Any]] | None = None

@@ -74,6 +74,8 @@ class ModelSpec:
     qk_norm: bool = True  # per-head RMSNorm on q and k before the rotary embedding (Qwen3; not Qwen2)
     #: a family's own architecture facts (e.g. its router's), read by its family's `config_fields`
     extra: Any = None
+    #: EngineConfig `dllm_*` defaults from generation_config.json (the family's `generation_defaults`)
+    generation_defaults: dict[str, Any] = field(default_factory=dict)
 
     @property
     def is_dllm(self) -> bool:

@@ -28,7 +28,7 @@ class LayerGroupPasses:
                              "encoder and canvas passes run on the torch reference attention only; "
                              "use attention_backend='torch' or 'auto'")
         self.layout = model.kv_layout(config.kv_block_size, tp_size)
-        self.device, self.dtype, self.page_size = device, dtype, config.kv_block_size
+        self.device, self.dtype, self.page_size, self.tp_size = device, dtype, config.kv_block_size, tp_size
         n = config.num_kv_blocks
         explicit = isinstance(n, int) and not isinstance(n, bool)
         longest = -(-(max_len + 64) // config.kv_block_size)
@@ -36,6 +36,12 @@ class LayerGroupPasses:
         self.pools = self.layout.pool_sizes(budget, dtype, config.max_batch_size, config.max_prefill_token_num,
                                             n if explicit else config.max_batch_size * longest)
         self.conditioning: dict[str, torch.Tensor] = {}
+
+    @property
+    def groups(self) -> dict[str, tuple[int, int | None]]:
+        """Per layer group: (its pages, its sliding window or None)."""
+        windows = self.layout.windows()
+        return {g: (n, windows[g]) for g, n in self.pools.items()}
 
     def allocate(self) -> list[tuple[torch.Tensor, ...]]:
         return self.layout.allocate(self.pools, self.dtype, self.device)
@@ -53,18 +59,43 @@ class LayerGroupPasses:
         ids = torch.tensor(batch.input_ids, dtype=torch.long, device=self.device)
         positions = torch.tensor(batch.positions, dtype=torch.long, device=self.device)
         hidden = model(ids, positions, kv_caches, meta)
-        rows = torch.tensor(batch.sample_rows, dtype=torch.long, device=self.device)
-        out = ForwardOutput(logits=model.logits(hidden[rows]))
-        sampled = {r: i for i, r in enumerate(batch.sample_rows)}
-        row = 0
-        for s, keep in enumerate(batch.keep_conditioning or [None] * n):
-            if keep is not None:
-                key, temperature = keep
-                span = range(row, row + batch.q_lens[s])
-                if all(r in sampled for r in span):  # the canvas's logits were projected already
-                    logits = out.logits[[sampled[r] for r in span]]
-                else:
-                    logits = model.logits(hidden[span.start: span.stop])
-                self.conditioning[key] = model.soft_embedding(logits / temperature)
+        # a canvas pass samples every row of its canvas: its first sampled row -> (key, temperature)
+        first_sampled = {r: i for i, r in enumerate(batch.sample_rows)}
+        keep, row = {}, 0
+        for s, kept in enumerate(batch.keep_conditioning or [None] * n):
+            if kept is not None:
+                keep[first_sampled[row]] = kept
             row += batch.q_lens[s]
-        return out
+        rows = torch.tensor(batch.sample_rows, dtype=torch.long, device=self.device)
+        logits = CanvasLogits(model, hidden[rows], keep, self.conditioning)
+        if self.tp_size > 1:  # every rank keeps its own self-conditioning; only rank 0's logits are read
+            for first, q in zip(list(keep), (q for q, k in zip(batch.q_lens, batch.keep_conditioning) if k),
+                                strict=True):
+                logits[first: first + q]
+            logits.keep = {}
+        return ForwardOutput(logits=logits)
+
+
+class CanvasLogits:
+    """The logits rows of a forward of encoder / canvas passes, projected when a slice of them is
+    read: the engine reads one request's rows at a time, so at most one request's [canvas, vocabulary]
+    logits are alive whatever the batch. Reading a canvas's rows also keeps its self-conditioning
+    for the request's next canvas pass (softmax(logits / temperature) @ embedding), from the same
+    projection."""
+
+    def __init__(self, model: torch.nn.Module, hidden: torch.Tensor, keep: dict[int, tuple[str, float]],
+                 conditioning: dict[str, torch.Tensor]):
+        self.model, self.hidden, self.keep, self.conditioning = model, hidden, keep, conditioning
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.hidden.shape[0], self.model.gemma.vocab_size
+
+    @torch.inference_mode()
+    def __getitem__(self, rows: slice) -> torch.Tensor:
+        logits = self.model.logits(self.hidden[rows])
+        kept = self.keep.get(rows.start or 0)
+        if kept is not None:
+            key, temperature = kept
+            self.conditioning[key] = self.model.soft_embedding(logits / temperature)
+        return logits

@@ -132,6 +132,8 @@ class ModelRunner:
                              if hasattr(self.model, "kv_layout") else None)
         self.num_pages = (max(self.layer_groups.pools.values()) if self.layer_groups
                           else num_kv_pages(spec, config, self.device, self.dtype))
+        #: per layer group (pages, sliding window) when the network's groups keep their own pools
+        self.kv_groups = self.layer_groups.groups if self.layer_groups else None
         self.graphs = self._step_graphs()
         self.null_page = self.num_pages  # past the pages the engine hands out; allocated when graphs run
         self.kv_caches = self._allocate_kv()

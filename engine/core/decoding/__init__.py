@@ -1,5 +1,6 @@
 """Decoding paradigms behind one interface (`DecodingStrategy`): autoregressive, block diffusion and
-sub-block decoding, each running the request's unmasking rule (`engine.core.decoding.rules`).
+sub-block decoding, each running the request's unmasking rule (`engine.core.decoding.rules`), and
+renoising (a canvas refined as a whole).
 
 `strategy_for` picks a model family's strategy by its paradigm (`paradigm_of`: its `block_decoding`,
 or autoregressive for causal LMs), the name the knob table (`configs.knobs`) declares knobs for.
@@ -11,11 +12,13 @@ from configs import EngineConfig
 from engine.core.decoding.autoregressive import AutoregressiveDecoding
 from engine.core.decoding.base import DecodingStrategy, PickedRows
 from engine.core.decoding.block_diffusion import BlockDiffusionDecoding
+from engine.core.decoding.canvas_renoising import RenoisingDecoding
 from engine.core.decoding.sub_block import SubBlockDecoding
 from engine.model.families import ModelFamily
+from engine.model.spec import ModelSpec
 
 STRATEGIES: dict[str, type[DecodingStrategy]] = {
-    s.paradigm: s for s in (AutoregressiveDecoding, BlockDiffusionDecoding, SubBlockDecoding)}
+    s.paradigm: s for s in (AutoregressiveDecoding, BlockDiffusionDecoding, SubBlockDecoding, RenoisingDecoding)}
 
 
 def paradigm_of(family: ModelFamily) -> str | None:
@@ -24,13 +27,15 @@ def paradigm_of(family: ModelFamily) -> str | None:
     return family.block_decoding if family.is_dllm else "autoregressive"
 
 
-def strategy_for(family: ModelFamily, config: EngineConfig, mask_id: int | None) -> DecodingStrategy:
-    """The decoding strategy of `family` under `config` (whose `dllm_block_length` is resolved)."""
+def strategy_for(spec: ModelSpec, config: EngineConfig, mask_id: int | None) -> DecodingStrategy:
+    """The decoding strategy of the checkpoint `spec` under `config` (whose `dllm_block_length` is
+    resolved)."""
+    family = spec.family
     paradigm = paradigm_of(family)
     if paradigm not in STRATEGIES:
         raise ValueError(f"model_type {family.model_type!r}: no decoding strategy for block_decoding={paradigm!r}")
-    return STRATEGIES[paradigm].from_config(config, mask_id)
+    return STRATEGIES[paradigm].from_config(config, spec, mask_id)
 
 
-__all__ = ["AutoregressiveDecoding", "BlockDiffusionDecoding", "DecodingStrategy", "PickedRows", "SubBlockDecoding",
-           "paradigm_of", "strategy_for"]
+__all__ = ["AutoregressiveDecoding", "BlockDiffusionDecoding", "DecodingStrategy", "PickedRows", "RenoisingDecoding",
+           "SubBlockDecoding", "paradigm_of", "strategy_for"]

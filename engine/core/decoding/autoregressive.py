@@ -5,13 +5,14 @@ from __future__ import annotations
 from configs import EngineConfig
 from engine.core.decoding.base import DecodingStrategy, PickedRows
 from engine.core.sequence import Sequence
+from engine.model.spec import ModelSpec
 
 
 class AutoregressiveDecoding(DecodingStrategy):
     needs_confidence = False
 
     @classmethod
-    def from_config(cls, config: EngineConfig, mask_id: int | None) -> AutoregressiveDecoding:
+    def from_config(cls, config: EngineConfig, spec: ModelSpec, mask_id: int | None) -> AutoregressiveDecoding:
         return cls()
 
     def start(self, seq: Sequence) -> None:

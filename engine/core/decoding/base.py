@@ -16,42 +16,54 @@ step, a separate forward commits the canvas without sampling, and tokens are fin
 canvas ends -- maps onto it as follows:
 
 - `start` appends the canvas (its initial noise tokens); `sample_positions` returns every canvas
-  position each step, and `advance` rewrites all of them and returns every index it wrote;
-- `provisional_writes` is True: the step trace shows the rewrites, the output is bounded only by
-  final tokens;
+  position each step, and `advance` rewrites all of them and returns the indices whose shown token
+  changed;
+- `samples_logits` is True: the engine hands the strategy each step's raw logits rows
+  (`PickedRows.logits`) instead of running its own sampler on them;
+- `provisional_writes` is True: the step trace shows the rewrites (`trace_event` says what a
+  step's event holds), the output is bounded only by final tokens;
 - `num_final` stays at the canvas' start until the canvas ends, so the stop rule (and streaming)
   sees only committed tokens, as it does for token editing;
-- the committing forward is a `feed_target` of `(canvas end, False)`: a forward that writes the
-  canvas' final K/V and samples nothing; `computed_after` returns the canvas' start while it is
-  being rewritten and its end after that commit;
+- the committing forward is a `feed_target` of `(next canvas start, False)`: a forward that writes
+  the finished canvas' K/V and samples nothing; `computed_after` returns the canvas' start while it
+  is being rewritten and the fed end after that commit;
 - `after_step` opens the next canvas once the current one has ended; `cacheable_prefix` is the
-  committed prefix only;
+  committed prefix only; `pass_fields` adds what a pass of the network needs beyond its tokens;
 - `lowered_logits` and `row_params` shape the logits and the sampling of each step's rows.
+
+`engine.core.decoding.canvas_renoising` is that paradigm.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from configs import EngineConfig, GenerationConfig
+from engine.carrier import StepEvent
 from engine.core.input_processing import check_knobs
 from engine.core.sequence import Sequence
 
 if TYPE_CHECKING:
+    import torch
+
     from engine.core.decoding.unmasking import UnmaskingSettings
+    from engine.model.spec import ModelSpec
+    from engine.worker.forward_batch import ForwardBatch
 
 
 @dataclass
 class PickedRows:
-    """What the sampler made of one sequence's rows (one entry per sampled position)."""
+    """What the sampler made of one sequence's rows (one entry per sampled position); for a strategy
+    that samples its rows itself (`samples_logits`), their raw logits instead."""
 
     positions: list[int]
     tokens: list[int]
     confidence: list[float]
     entropy: list[float] | None
     logprobs: list[dict | None]
+    logits: torch.Tensor | None = None
 
 
 class DecodingStrategy(ABC):
@@ -61,6 +73,8 @@ class DecodingStrategy(ABC):
     chunk_alignment: int = 1
     #: whether the unmasking needs the confidence of every sampled row
     needs_confidence: bool = True
+    #: whether the strategy samples its rows' raw logits itself (the engine's sampler does not run)
+    samples_logits: bool = False
 
     def check_request(self, params: GenerationConfig, settings: UnmaskingSettings | None) -> None:
         """Raise RequestError naming the field when a request asks for what this strategy cannot do:
@@ -69,9 +83,9 @@ class DecodingStrategy(ABC):
 
     @classmethod
     @abstractmethod
-    def from_config(cls, config: EngineConfig, mask_id: int | None) -> DecodingStrategy:
+    def from_config(cls, config: EngineConfig, spec: ModelSpec, mask_id: int | None) -> DecodingStrategy:
         """The strategy of an engine config whose `dllm_block_length` is resolved and whose knobs were
-        checked against this paradigm when the engine was built."""
+        checked against this paradigm when the engine was built, for the checkpoint `spec`."""
 
     @abstractmethod
     def start(self, seq: Sequence) -> None:
@@ -127,6 +141,30 @@ class DecodingStrategy(ABC):
         """(amount, per sampled position the token whose logit is lowered by it, -1 for none) when this
         step's sampling lowers logits (token editing's λ penalty), else None."""
         return None
+
+    def pass_fields(self, batch: ForwardBatch, seq: Sequence, sample: bool) -> None:
+        """Add what the network needs of this sequence's pass beyond its tokens and pages (the pass
+        kinds of a network with encoder and canvas passes); nothing by default."""
+        return
+
+    def trace_event(self, seq: Sequence, shown: list[int]) -> StepEvent:
+        """The step trace event of the step just applied, for the generated indices `shown`."""
+        base = seq.prompt_len
+        return {"step": seq.step_counter, "positions": shown, "token_ids": [seq.tokens[base + g] for g in shown]}
+
+    def replay(self, seq: Sequence, num_output: int) -> dict[str, Any]:
+        """The replay fields of a finished request (`return_dllm_replay`): its last block as it stood
+        at finish -- its generated positions (the mask id where never revealed), the step that
+        revealed each (0 = never), and how many of them are output tokens."""
+        first = max(seq.block.start, seq.prompt_len) - seq.prompt_len
+        last = seq.block.end - seq.prompt_len
+        return {"dllm_replay_token_ids": seq.tokens[seq.prompt_len + first: seq.prompt_len + last],
+                "dllm_replay_step_maps": [s or 0 for s in seq.out_steps[first:last]],
+                "dllm_stop_length": max(0, num_output - first)}
+
+    def release(self, seq: Sequence) -> None:
+        """The request ended (finished, aborted or failed); nothing to do by default."""
+        return
 
     def row_params(self, seq: Sequence) -> GenerationConfig:
         """The sampling parameters of the sequence's rows in its next forward: the request's, unless this

@@ -38,6 +38,7 @@ from engine.core.decoding.base import DecodingStrategy, PickedRows
 from engine.core.decoding.rules import RULES, DecodingRule
 from engine.core.decoding.unmasking import UnmaskingSettings
 from engine.core.sequence import DLLMBlock, Sequence
+from engine.model.spec import ModelSpec
 
 
 class BlockDiffusionDecoding(DecodingStrategy):
@@ -50,7 +51,7 @@ class BlockDiffusionDecoding(DecodingStrategy):
         self.chunk_alignment = block_length
 
     @classmethod
-    def from_config(cls, config: EngineConfig, mask_id: int) -> BlockDiffusionDecoding:
+    def from_config(cls, config: EngineConfig, spec: ModelSpec, mask_id: int) -> BlockDiffusionDecoding:
         """The strategy of an engine config whose `dllm_block_length` is resolved."""
         return cls(config.dllm_block_length, mask_id, config.dllm_commit_fusion)
 

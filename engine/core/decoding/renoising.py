@@ -22,17 +22,20 @@ previous canvas's last).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 import torch
+
+from configs import EngineConfig, GenerationConfig
+from engine.core.sampler import logprob_entries, logprob_values
 
 STABLE, MAX_STEPS = "stable", "max_steps"
 
 
 @dataclass(frozen=True)
 class RenoiseKnobs:
-    """The paradigm's settings; defaults are the release's (a checkpoint's generation_config.json
-    overrides them through `from_generation_config`)."""
+    """The paradigm's settings, named as the `dllm_<name>` knobs (configs.knobs); the defaults are the
+    release's, which a checkpoint's generation_config.json replaces (the family's `generation_defaults`)."""
 
     max_denoising_steps: int = 48
     entropy_bound: float = 0.1
@@ -42,37 +45,37 @@ class RenoiseKnobs:
     stop_entropy: float = 0.005
 
     def __post_init__(self) -> None:
-        if self.max_denoising_steps < 1:
-            raise ValueError(f"dllm_max_denoising_steps must be >= 1 (got {self.max_denoising_steps})")
-        if self.entropy_bound <= 0:
-            raise ValueError(f"dllm_entropy_bound must be > 0 (got {self.entropy_bound})")
-        if not 0 <= self.t_min < self.t_max:
-            raise ValueError(f"dllm_t_min must be >= 0 and below dllm_t_max (got {self.t_min}, {self.t_max})")
-        if self.stability_threshold < 0:
-            raise ValueError(f"dllm_stability_threshold must be >= 0 (got {self.stability_threshold})")
-        if self.stop_entropy <= 0:
-            raise ValueError(f"dllm_stop_entropy must be > 0 (got {self.stop_entropy})")
+        if not self.t_min < self.t_max:
+            raise ValueError(f"dllm_t_min={self.t_min} must be below dllm_t_max={self.t_max}")
 
     @classmethod
-    def from_generation_config(cls, gen: dict) -> RenoiseKnobs:
-        """The defaults a checkpoint's generation_config.json sets (transformers' key names)."""
-        sampler = gen.get("sampler_config") or {}
-        found = {"max_denoising_steps": gen.get("max_denoising_steps"), "entropy_bound": sampler.get("entropy_bound"),
-                 "t_min": gen.get("t_min"), "t_max": gen.get("t_max"),
-                 "stability_threshold": gen.get("stability_threshold"),
-                 "stop_entropy": gen.get("confidence_threshold")}
-        return cls(**{k: v for k, v in found.items() if v is not None})
+    def of_engine(cls, config: EngineConfig) -> RenoiseKnobs:
+        """The engine's knobs (its `dllm_*` fields)."""
+        return cls(**{f.name: getattr(config, f"dllm_{f.name}") for f in fields(cls)})
 
-    def override(self, values: dict) -> RenoiseKnobs:
-        """These knobs with the `dllm_<name>` entries of `values` that are set."""
-        names = {f"dllm_{f.name}": f.name for f in fields(self)}
-        given = {names[k]: v for k, v in values.items() if k in names and v is not None}
-        return type(self)(**{**{f.name: getattr(self, f.name) for f in fields(self)}, **given})
+    def for_request(self, params: GenerationConfig) -> RenoiseKnobs:
+        """These knobs with the `dllm_*` values a request sets over them (ValueError: t_min >= t_max)."""
+        given = {f.name: getattr(params, f"dllm_{f.name}") for f in fields(self)}
+        return replace(self, **{k: v for k, v in given.items() if v is not None})
 
     def temperature(self, countdown: int) -> torch.Tensor:
         """T(c) = t_min + (t_max - t_min)·c/N, in float32 as transformers computes it (a 0-d tensor)."""
         c = torch.tensor(countdown, dtype=torch.int32)
         return self.t_min + (self.t_max - self.t_min) * (c / self.max_denoising_steps)
+
+
+def filtered(z: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """`z` [L, V] with the tokens outside each row's top-k / top-p nucleus at -inf (vLLM's rule: the
+    filters shape what is sampled and the entropy; the most likely token always stays)."""
+    if top_k and top_k < z.shape[-1]:
+        kth = z.topk(top_k, dim=-1).values[:, -1:]
+        z = z.masked_fill(z < kth, float("-inf"))
+    if top_p < 1.0:
+        ordered, order = z.sort(dim=-1, descending=True)
+        probs = ordered.softmax(dim=-1)
+        outside = probs.cumsum(dim=-1) - probs > top_p
+        z = z.masked_fill(torch.zeros_like(outside).scatter(-1, order, outside), float("-inf"))
+    return z
 
 
 @dataclass
@@ -103,8 +106,14 @@ class CanvasState:
     argmax: torch.Tensor | None = None  # [L] the last step's argmax
     history: torch.Tensor | None = None  # [stability_threshold, L] the previous steps' argmax
     changed_at: torch.Tensor | None = None  # [L] canvas step of each position's last argmax change
-    last_logits: torch.Tensor | None = None  # [L, V] the last step's raw logits (only when logprobs are asked)
-    keep_logits: bool = False
+    start: int = 0  # the open canvas's first position (absolute)
+    ended: bool = False  # the open canvas stopped: its emitted tokens replaced it
+    report: StepReport | None = None  # what the last step did
+    top_k: int = 0
+    top_p: float = 1.0
+    logprobs: int | None = None  # the request's top-k logprobs (None: no logprobs)
+    logprobs_mode: str | None = "processed_logprobs"
+    last_logprobs: list[dict] | None = None  # per canvas position, the entry of the last step's argmax
     stop: str | None = None
     replay: list[dict] = field(default_factory=list)
 
@@ -113,7 +122,7 @@ class CanvasState:
         gen = self.generator
         self.tokens = torch.randint(0, self.vocab_size, (1, self.canvas_length), generator=gen, device=gen.device)
         self.countdown = self.knobs.max_denoising_steps
-        self.argmax = self.history = self.changed_at = self.last_logits = None
+        self.argmax = self.history = self.changed_at = self.last_logprobs = None
         if self.knobs.stability_threshold:
             self.history = torch.full((self.knobs.stability_threshold, self.canvas_length), -1, dtype=torch.long,
                                       device=gen.device)
@@ -134,13 +143,12 @@ class CanvasState:
         """Apply one canvas pass's float32 logits [L, V]: sample, accept, renoise, check the stop."""
         knobs, gen = self.knobs, self.generator
         temperature = knobs.temperature(self.countdown)
-        z = raw_logits / temperature
+        z = filtered(raw_logits / temperature, self.top_k, self.top_p)
         probs = torch.softmax(z, dim=-1, dtype=torch.float32)
         sampled = torch.multinomial(probs, num_samples=1, generator=gen).view(1, -1)
         del probs
         argmax = torch.argmax(z, dim=-1)
         entropy = torch.distributions.Categorical(logits=z).entropy()
-        del z
         sorted_entropy, order = torch.sort(entropy[None], dim=-1, descending=False)
         within = torch.cumsum(sorted_entropy, dim=-1) - sorted_entropy <= knobs.entropy_bound
         accept = torch.scatter(torch.zeros_like(within), -1, order, within)
@@ -163,13 +171,17 @@ class CanvasState:
             self.history[-1] = argmax
         mean_entropy = entropy.mean()
         self.argmax = argmax
-        if self.keep_logits:
-            self.last_logits = raw_logits
         self.countdown -= 1
         if stable and bool(mean_entropy < knobs.stop_entropy):
             self.stop = STABLE
         elif self.countdown == 0:
             self.stop = MAX_STEPS
+        if self.stop is not None and self.logprobs is not None:
+            raw = self.logprobs_mode in ("raw_logprobs", "raw_logits")
+            values = logprob_values(raw_logits if raw else z, argmax, self.logprobs, self.logprobs_mode)
+            lists = [None if v is None else v.tolist() for v in values]
+            self.last_logprobs = logprob_entries(argmax.tolist(), [self.logprobs] * len(argmax), *lists)
+        del z
         positions = changed.nonzero().flatten()
         report = StepReport(self.steps_before + canvas_step, positions.tolist(), argmax[positions].tolist(),
                             temperature.item(), int(accept.sum()), mean_entropy.item(), self.stop is not None)
@@ -183,20 +195,6 @@ class CanvasState:
         settle = (self.changed_at + self.steps_before).tolist()
         self.steps_before += self.canvas_step
         return self.argmax.tolist(), settle
-
-    def logprobs(self, raw: bool, top_k: int = 0) -> list[dict]:
-        """Per canvas position, the log-probability of the emitted token at the canvas's last step:
-        of the processed logits (÷ the step's temperature), or of the raw ones; with the `top_k` best."""
-        temperature = self.knobs.temperature(self.countdown + 1)
-        logits = self.last_logits if raw else self.last_logits / temperature
-        logp = torch.log_softmax(logits, dim=-1)
-        chosen = logp.gather(-1, self.argmax[:, None])[:, 0].tolist()
-        out = [{"logprob": v} for v in chosen]
-        if top_k:
-            values, ids = logp.topk(top_k, dim=-1)
-            for entry, v, i in zip(out, values.tolist(), ids.tolist(), strict=True):
-                entry["top"] = list(zip(v, i, strict=True))
-        return out
 
 
 def request_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:

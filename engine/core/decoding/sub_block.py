@@ -26,6 +26,7 @@ from engine.core.decoding.block_diffusion import BlockDiffusionDecoding
 from engine.core.decoding.rules import write_token
 from engine.core.decoding.unmasking import above_threshold_or_best
 from engine.core.sequence import Sequence
+from engine.model.spec import ModelSpec
 
 
 class SubBlockDecoding(BlockDiffusionDecoding):
@@ -42,7 +43,7 @@ class SubBlockDecoding(BlockDiffusionDecoding):
         self.sub_block_length = sub_block_length
 
     @classmethod
-    def from_config(cls, config: EngineConfig, mask_id: int) -> SubBlockDecoding:
+    def from_config(cls, config: EngineConfig, spec: ModelSpec, mask_id: int) -> SubBlockDecoding:
         """The strategy of an engine config whose `dllm_block_length` is resolved (its knobs were checked
         against the paradigm when the engine was built)."""
         return cls(config.dllm_block_length, config.dllm_sub_block_length, mask_id)

@@ -24,5 +24,17 @@ def diffusion_gemma_fields(cfg: dict) -> dict:
             "tie_word_embeddings": True, "max_position_embeddings": gemma.max_position_embeddings}
 
 
-FAMILY = ModelFamily("diffusion_gemma", "DLLM", predicts_next=False, block_length_keys=("canvas_length",),
-                     default_block_length=256, config_fields=diffusion_gemma_fields, network=DiffusionGemmaNetwork)
+def generation_defaults(gen: dict) -> dict[str, object]:
+    """The renoising knobs' defaults a generation_config.json sets (transformers' key names)."""
+    sampler = gen.get("sampler_config") or {}
+    found = {"dllm_max_denoising_steps": gen.get("max_denoising_steps"),
+             "dllm_entropy_bound": sampler.get("entropy_bound"), "dllm_t_min": gen.get("t_min"),
+             "dllm_t_max": gen.get("t_max"), "dllm_stability_threshold": gen.get("stability_threshold"),
+             "dllm_stop_entropy": gen.get("confidence_threshold")}
+    return {k: v for k, v in found.items() if v is not None}
+
+
+FAMILY = ModelFamily("diffusion_gemma", "DLLM", predicts_next=False, block_decoding="renoising",
+                     block_length_keys=("canvas_length",), default_block_length=256,
+                     generation_defaults=generation_defaults, config_fields=diffusion_gemma_fields,
+                     network=DiffusionGemmaNetwork)

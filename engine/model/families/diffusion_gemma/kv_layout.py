@@ -34,6 +34,10 @@ class KVLayout:
         return sum(2 * self.page_size * g.num_kv_heads // self.tp_size * g.head_dim * size
                    for g in self.spec.layers if g.kind == kind)
 
+    def windows(self) -> dict[str, int | None]:
+        """Each group's sliding window (None: the group keeps the whole context)."""
+        return {SLIDING: self.spec.sliding_window, FULL: None}
+
     def window_pages(self, new_tokens: int) -> int:
         """Sliding-group pages one sequence can hold at once: its last `sliding_window − 1` committed
         tokens and the `new_tokens` an encoder pass writes, wherever they fall on page boundaries."""

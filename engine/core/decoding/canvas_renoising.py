@@ -1,0 +1,174 @@
+"""Renoising decoding (DiffusionGemma) as a decoding strategy: a canvas of L positions after the
+committed tokens, refined as a whole until it stops, then committed and followed by the next.
+
+A request's tokens are the prompt, the emitted tokens of its finished canvases and its open canvas
+(the tokens its next canvas pass is fed: uniform noise at first, then each step's accepted samples
+and fresh noise). Per canvas:
+
+- *canvas passes*: `feed_target` is (canvas end, True); the forward scores every canvas position,
+  reads the committed K/V and writes none (`computed_after` stays at the canvas start). The picked
+  rows are the raw logits of the L positions: this strategy samples them itself
+  (`samples_logits`), with the request's own generator (`renoising.CanvasState`), so its draws never
+  depend on the batch around it;
+- when the canvas stops, its emitted tokens (the last step's argmax) replace it, each with its settle
+  step and (when asked) its logprob; they are final (`num_final`), so the stop rule cuts the output
+  at a stop id or `max_new_tokens`;
+- if the request goes on, `after_step` opens the next canvas after them and the next forward is an
+  *encoder pass* over the emitted tokens (`feed_target` (next canvas start, False)): the commit,
+  which writes their K/V.
+
+The prompt prefill is an encoder pass too, so a request costs its canvas passes plus one encoder pass
+per canvas. The network's layer groups need what `pass_fields` adds to each forward: the pass kind
+and the self-conditioning each canvas pass reads and keeps (the runner keeps it per request, under
+the request id, from one canvas pass to the next; `release` drops it).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from configs import EngineConfig, GenerationConfig
+from engine.carrier import StepEvent
+from engine.core.decoding.base import DecodingStrategy, PickedRows
+from engine.core.decoding.renoising import CanvasState, RenoiseKnobs, request_generator
+from engine.core.sequence import Sequence
+from engine.errors import RequestError
+from engine.model.spec import ModelSpec
+from engine.worker.forward_batch import ForwardBatch
+from engine.worker.runner import resolve_device
+
+ENCODE, CANVAS = "encode", "canvas"
+
+
+class RenoisingDecoding(DecodingStrategy):
+    paradigm = "renoising"
+    needs_confidence = False
+    samples_logits = True
+
+    def __init__(self, canvas_length: int, vocab_size: int, knobs: RenoiseKnobs, logprobs_mode: str | None,
+                 device: str = "cpu"):
+        self.canvas_length, self.vocab_size, self.knobs = canvas_length, vocab_size, knobs
+        self.logprobs_mode, self.device = logprobs_mode, device
+        self._dropped: list[str] = []  # requests whose kept self-conditioning the next forward drops
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, spec: ModelSpec, mask_id: int | None) -> RenoisingDecoding:
+        return cls(config.dllm_block_length, spec.vocab_size, RenoiseKnobs.of_engine(config), config.logprobs_mode,
+                   str(resolve_device(config)))
+
+    def check_request(self, params: GenerationConfig, settings: object) -> None:
+        super().check_request(params, settings)
+        refused = {"repetition_penalty": params.repetition_penalty != 1.0, "min_new_tokens": params.min_new_tokens > 0,
+                   "min_p": params.min_p > 0.0}
+        for name, given in refused.items():
+            if given:
+                raise RequestError(f"{name} does not apply to this model: it decodes by renoising a canvas, whose "
+                                   "schedule and entropy bound decide what is sampled; leave it unset", name)
+        try:
+            self.knobs.for_request(params)
+        except ValueError as e:
+            field = "dllm_t_min" if params.dllm_t_min is not None else "dllm_t_max"
+            raise RequestError(str(e), field) from None
+
+    # ---- the request's state ------------------------------------------------------------------
+    def start(self, seq: Sequence) -> None:
+        p = seq.params
+        generator = request_generator(seq.seed, self.device)
+        seq.canvas = CanvasState(self.knobs.for_request(p), generator, self.canvas_length, self.vocab_size,
+                                 top_k=p.top_k, top_p=p.top_p, logprobs=p.logprobs, logprobs_mode=self.logprobs_mode)
+        seq.stop_bound = p.max_new_tokens
+        self._open_canvas(seq)
+
+    def _open_canvas(self, seq: Sequence) -> None:
+        seq.canvas.start = len(seq.tokens)
+        seq.tokens += seq.canvas.open_canvas()
+        n = self.canvas_length
+        seq.out_steps += [None] * n
+        seq.out_block_steps += [None] * n
+        seq.out_logprobs += [None] * n
+
+    def release(self, seq: Sequence) -> None:
+        self._dropped.append(seq.request_id)
+
+    # ---- what to feed -------------------------------------------------------------------------
+    def feed_target(self, seq: Sequence) -> tuple[int, bool]:
+        start = seq.canvas.start
+        if seq.num_computed < start:
+            return start, False  # the prompt, or the commit of the last canvas
+        return start + self.canvas_length, True
+
+    def cacheable_prefix(self, seq: Sequence) -> int:
+        return seq.canvas.start
+
+    def is_decoding(self, seq: Sequence) -> bool:
+        """A canvas pass (never split by the prefill budget), or the commit of a canvas."""
+        start = seq.canvas.start
+        if seq.num_computed >= start:
+            return True
+        return seq.step_counter > 0 and start - seq.num_computed <= self.canvas_length
+
+    def sample_positions(self, seq: Sequence, end: int) -> list[int]:
+        start = seq.canvas.start
+        return list(range(start, start + self.canvas_length))
+
+    def token_index(self, seq: Sequence, position: int) -> int:
+        return position - seq.prompt_len
+
+    def computed_after(self, seq: Sequence, end: int, sampled: bool) -> int:
+        return seq.canvas.start if sampled else end
+
+    def pass_fields(self, batch: ForwardBatch, seq: Sequence, sample: bool) -> None:
+        """The pass kind and the self-conditioning of the sequence's pass (plus, on the batch's first
+        pass, the self-conditioning of requests that no longer need it)."""
+        if not batch.pass_kinds:
+            batch.drop_conditioning += self._dropped
+            self._dropped = []
+        canvas = seq.canvas
+        batch.pass_kinds.append(CANVAS if sample else ENCODE)
+        batch.conditioning_keys.append(seq.request_id if sample and canvas.canvas_step else None)
+        batch.keep_conditioning.append((seq.request_id, canvas.temperature) if sample else None)
+
+    # ---- one canvas step ----------------------------------------------------------------------
+    def advance(self, seq: Sequence, rows: PickedRows) -> list[int]:
+        canvas, start, base = seq.canvas, seq.canvas.start, seq.prompt_len
+        report = canvas.step(rows.logits.float())
+        seq.step_counter += 1
+        seq.tokens[start: start + self.canvas_length] = canvas.tokens[0].tolist()
+        canvas.report = report
+        if report.ended:
+            canvas_settle = canvas.changed_at.tolist()
+            tokens, settle = canvas.close_canvas()
+            seq.tokens[start: start + self.canvas_length] = tokens
+            first = start - base
+            seq.out_steps[first: first + self.canvas_length] = settle
+            seq.out_block_steps[first: first + self.canvas_length] = canvas_settle
+            if canvas.last_logprobs is not None:
+                seq.out_logprobs[first: first + self.canvas_length] = canvas.last_logprobs
+            canvas.ended = True
+            self._dropped.append(seq.request_id)  # the next canvas starts without self-conditioning
+        return [start - base + p for p in report.positions]
+
+    def num_final(self, seq: Sequence) -> int:
+        canvas = seq.canvas
+        return canvas.start - seq.prompt_len + (self.canvas_length if canvas.ended else 0)
+
+    def after_step(self, seq: Sequence) -> None:
+        if seq.canvas.ended:
+            seq.canvas.ended = False
+            self._open_canvas(seq)
+
+    def provisional_writes(self, seq: Sequence) -> bool:
+        return True
+
+    def trace_event(self, seq: Sequence, shown: list[int]) -> StepEvent:
+        canvas, first = seq.canvas, seq.canvas.start - seq.prompt_len
+        report = canvas.report
+        argmax = dict(zip(report.positions, report.token_ids, strict=True))
+        return {"step": report.step, "positions": shown,
+                "token_ids": [argmax[g - first] for g in shown], "temperature": report.temperature,
+                "accepted": report.accepted, "mean_entropy": report.mean_entropy}
+
+    def replay(self, seq: Sequence, num_output: int) -> dict[str, Any]:
+        """Per canvas of the request: its steps and why it stopped."""
+        return {"dllm_replay_canvases": list(seq.canvas.replay)}
+
