@@ -19,7 +19,7 @@ from engine.carrier import Response
 from engine.core.decoding.renoising import RenoiseKnobs
 from engine.core.llm_engine import LLMEngine
 from engine.model.families.diffusion_gemma import generation_defaults
-from engine.model.families.diffusion_gemma.reference import load_reference
+from engine.model.families.diffusion_gemma.reference import Drafts, load_reference, settle_steps
 
 pytest.importorskip("transformers.models.diffusion_gemma")
 PAGE = 4
@@ -69,41 +69,6 @@ def run(engine: LLMEngine, requests: dict[str, tuple[list[int], GenerationConfig
 
 def params(**kwargs) -> GenerationConfig:
     return GenerationConfig(return_dllm_replay=True, **kwargs)
-
-
-class Drafts:
-    """A logits streamer: every step's processed logits, and where each canvas ended."""
-
-    _takes_logits = True
-
-    def __init__(self):
-        self.steps: list[torch.Tensor] = []
-        self.canvas_ends: list[int] = []
-
-    def put(self, value) -> None:
-        self.canvas_ends.append(len(self.steps))
-
-    def put_draft(self, logits) -> None:
-        self.steps.append(logits[0].float().clone())
-
-    def end(self) -> None:
-        pass
-
-
-def settle_steps(drafts: Drafts) -> list[int]:
-    """Per generated token: the request-wide step from which its position's argmax never changed."""
-    out, bounds = [], drafts.canvas_ends[1:]  # the first put is the prompt
-    start = 0
-    for end in bounds:
-        argmax = torch.stack([z.argmax(-1) for z in drafts.steps[start:end]])  # [steps, L]
-        final = argmax[-1]
-        for pos in range(argmax.shape[1]):
-            j = argmax.shape[0]
-            while j > 0 and argmax[j - 1, pos] == final[pos]:
-                j -= 1
-            out.append(start + j + 1)
-        start = end
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -293,3 +258,62 @@ def test_long_prompts_in_chunks(ckpt, oracle, chunk):
     assert max(h["sliding_attention"] for h in held) <= -(-(window - 1 + max(chunk, CANVAS)) // PAGE) + 1
     assert max(h["full_attention"] for h in held) > max(h["sliding_attention"] for h in held)
     assert all(m.num_free_pages == m.num_pages for m in eng.kv.managers.values())
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("dllm_confidence_threshold", 0.5), ("dllm_unmasking_strategy", "sequential"), ("dllm_block_length", CANVAS),
+    ("repetition_penalty", 1.2), ("min_new_tokens", 2), ("min_p", 0.1), ("dllm_t_min", 0.95),
+    ("dllm_trajectory", {"output_ids": [5, 6], "step_map": [1, 2]})])
+def test_what_the_paradigm_cannot_do_is_refused_naming_the_field(engine, field, value):
+    from engine.errors import RequestError
+
+    extra = {"max_new_tokens": 0, "logprobs": 0} if field == "dllm_trajectory" else {}
+    with pytest.raises(RequestError, match=field) as refused:
+        engine.add_request([1, 2, 3], GenerationConfig(**{"max_new_tokens": 4, field: value, **extra}))
+    assert refused.value.param == field
+    assert not engine.has_unfinished()
+
+
+def test_other_paradigms_engine_knobs_are_refused_at_start(ckpt):
+    with pytest.raises(ValueError, match="dllm_confidence_threshold"):
+        _engine(ckpt, dllm_confidence_threshold=0.5)
+
+
+def test_engine_defaults_come_from_generation_config(tmp_path):
+    import json
+    import shutil
+
+    path = tmp_path / "dg"
+    shutil.copytree(converging_checkpoint(tmp_path / "src", CANVAS), path)
+    gen = json.loads((path / "generation_config.json").read_text())
+    gen |= {"max_denoising_steps": 7, "t_min": 0.2, "sampler_config": {"entropy_bound": 0.3}}
+    (path / "generation_config.json").write_text(json.dumps(gen))
+    eng = LLMEngine(str(path), EngineConfig(device="cpu", kv_block_size=PAGE, num_kv_blocks=256, dllm_t_max=0.7))
+    knobs = eng.decoding.knobs
+    assert (knobs.max_denoising_steps, knobs.t_min, knobs.entropy_bound, knobs.t_max) == (7, 0.2, 0.3, 0.7)
+
+
+def test_top_k_and_top_p_filter_what_is_sampled():
+    from engine.core.decoding.renoising import filtered
+
+    z = torch.tensor([[3.0, 2.0, 1.0, 0.0], [0.0, 0.0, 5.0, 4.9]])
+    assert torch.isinf(filtered(z, 2, 1.0)).tolist() == [[False, False, True, True], [True, True, False, False]]
+    kept = ~torch.isinf(filtered(z, 0, 0.6))  # the nucleus: 0.665 of row 0 is its first token alone
+    assert kept.tolist() == [[True, False, False, False], [False, False, True, True]]
+    assert torch.equal(filtered(z, 0, 1.0), z)
+
+
+def test_sglang_gemma4_renoise_flags(tmp_path):
+    from deployments.cli import app_args, build_parser
+
+    algo = tmp_path / "algo.yaml"
+    algo.write_text("max_denoising_steps: 32\nsampler_config:\n  entropy_bound: 0.2\ntemperature_schedule:\n"
+                    "  t_min: 0.3\n  t_max: 0.9\nstopping_config:\n  confidence_threshold: 0.01\n"
+                    "  stability_threshold: 2\nuse_temperature_table: true\n")
+    argv = ["serve", "ckpt", "--dllm-algorithm", "Gemma4Renoise", "--dllm-algorithm-config", str(algo)]
+    engine = app_args(build_parser().parse_args(argv))["engine"]
+    assert engine == {"dllm_max_denoising_steps": 32, "dllm_entropy_bound": 0.2, "dllm_t_min": 0.3,
+                      "dllm_t_max": 0.9, "dllm_stop_entropy": 0.01, "dllm_stability_threshold": 2}
+    algo.write_text("seed: 3\n")
+    with pytest.raises(SystemExit, match="seed"):
+        app_args(build_parser().parse_args(argv))

@@ -30,15 +30,19 @@ from engine.jetengine.params import Config as JetConfig
 from engine.jetengine.params import SamplingParams as JetSamplingParams
 from engine.lmdeploy.configs import PytorchEngineConfig
 from engine.model.families import FAMILIES, family_of
+from engine.model.families.diffusion_gemma.tiny import write_tiny_diffusion_gemma
 from tools.tiny_checkpoint import write_tiny_checkpoint
 from tools.tiny_fast_dllm import write_tiny_fast_dllm
 from tools.tiny_llada2 import write_tiny_llada2
 
+pytest.importorskip("transformers.models.diffusion_gemma")  # writes the DiffusionGemma checkpoint
 # a valid value other than the default of every knob (a new knob needs one here)
 SET = {"dllm_block_length": 4, "dllm_unmasking_strategy": "sequential", "dllm_denoising_steps": 2,
        "dllm_confidence_threshold": 0.5, "dllm_entropy_threshold": 1.0, "dllm_edit_threshold": 0.5,
        "dllm_max_post_edit_steps": 2, "dllm_penalty_lambda": 1.0, "dllm_sub_block_length": 4,
-       "dllm_commit_fusion": False, "dllm_mask_token_id": 3}
+       "dllm_commit_fusion": False, "dllm_mask_token_id": 3, "dllm_max_denoising_steps": 4,
+       "dllm_entropy_bound": 0.5, "dllm_t_min": 0.3, "dllm_t_max": 0.7, "dllm_stability_threshold": 2,
+       "dllm_stop_entropy": 0.01}
 ENGINE = dict(max_model_len=64, num_kv_blocks=64, kv_block_size=16, device="cpu", dtype="float32")
 
 WRITERS = {
@@ -46,6 +50,7 @@ WRITERS = {
        ("qwen3", "qwen3_moe", "sdar", "sdar_moe")},
     "llada2_moe": lambda path: write_tiny_llada2(path, seed=0),
     "Fast_dLLM_Qwen": lambda path: write_tiny_fast_dllm(path, seed=0),
+    "diffusion_gemma": lambda path: write_tiny_diffusion_gemma(path / "tiny"),
 }
 
 

@@ -4,9 +4,15 @@
 - `LowConfidence`: `low_confidence_dynamic` with as many denoising steps as the block has positions
   (every masked position above the threshold, else the single most confident one).
 - `JointThreshold`: `joint_threshold` (reveals and token edits).
+- `Gemma4Renoise`: DiffusionGemma's renoising, the only way that model decodes (the flag names it;
+  its settings come from the YAML file, else the checkpoint's generation_config.json).
 
 The YAML file holds SGLang's keys: `threshold`, `edit_threshold`, `max_post_edit_steps`,
-`penalty_lambda`, `block_size`. An engine flag given on the same command line wins over both.
+`penalty_lambda`, `block_size`; for `Gemma4Renoise` `max_denoising_steps`,
+`sampler_config.entropy_bound`, `temperature_schedule.t_min|t_max` and
+`stopping_config.confidence_threshold|stability_threshold` (nested mappings, as SGLang reads them;
+`t_min`, `t_max`, `confidence_threshold` and `stability_threshold` also at the top level, as SGLang
+accepts them). An engine flag given on the same command line wins over both.
 """
 
 from __future__ import annotations
@@ -19,16 +25,34 @@ import yaml
 
 from configs.knobs import upstream_names
 
-ALGORITHMS = {"LowConfidence": "low_confidence_dynamic", "JointThreshold": "joint_threshold"}
-# SGLang's key -> the EngineConfig field (from the knob table)
+# SGLang's algorithm -> the unmasking rule it means (None: a paradigm without rules)
+ALGORITHMS = {"LowConfidence": "low_confidence_dynamic", "JointThreshold": "joint_threshold", "Gemma4Renoise": None}
+# SGLang's key (nested mappings joined with ".") -> the EngineConfig field (from the knob table)
 CONFIG_KEYS = {key: knob for knob, key in upstream_names("sglang.algorithm").items()}
+# the renoising keys SGLang also reads at the top level
+CONFIG_KEYS |= {key.rsplit(".", 1)[1]: knob for key, knob in list(CONFIG_KEYS.items())
+                if key.startswith(("temperature_schedule.", "stopping_config."))}
+# SGLang's keys that change nothing computed (a lookup table of the same temperatures)
+IGNORED_KEYS = ("use_temperature_table",)
+
+
+def _flattened(data: dict, prefix: str = "") -> dict[str, object]:
+    """Nested mappings as dotted keys: {"a": {"b": 1}} -> {"a.b": 1}."""
+    out: dict[str, object] = {}
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out |= _flattened(value, f"{name}.")
+        else:
+            out[name] = value
+    return out
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("SGLang's block-diffusion flags")
     group.add_argument("--dllm-algorithm", dest="dllm_algorithm", choices=list(ALGORITHMS), default=None,
-                       help="LowConfidence (low_confidence_dynamic, steps = block length) or JointThreshold "
-                       "(joint_threshold: reveals and token edits)")
+                       help="LowConfidence (low_confidence_dynamic, steps = block length), JointThreshold "
+                       "(joint_threshold: reveals and token edits) or Gemma4Renoise (DiffusionGemma's renoising)")
     group.add_argument("--dllm-algorithm-config", dest="dllm_algorithm_config", type=Path, default=None,
                        help="YAML with SGLang's keys: " + ", ".join(CONFIG_KEYS))
 
@@ -36,7 +60,7 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
 def engine_fields(algorithm: str | None, config: Path | None) -> dict[str, Any]:
     """The EngineConfig fields the two flags set (SystemExit naming a bad key or file)."""
     fields: dict[str, Any] = {}
-    if algorithm is not None:
+    if algorithm is not None and ALGORITHMS[algorithm] is not None:
         fields["dllm_unmasking_strategy"] = ALGORITHMS[algorithm]
     if config is not None:
         try:
@@ -46,6 +70,7 @@ def engine_fields(algorithm: str | None, config: Path | None) -> dict[str, Any]:
         if not isinstance(data, dict):
             raise SystemExit(f"blockserve serve: --dllm-algorithm-config {config} must be a mapping of "
                              f"{', '.join(CONFIG_KEYS)}")
+        data = {k: v for k, v in _flattened(data).items() if k not in IGNORED_KEYS}
         unknown = sorted(set(data) - set(CONFIG_KEYS))
         if unknown:
             raise SystemExit(f"blockserve serve: --dllm-algorithm-config {config}: unknown key {unknown[0]!r} "

@@ -58,6 +58,10 @@ class RenoisingDecoding(DecodingStrategy):
 
     def check_request(self, params: GenerationConfig, settings: object) -> None:
         super().check_request(params, settings)
+        if params.dllm_trajectory is not None:
+            raise RequestError("dllm_trajectory scores block-diffusion rollouts and this model decodes by renoising "
+                               "a canvas (its tokens come from samples of every position at every step, which a "
+                               "rollout's step map does not record); leave it unset", "dllm_trajectory")
         refused = {"repetition_penalty": params.repetition_penalty != 1.0, "min_new_tokens": params.min_new_tokens > 0,
                    "min_p": params.min_p > 0.0}
         for name, given in refused.items():

@@ -21,8 +21,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from configs import EngineConfig, GenerationConfig
-from configs.knobs import request_knobs
+from configs.knobs import DIFFUSION, request_knobs
 from engine.errors import RequestError
+
+
+DIFFUSION_PARADIGMS = set(DIFFUSION)  # the paradigms that unmask (renoising reads its own knobs)
 
 
 @dataclass(frozen=True)
@@ -49,7 +52,7 @@ class UnmaskingSettings:
                                "unset", "dllm_block_length")
         values = {}
         for knob in request_knobs():
-            if knob.name != "dllm_block_length":
+            if knob.name != "dllm_block_length" and DIFFUSION_PARADIGMS & set(knob.used_by):
                 value = getattr(params, knob.name)
                 values[knob.setting] = getattr(config, knob.name) if value is None else value
         values["denoising_steps"] = values["denoising_steps"] or block_length  # default: one token per step

@@ -73,3 +73,39 @@ def assert_close(a: torch.Tensor, b: torch.Tensor, tol: float = 1e-4) -> None:
     assert a.shape == b.shape, (a.shape, b.shape)
     err = (a - b).abs().max().item()
     assert err < tol, err
+
+
+class Drafts:
+    """A streamer for `generate()`: every denoising step's processed logits (`put_draft`), and where
+    each canvas ended (`put`; the first put is the prompt)."""
+
+    _takes_logits = True
+
+    def __init__(self):
+        self.steps: list[torch.Tensor] = []
+        self.canvas_ends: list[int] = []
+
+    def put(self, value) -> None:
+        self.canvas_ends.append(len(self.steps))
+
+    def put_draft(self, logits) -> None:
+        self.steps.append(logits[0].float().clone())
+
+    def end(self) -> None:
+        pass
+
+
+def settle_steps(drafts: Drafts) -> list[int]:
+    """Per generated token: the request-wide step from which its position's argmax never changed."""
+    out, bounds = [], drafts.canvas_ends[1:]  # the first put is the prompt
+    start = 0
+    for end in bounds:
+        argmax = torch.stack([z.argmax(-1) for z in drafts.steps[start:end]])  # [steps, L]
+        final = argmax[-1]
+        for pos in range(argmax.shape[1]):
+            j = argmax.shape[0]
+            while j > 0 and argmax[j - 1, pos] == final[pos]:
+                j -= 1
+            out.append(start + j + 1)
+        start = end
+    return out
