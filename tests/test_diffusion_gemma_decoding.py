@@ -317,3 +317,29 @@ def test_sglang_gemma4_renoise_flags(tmp_path):
     algo.write_text("seed: 3\n")
     with pytest.raises(SystemExit, match="seed"):
         app_args(build_parser().parse_args(argv))
+
+
+def test_weight_updates_and_memory_release_keep_the_tokens(ckpt, oracle):
+    """A checkpoint update to the same weights (from disk, and as tensors by their checkpoint names,
+    the encoder duplicates included), and releasing and resuming the weights and the KV cache with a
+    request in flight: the seeded request still gives transformers' tokens and settle steps."""
+    from safetensors.torch import load_file
+
+    from engine.worker.weight_sources import disk_source, tensor_source
+
+    eng = _engine(ckpt)
+    seed, length = 0, 9
+    ref = oracle[seed, length]
+    eng.update_weights(disk_source(str(ckpt)), "disk")
+    _check(run(eng, {"a": (ref["prompt"], params(max_new_tokens=40, random_seed=seed))})["a"], ref, 40)
+    named = list(load_file(ckpt / "model.safetensors").items())
+    eng.update_weights(tensor_source(named, None), "tensors")
+    eng.add_request(ref["prompt"], params(max_new_tokens=40, random_seed=seed), "b")
+    chunks = eng.step() + eng.step() + eng.step()  # the prompt, then canvas steps
+    eng.release_memory(["kv_cache", "weights"])
+    eng.resume_memory(["kv_cache", "weights"])
+    while eng.has_unfinished():
+        chunks += eng.step()
+    result = Response.from_chunks(chunks)
+    _check(result, ref, 40)
+    assert result.weight_version == "tensors"

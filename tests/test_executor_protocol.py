@@ -15,7 +15,8 @@ MEMBERS = [n for n, v in vars(Executor).items() if not n.startswith("_") and (ca
 
 
 def test_the_protocol_documents_every_member():
-    assert set(MEMBERS) == {"num_pages", "kv_groups", "set_dllm_block_length", "execute", "run_on_ranks", "describe", "shutdown"}
+    assert set(MEMBERS) == {"num_pages", "kv_groups", "set_dllm_block_length", "execute", "run_on_ranks", "describe",
+                            "shutdown"}
     for name in MEMBERS:
         member = vars(Executor)[name]
         assert inspect.getdoc(member.fget if isinstance(member, property) else member), name

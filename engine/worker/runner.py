@@ -160,7 +160,7 @@ class ModelRunner:
         """A loaded model ready to serve: on CPU every linear on oneDNN packed weights; with
         `enable_torch_compile` its elementwise work compiled into fused kernels (ops.fused)."""
         if self.device.type == "cpu":
-            embedding = getattr(model, "embed_tokens", None) or model.model.embed_tokens
+            embedding = model.embed_tokens
             convert_for_cpu(model, shared=(embedding.weight,))
         if self.config.enable_torch_compile:
             model.use_compiled_elementwise()

@@ -73,7 +73,7 @@ def install_weights(model: PreNormDecoderLM, weights: dict[str, torch.Tensor]) -
     dropped for its oneDNN packed copy takes the staged tensor as its weight and is packed again, as
     is a tied LM head whose embedding changed."""
     params = dict(model.named_parameters(remove_duplicate=False))
-    embedding = model.model.embed_tokens.weight
+    embedding = model.embed_tokens.weight
     repack: list[PackedLinear] = []
     with torch.no_grad():
         for name, local in weights.items():
@@ -84,9 +84,9 @@ def install_weights(model: PreNormDecoderLM, weights: dict[str, torch.Tensor]) -
             linear = model.get_submodule(name.rpartition(".")[0])
             linear.weight = nn.Parameter(local, requires_grad=False)
             repack.append(linear)
-    if "model.embed_tokens.weight" in weights and isinstance(model.lm_head, PackedLinear) \
-            and model.lm_head.weight is embedding:
-        repack.append(model.lm_head)
+    head = getattr(model, "lm_head", None)  # a network whose logits read the embedding itself has none
+    if "model.embed_tokens.weight" in weights and isinstance(head, PackedLinear) and head.weight is embedding:
+        repack.append(head)
     for linear in repack:
         PackedLinear.convert(linear, keep_dense=linear.weight is embedding)
 

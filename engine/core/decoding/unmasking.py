@@ -24,7 +24,6 @@ from configs import EngineConfig, GenerationConfig
 from configs.knobs import DIFFUSION, request_knobs
 from engine.errors import RequestError
 
-
 DIFFUSION_PARADIGMS = set(DIFFUSION)  # the paradigms that unmask (renoising reads its own knobs)
 
 

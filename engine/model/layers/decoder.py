@@ -100,6 +100,11 @@ class PreNormDecoderLM(nn.Module):
     def rotary_embedding(spec: ModelSpec) -> RotaryEmbedding:
         return RotaryEmbedding(spec)
 
+    @property
+    def embed_tokens(self) -> VocabParallelEmbedding:
+        """The input embedding (also the LM head's weight when the checkpoint ties them)."""
+        return self.model.embed_tokens
+
     def ignores_tensor(self, name: str) -> bool:
         """Tensors a checkpoint may hold that are never read: a tied LM head (the embedding is the LM
         head) and rotary tables (computed)."""
