@@ -343,3 +343,13 @@ def test_weight_updates_and_memory_release_keep_the_tokens(ckpt, oracle):
     result = Response.from_chunks(chunks)
     _check(result, ref, 40)
     assert result.weight_version == "tensors"
+
+
+def test_pipeline_samples_are_seeded_seed_and_seed_plus_one(ckpt, oracle):
+    from engine import pipeline
+
+    ref = oracle[0, 9]
+    knobs = {f"dllm_{name}": value for name, value in vars(KNOBS).items()}
+    with pipeline(str(ckpt), EngineConfig(device="cpu", kv_block_size=PAGE, num_kv_blocks=512, **knobs)) as pipe:
+        outs = pipe([ref["prompt"]], GenerationConfig(max_new_tokens=40, random_seed=0, n=2))
+    assert [o.token_ids for o in outs] == [oracle[0, 9]["tokens"][:40], oracle[1, 9]["tokens"][:40]]

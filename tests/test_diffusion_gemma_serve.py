@@ -114,3 +114,14 @@ def test_refusals_name_the_field(app, field, value):
         r = httpx.post(app.url + path, json=body, timeout=120)
         assert r.status_code == 400, (path, r.text)
         assert field in r.json()["error"]["message"] or "min_tokens" in r.json()["error"]["message"], (path, r.text)
+
+
+def test_chat_completion_uses_the_tokenizer_template(app):
+    body = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": CANVAS, "seed": 5,
+            "return_dllm_replay": True}
+    got = httpx.post(app.url + "/v1/chat/completions", json=body, timeout=600)
+    assert got.status_code == 200, got.text
+    choice = got.json()["choices"][0]
+    assert choice["message"]["role"] == "assistant" and len(choice["step_map"]) >= 1
+    again = httpx.post(app.url + "/v1/chat/completions", json=body, timeout=600).json()["choices"][0]
+    assert again["message"] == choice["message"] and again["step_map"] == choice["step_map"]
