@@ -279,7 +279,7 @@ class EngineServer:
             architectures = None
         return ModelInfo(self.model_path, spec.model_type, architectures, self.engine.is_dllm, cfg.max_model_len,
                          cfg.tp, self.engine.stats()["kv_pages_total"] * cfg.kv_block_size, cfg,
-                         WEIGHT_OP_TIMEOUT_S)
+                         WEIGHT_OP_TIMEOUT_S, self.engine.paradigm)
 
     def metric_families(self) -> dict[str, Any]:
         """This replica's request histograms (prometheus_client families) for the ingress's /metrics."""

@@ -68,6 +68,7 @@ class ModelInfo:
     max_total_num_tokens: int  # the KV cache's capacity in tokens (pages x page size)
     engine: EngineConfig  # the replica's engine config, with the family's decoding defaults applied
     weight_op_timeout_s: float  # how long the engine waits on a trainer in a weight operation
+    paradigm: str  # how the model decodes: autoregressive, block, sub_block or renoising (configs.knobs)
 
 
 @dataclass(frozen=True)

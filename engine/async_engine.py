@@ -89,6 +89,11 @@ class AsyncEngine(RLControlMixin):
     def is_dllm(self) -> bool:
         return self.engine.is_dllm
 
+    @property
+    def paradigm(self) -> str:
+        """How the model decodes (a paradigm of configs.knobs)."""
+        return self.engine.paradigm
+
     # ---- the loop thread --------------------------------------------------------------------
     def _call(self, fn: Callable[[], Any], kind: CommandKind = "op") -> concurrent.futures.Future:
         if not self._running or not self._thread.is_alive():

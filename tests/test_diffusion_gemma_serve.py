@@ -13,6 +13,7 @@ import pytest
 import torch
 from conftest import deploy
 from ray import serve
+from test_viewer import CHROMEDRIVER, CHROMIUM, browser, cells, console_errors, open_page  # noqa: F401 (a fixture)
 
 from bench.diffusion_gemma import converging_checkpoint
 from engine.model.families.diffusion_gemma.reference import Drafts, load_reference, settle_steps
@@ -125,3 +126,28 @@ def test_chat_completion_uses_the_tokenizer_template(app):
     assert choice["message"]["role"] == "assistant" and len(choice["step_map"]) >= 1
     again = httpx.post(app.url + "/v1/chat/completions", json=body, timeout=600).json()["choices"][0]
     assert again["message"] == choice["message"] and again["step_map"] == choice["step_map"]
+
+
+def test_the_viewer_draws_the_canvases(browser, app, oracle):  # noqa: F811 (the imported fixture)
+    """The viewer in headless Chromium: the cells are the seeded output with each token's settle step,
+    grouped by canvas (three of 16 after a 9-token prompt), and a canvas's rewrites are edits."""
+    if CHROMIUM is None or CHROMEDRIVER is None:
+        pytest.skip("the viewer's browser test needs Debian's chromium and chromium-driver")
+    query = f"input_ids={','.join(map(str, PROMPT))}&max_new_tokens={MAX_NEW}&seed={SEEDS[0]}"
+    assert open_page(browser, f"{app.url}/viewer?{query}") == "done", browser.find_element("id", "error").text
+    tokens, settle = oracle[SEEDS[0]]
+    assert cells(browser, "a") == [(p, t, s) for p, (t, s) in enumerate(zip(tokens, settle, strict=True))]
+    groups = browser.execute_script(
+        "return [...document.querySelectorAll(\"section.run[data-run='a'] .block\")].map(b => "
+        "b.querySelectorAll('[data-position]').length)")
+    assert groups == [CANVAS, CANVAS, MAX_NEW - 2 * CANVAS]
+    assert "renoising" in browser.find_element("id", "server").text
+    # every argmax change after a position's first is drawn as an edit
+    body = {"input_ids": PROMPT, "return_step_trace": True, "sampling_params": {
+        "max_new_tokens": MAX_NEW, "sampling_seed": SEEDS[0]}}
+    trace = httpx.post(app.url + "/generate", json=body, timeout=600).json()["meta_info"]["step_trace"]
+    writes = sum(len(event["positions"]) for event in trace)
+    edits = browser.execute_script("return [...document.querySelectorAll(\"section.run[data-run='a'] "
+                                   "[data-position]\")].reduce((n, c) => n + Number(c.dataset.edits || 0), 0)")
+    assert edits == writes - MAX_NEW > 0
+    assert console_errors(browser) == []

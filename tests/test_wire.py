@@ -30,7 +30,7 @@ SAMPLES = [
     Response.from_chunks([CHUNK]),
     Rejection("max_tokens: too many", "max_tokens", 400),
     Rejection("engine held", None, 503, "engine_held", retry_after_s=2.5),
-    ModelInfo("/m", "sdar", ["SDARForCausalLM"], True, 4096, 2, 8192, EngineConfig(), 600.0),
+    ModelInfo("/m", "sdar", ["SDARForCausalLM"], True, 4096, 2, 8192, EngineConfig(), 600.0, "block"),
     ControlAnswer(True, "weights staged", "replica-1", 0, ranks=[1, 2], weight_version="v2"),
 ]
 

@@ -118,7 +118,7 @@ class SGLangRoutes(HttpServing, EngineClient):
             "skip_tokenizer_init": False, "incremental_streaming_output": self.incremental_streaming_output,
             "weight_version": await self._weight_version(), "version": self.version,
             "internal_states": [{"model_type": info.model_type, "is_dllm": info.is_dllm,
-                                 "engine": engine.model_dump(mode="json")}],
+                                 "dllm_paradigm": info.paradigm, "engine": engine.model_dump(mode="json")}],
         }
 
     async def http_model_info(self, request: Request) -> Response:

@@ -358,8 +358,9 @@ class LLMEngine(RankOperations, FaultIsolation):
             # where the stop rule just ended the output before them
             ended = seq.num_output is not None and not self.decoding.provisional_writes(seq)
             shown = [g for g in revealed if g < (seq.num_output if ended else seq.stop_bound)]
-            if shown:
-                output.add_trace(self.decoding.trace_event(seq, shown))
+            event = self.decoding.trace_event(seq, shown)
+            if event is not None:
+                output.add_trace(event)
         if seq.finish_reason is not None:
             return True
         self.decoding.after_step(seq)

@@ -79,15 +79,20 @@ function fillForm(fields) {
   $("more").value = Object.keys(more).length ? JSON.stringify(more) : "";
 }
 
-/** What the page needs of the server: block length, streaming mode, what logprob rows hold. */
+/** What the page needs of the server: block length, streaming mode, what logprob rows hold. A renoising
+ *  model's canvases follow the prompt wherever it ends: they are grouped by each token's step within
+ *  its canvas (block_step_map), not by multiples of the canvas length. */
 async function serverInfo(key) {
   const info = await getJson("server_info", key);
   const state = (info.internal_states || [{}])[0];
   const engine = state.engine || {};
-  $("server").textContent = `${info.served_model_name} (${state.model_type || "?"}, ` +
-    `${state.is_dllm ? `block length ${engine.dllm_block_length}` : "autoregressive"})`;
+  const canvas = state.dllm_paradigm === "renoising";
+  const shape = canvas ? `renoising canvases of ${engine.dllm_block_length}`
+    : state.is_dllm ? `block length ${engine.dllm_block_length}` : "autoregressive";
+  $("server").textContent = `${info.served_model_name} (${state.model_type || "?"}, ${shape})`;
   return {
-    blockLength: state.is_dllm ? engine.dllm_block_length : null,
+    canvas,
+    blockLength: state.is_dllm && !canvas ? engine.dllm_block_length : null,
     incremental: Boolean(info.incremental_streaming_output),
     valueName: engine.logprobs_mode === "raw_logits" ? "logit" : "logprob",
   };
@@ -121,7 +126,8 @@ async function start(fieldSets, first) {
     panel.setStatus("decoding…", "running");
     updateState();
     try {
-      await streamGenerate(key, generateBody(fields), (chunk) => {
+      const body = generateBody(info.canvas ? { return_block_step_map: true, ...fields } : fields);
+      await streamGenerate(key, body, (chunk) => {
         run.applyChunk(chunk);
         panel.draw();
       });

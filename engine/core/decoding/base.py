@@ -147,8 +147,11 @@ class DecodingStrategy(ABC):
         kinds of a network with encoder and canvas passes); nothing by default."""
         return
 
-    def trace_event(self, seq: Sequence, shown: list[int]) -> StepEvent:
-        """The step trace event of the step just applied, for the generated indices `shown`."""
+    def trace_event(self, seq: Sequence, shown: list[int]) -> StepEvent | None:
+        """The step trace event of the step just applied, for the generated indices `shown` (None: no
+        event, as for a step that showed nothing)."""
+        if not shown:
+            return None
         base = seq.prompt_len
         return {"step": seq.step_counter, "positions": shown, "token_ids": [seq.tokens[base + g] for g in shown]}
 

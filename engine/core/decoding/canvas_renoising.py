@@ -165,6 +165,8 @@ class RenoisingDecoding(DecodingStrategy):
         return True
 
     def trace_event(self, seq: Sequence, shown: list[int]) -> StepEvent:
+        """Every canvas pass has its event (its temperature, acceptances and entropy), also when no
+        argmax changed."""
         canvas, first = seq.canvas, seq.canvas.start - seq.prompt_len
         report = canvas.report
         argmax = dict(zip(report.positions, report.token_ids, strict=True))
