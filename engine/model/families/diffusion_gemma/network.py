@@ -139,8 +139,15 @@ class GemmaExperts(nn.Module):
         t, k = index.shape
         flat = index.reshape(-1)
         pair_out = x.new_zeros(t * k, x.shape[-1])
-        for expert in torch.unique(flat).tolist():
-            pairs = (flat == expert).nonzero()[:, 0]
+        # the (token, slot) pairs grouped by expert, each group in pair order (a stable sort)
+        order = torch.sort(flat, stable=True).indices
+        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()
+        start = 0
+        for expert, count in enumerate(counts):
+            if not count:
+                continue
+            pairs = order[start: start + count]
+            start += count
             gate, up = F.linear(x[pairs // k], self.gate_up_proj[expert]).chunk(2, dim=-1)
             pair_out[pairs] = F.linear(F.gelu(gate, approximate="tanh") * up, self.down_proj[expert])
         weighted = pair_out * weights.reshape(-1, 1).to(pair_out.dtype)
