@@ -353,3 +353,24 @@ def test_pipeline_samples_are_seeded_seed_and_seed_plus_one(ckpt, oracle):
     with pipeline(str(ckpt), EngineConfig(device="cpu", kv_block_size=PAGE, num_kv_blocks=512, **knobs)) as pipe:
         outs = pipe([ref["prompt"]], GenerationConfig(max_new_tokens=40, random_seed=0, n=2))
     assert [o.token_ids for o in outs] == [oracle[0, 9]["tokens"][:40], oracle[1, 9]["tokens"][:40]]
+
+
+def test_prefix_caching_reuses_committed_pages_exactly(ckpt, oracle):
+    """Requests whose prompts share a cached prefix (the 40-token prompt crosses the window of 8, so
+    the sliding group serves the match from its released-but-published pages) reuse it and still
+    give transformers' tokens; a request in the same batch as its prompt's first computation waits
+    for it (the n samples of a prompt compute it once)."""
+    eng = _engine(ckpt, enable_prefix_caching=True)
+    ref = oracle[0, 40]
+    _check(run(eng, {"first": (ref["prompt"], params(max_new_tokens=40, random_seed=0))})["first"], ref, 40)
+    hits = eng.kv.prefix_hit_tokens
+    results = run(eng, {str(seed): (ref["prompt"], params(max_new_tokens=40, random_seed=seed)) for seed in SEEDS})
+    for rid, result in results.items():
+        _check(result, oracle[int(rid), 40], 40)
+    reused = eng.kv.prefix_hit_tokens - hits
+    assert reused == len(SEEDS) * ((len(ref["prompt"]) - 1) // PAGE * PAGE)
+    # after a flush (a weight update) nothing is reused
+    eng.flush_cache()
+    before = eng.kv.prefix_hit_tokens
+    _check(run(eng, {"again": (ref["prompt"], params(max_new_tokens=16, random_seed=0))})["again"], ref, 16)
+    assert eng.kv.prefix_hit_tokens == before

@@ -45,3 +45,28 @@ def test_registering_past_released_pages_keeps_the_prefix_chain():
     # `d` reuses `c`'s first two pages and `a`'s last four: `a` published them under the keys of the
     # full chain, so `c` found those keys taken
     assert d.pages[:2] == c.pages[:2] and d.pages[2:] == a.pages[2:]
+
+
+def test_layer_group_pages_match_a_prefix_through_the_window_only():
+    """Two groups: the full one must hold every page of the prefix, the sliding one (window 6) only the
+    pages its window reads after it; pages the sliding group gave back after publishing them serve a
+    later match, and the new table's earlier sliding entries are RELEASED."""
+    from engine.kv.layer_group_pages import LayerGroupPages
+
+    tokens = list(range(200, 224))  # 6 pages
+    kv = LayerGroupPages({"full": (32, None), "sliding": (32, 6)}, PAGE, enable_prefix_caching=True)
+    a = kv.new_table()
+    assert kv.allocate(a, 24)
+    kv.register(a, tokens, 24)  # published, then the sliding pages before 24 - 5 = 19 released
+    assert kv.held_pages(a) == {"full": 6, "sliding": 2}
+    kv.free(a)
+    b = kv.new_table()
+    assert kv.match_prefix(b, tokens, 23) == 20  # 5 whole pages; the window after 20 reads 15..19
+    assert b.groups["sliding"].pages[:3] == [RELEASED] * 3 and RELEASED not in b.groups["sliding"].pages[3:]
+    assert len(b.groups["full"].pages) == 5 and kv.prefix_hit_tokens == 20
+    kv.undo_match(b, 20)
+    assert kv.prefix_hit_tokens == 0
+    # after a flush (a weight update) nothing is reused
+    kv.flush()
+    c = kv.new_table()
+    assert kv.match_prefix(c, tokens, 23) == 0

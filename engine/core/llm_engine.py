@@ -84,7 +84,7 @@ class LLMEngine(RankOperations, FaultIsolation):
         self.executor: Executor = (executor_factory or LocalExecutor)(spec, config)
         self.executor.set_dllm_block_length(self.block_length)
         groups = self.executor.kv_groups
-        self.kv = (LayerGroupPages(groups, config.kv_block_size) if groups else
+        self.kv = (LayerGroupPages(groups, config.kv_block_size, config.enable_prefix_caching) if groups else
                    KVPageManager(self.executor.num_pages, config.kv_block_size, config.enable_prefix_caching,
                                  self.block_length))
         self.scheduler = Scheduler(config, self.kv, self.decoding)

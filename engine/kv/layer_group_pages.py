@@ -6,8 +6,13 @@ A sequence's table holds one `PageTable` per group (`PageTable.groups`); an allo
 in every group or in none. A group with a sliding window of W keeps only what its layers read
 again: once tokens up to c are committed, later queries attend to keys from c − (W − 1) on, so the
 group's pages wholly before that are given back (`register`, called after every forward with the
-committed count). Prefix caching is off: a cached page would have to be shared in every group at
-once, and a sliding group has released the pages a later prompt would match.
+committed count).
+
+Prefix caching keys every group's pages by the same token chain (each committed token's K/V depend
+on the tokens before it only). A prefix of n committed tokens is reused when the groups that keep
+the whole context hold all its pages and each sliding group still holds the pages its window reads
+after n tokens (released pages that were published stay cached until evicted); the earlier pages of
+a sliding group are not needed and stay `RELEASED` in the new table.
 """
 
 from __future__ import annotations
@@ -18,15 +23,17 @@ from engine.kv.page_manager import KVPageManager, PageTable
 class LayerGroupPages:
     """One page manager per layer group; `groups` maps a group's name to (pages, sliding window or None)."""
 
-    enable_prefix_caching = False
-    prefix_hit_tokens = 0
-
-    def __init__(self, groups: dict[str, tuple[int, int | None]], page_size: int):
+    def __init__(self, groups: dict[str, tuple[int, int | None]], page_size: int, enable_prefix_caching: bool):
         self.page_size = page_size
-        self.managers = {g: KVPageManager(n, page_size, enable_prefix_caching=False) for g, (n, _) in groups.items()}
+        self.enable_prefix_caching = enable_prefix_caching
+        self.managers = {g: KVPageManager(n, page_size, enable_prefix_caching) for g, (n, _) in groups.items()}
         self.windows = {g: w for g, (_, w) in groups.items()}
         # the groups that keep the whole context bound how long a sequence can be
         self._whole = [m for g, m in self.managers.items() if self.windows[g] is None] or list(self.managers.values())
+
+    @property
+    def prefix_hit_tokens(self) -> int:
+        return self._whole[0].prefix_hit_tokens
 
     def new_table(self) -> PageTable:
         return PageTable(groups={g: PageTable() for g in self.managers})
@@ -53,8 +60,10 @@ class LayerGroupPages:
             m.free(table.groups[g])
 
     def register(self, table: PageTable, tokens: list[int], num_committed: int) -> None:
-        """Give back each sliding group's pages that no later query reads."""
+        """Publish every group's full committed pages, then give back each sliding group's pages that
+        no later query reads."""
         for g, m in self.managers.items():
+            m.register(table.groups[g], tokens, num_committed)
             window = self.windows[g]
             if window is not None:
                 m.release_before(table.groups[g], num_committed - (window - 1))
@@ -64,10 +73,28 @@ class LayerGroupPages:
         return {g: m.held_pages(table.groups[g]) for g, m in self.managers.items()}
 
     def match_prefix(self, table: PageTable, tokens: list[int], max_tokens: int) -> int:
-        return 0
+        """Attach the longest cached prefix (whole pages, at most `max_tokens`) every group can serve;
+        returns the tokens reused."""
+        if not self.enable_prefix_caching or any(t.pages for t in table.groups.values()):
+            return 0
+        n = min(m.cached_prefix(tokens, max_tokens) for m in self._whole)
+        sliding = [(g, m, w) for g, m in self.managers.items() if (w := self.windows[g]) is not None]
+        while n and not all(m.window_cached(tokens, n, w) for _, m, w in sliding):
+            n -= self.page_size
+        if not n:
+            return 0
+        for g, m in self.managers.items():
+            if self.windows[g] is None:
+                m.match_prefix(table.groups[g], tokens, n)
+            else:
+                m.match_window(table.groups[g], tokens, n, self.windows[g])
+        return n
 
     def undo_match(self, table: PageTable, reused: int) -> None:
+        self._whole[0].prefix_hit_tokens -= reused
         self.free(table)
 
     def flush(self) -> None:
-        """Nothing is cached, so nothing to forget."""
+        """Forget every cached page of every group (tables from before never publish again)."""
+        for m in self.managers.values():
+            m.flush()

@@ -160,6 +160,56 @@ class KVPageManager:
         self.prefix_hit_tokens += reused
         return reused
 
+    def _keys(self, tokens: list[int], num_pages: int) -> list[tuple]:
+        """The prefix-chain keys of the first `num_pages` pages of `tokens`."""
+        keys, parent = [], None
+        for p in range(num_pages):
+            key = self._key(parent, tokens, p)
+            keys.append(key)
+            parent = hash(key)
+        return keys
+
+    def _cached(self, key: tuple) -> int | None:
+        page_id = self._by_hash.get(hash(key))
+        return page_id if page_id is not None and self._pages[page_id].key == key else None
+
+    def cached_prefix(self, tokens: list[int], max_tokens: int) -> int:
+        """How many leading tokens (whole pages, at most `max_tokens`) `match_prefix` would reuse."""
+        if not self.enable_prefix_caching:
+            return 0
+        n = 0
+        for key in self._keys(tokens, max_tokens // self.page_size):
+            if self._cached(key) is None:
+                break
+            n += 1
+        return n * self.page_size
+
+    def window_cached(self, tokens: list[int], num_tokens: int, window: int) -> bool:
+        """Whether the pages a sliding window of `window` still reads after `num_tokens` committed
+        tokens (a multiple of the page size) are all cached."""
+        first = max(0, num_tokens - (window - 1)) // self.page_size
+        keys = self._keys(tokens, num_tokens // self.page_size)
+        return self.enable_prefix_caching and all(self._cached(k) is not None for k in keys[first:])
+
+    def match_window(self, table: PageTable, tokens: list[int], num_tokens: int, window: int) -> None:
+        """Attach the cached pages a sliding window still reads after `num_tokens` committed tokens
+        (`window_cached` said they are there); the pages before the window are `RELEASED` entries."""
+        table.epoch = self.epoch
+        first = max(0, num_tokens - (window - 1)) // self.page_size
+        keys = self._keys(tokens, num_tokens // self.page_size)
+        for p, key in enumerate(keys):
+            if p < first:
+                table.pages.append(RELEASED)
+                continue
+            page_id = self._cached(key)
+            page = self._pages[page_id]
+            if page.ref_count == 0:
+                del self._evictable[page_id]
+            page.ref_count += 1
+            table.pages.append(page_id)
+        table.registered = len(keys)
+        table.parent_hash = hash(keys[-1]) if keys else None
+
     def undo_match(self, table: PageTable, reused: int) -> None:
         """Give back what `match_prefix` attached to a sequence that could not be admitted after all."""
         self.prefix_hit_tokens -= reused

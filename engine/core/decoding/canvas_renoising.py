@@ -102,7 +102,9 @@ class RenoisingDecoding(DecodingStrategy):
         return start + self.canvas_length, True
 
     def cacheable_prefix(self, seq: Sequence) -> int:
-        return seq.canvas.start
+        # committed tokens, less one: the first forward of an admitted request is an encoder pass
+        # (a canvas pass is never split by the prefill budget, which admission charges)
+        return seq.canvas.start - 1
 
     def is_decoding(self, seq: Sequence) -> bool:
         """A canvas pass (never split by the prefill budget), or the commit of a canvas."""
