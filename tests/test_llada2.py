@@ -71,7 +71,7 @@ def test_published_config_builds_the_model(tmp_path, name):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     spec = load_model_spec(tmp_path)
     extra = spec.extra
-    assert (spec.head_dim, extra.rotary_dim, spec.rope_theta) == (128, 64, 600000)
+    assert (spec.head_dim, extra.rotary_dim, spec.rope_theta) == (128, 64, cfg["rope_theta"])
     assert (extra.n_group, extra.topk_group, extra.num_shared_experts, extra.routed_scaling_factor) == (8, 4, 1, 2.5)
     assert spec.family.default_block_length == 32 and spec.max_position_embeddings == cfg["max_position_embeddings"]
     assert spec.family.decoding_defaults == {"dllm_confidence_threshold": 0.95,

@@ -1,11 +1,13 @@
 """Reduced-depth random checkpoints of published model configurations, in the real on-disk format.
 
-`PUBLISHED` holds the config.json of releases this engine serves (every field they carry);
-`write_published(name, path, num_hidden_layers)` writes that configuration with fewer layers and
-random weights of exactly the published tensor names and shapes (sharded safetensors with an index,
-bfloat16 as released), plus the tiny byte-level tokenizer of engine/model/families/tiny_tokenizer.py. They check
-that a published configuration loads (names, shapes, the family's fields) and what loading costs,
-without downloading anything.
+`PUBLISHED` holds the config.json of releases this engine serves (every field they carry), and
+`GENERATION` the generation_config.json fields that change what the engine does (stop ids) where a
+release's differ from its config.json; `write_published(name, path, num_hidden_layers)` writes that
+configuration with fewer layers and random weights of exactly the published tensor names and shapes
+(sharded safetensors with an index, bfloat16 as released), plus the tiny byte-level tokenizer of
+engine/model/families/tiny_tokenizer.py (`write_published_config`: the same without the weights).
+They check that a published configuration loads (names, shapes, the family's fields) and what
+loading costs, without downloading anything.
 """
 
 from __future__ import annotations
@@ -36,6 +38,14 @@ _LLADA2 = {
     "routed_scaling_factor": 2.5, "first_k_dense_replace": 1, "output_router_logits": False,
     "partial_rotary_factor": 0.5, "score_function": "sigmoid", "moe_router_enable_expert_bias": True,
     "router_dtype": "fp32", "norm_topk_prob": True, "torch_dtype": "bfloat16",
+}
+# LLaDA2.2-flash: LLaDA2.0-flash's widths (not checked against the release) with LLaDA2.2's block
+# routing (48 experts per block of 32), 128K positions at rope_theta 3e6 and the Insert/Delete edit tokens
+_LLADA22_FLASH = {
+    **_LLADA2, "hidden_size": 4096, "intermediate_size": 9216, "moe_intermediate_size": 1024,
+    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 4,
+    "max_position_embeddings": 131072, "rope_theta": 3000000.0, "expert_capacity": 48, "block_size": 32,
+    "delete_token_id": 156930, "split_token_id": 156931,
 }
 # NVIDIA's Fast-dLLM v2 releases
 _FAST_DLLM = {
@@ -80,6 +90,7 @@ PUBLISHED: dict[str, dict] = {
     "LLaDA2.0-flash": {**_LLADA2, "hidden_size": 4096, "intermediate_size": 9216, "moe_intermediate_size": 1024,
                        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 4,
                        "max_position_embeddings": 16384},
+    "LLaDA2.2-flash": _LLADA22_FLASH,
     "Fast_dLLM_v2_1.5B": {**_FAST_DLLM, "hidden_size": 1536, "intermediate_size": 8960, "num_attention_heads": 12,
                           "num_key_value_heads": 2, "num_hidden_layers": 28, "max_window_layers": 21,
                           "tie_word_embeddings": True, "vocab_size": 151936},
@@ -87,6 +98,8 @@ PUBLISHED: dict[str, dict] = {
                         "num_key_value_heads": 4, "num_hidden_layers": 28, "max_window_layers": 28,
                         "tie_word_embeddings": False, "vocab_size": 152064},
 }
+
+GENERATION: dict[str, dict] = {"LLaDA2.2-flash": {"eos_token_id": [156892, 156900]}}
 
 
 def _with_depth(config: dict, num_hidden_layers: int) -> dict:
@@ -99,15 +112,24 @@ def _with_depth(config: dict, num_hidden_layers: int) -> dict:
     return {**config, "text_config": text} if "text_config" in config else text
 
 
-def write_published(name: str, path: str | Path, num_hidden_layers: int, shard_bytes: int = 1 << 30,
-                    seed: int = 0) -> Path:
-    """Write release `name` of `PUBLISHED` with `num_hidden_layers` layers and random bfloat16 weights
-    (std 0.02) to `path`; returns it. Memory: one shard plus the largest tensor in float32."""
+def write_published_config(name: str, path: str | Path, num_hidden_layers: int) -> Path:
+    """Release `name`'s config.json with `num_hidden_layers` layers, its generation_config.json (where
+    `GENERATION` has one) and the tiny tokenizer, in `path` (created); returns it."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     config = _with_depth(PUBLISHED[name], num_hidden_layers)
     (path / "config.json").write_text(json.dumps(config, indent=2))
+    if name in GENERATION:
+        (path / "generation_config.json").write_text(json.dumps(GENERATION[name], indent=2))
     write_tokenizer(build_byte_tokenizer(), path, config.get("text_config", config)["max_position_embeddings"])
+    return path
+
+
+def write_published(name: str, path: str | Path, num_hidden_layers: int, shard_bytes: int = 1 << 30,
+                    seed: int = 0) -> Path:
+    """Write release `name` of `PUBLISHED` with `num_hidden_layers` layers and random bfloat16 weights
+    (std 0.02) to `path`; returns it. Memory: one shard plus the largest tensor in float32."""
+    path = write_published_config(name, path, num_hidden_layers)
     with torch.device("meta"):
         model = build_network(load_model_spec(path))
     params = dict(model.named_parameters(remove_duplicate=False))

@@ -263,6 +263,11 @@ class ModelRunner:
         return model
 
     def set_dllm_block_length(self, block_length: int | None) -> None:
+        """The engine's block length, before anything runs; a network that fixes it (LLaDA2.2's block
+        routing: `check_block_length`) refuses another one here."""
+        check = getattr(self.model, "check_block_length", None)
+        if check is not None:
+            check(block_length)
         self.dllm_block_length = block_length
 
     def _tensor(self, values: list[int]) -> torch.Tensor:

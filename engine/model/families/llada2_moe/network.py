@@ -5,13 +5,15 @@ heads, then the key heads, then the value heads; split per rank by head),
 per-head RMSNorm of q and k (`query_layernorm` / `key_layernorm`) before a NeoX rotary embedding on
 only the first `rotary_dim` dims of each head, an output projection `attention.dense` that may carry
 a bias (added once, after the all-reduce), dense MLPs in the first `first_k_dense_replace` layers and
-LLaDA2's routed + shared experts (`GroupLimitedMoeBlock`) in the others. Logits at a
+LLaDA2's routed + shared experts (`LLaDA2MoeBlock`) in the others. Logits at a
 position predict the token at that position (no shift); attention is block-causal like SDAR's, which
-the attention backend applies from the runner's block length.
+the attention backend applies from the runner's block length. A block-routed checkpoint (LLaDA2.2,
+`expert_capacity`) fixes that block length to its routing block and has every forward checked to
+feed whole routing blocks per request (block_routing.py).
 
 Parameter names equal the checkpoint's (the embedding is `model.word_embeddings`; routed experts are
 stacked per layer as for Qwen3-MoE). The forward, logits, `materialize` and compiled elementwise
-switch are the shared pre-norm decoder's: only the layers differ.
+switch are the shared pre-norm decoder's: only the layers (and block routing's checks) differ.
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from engine.model.families.llada2_moe.block_routing import check_block_length, check_segments
 from engine.model.families.llada2_moe.config import LLaDA2Spec
-from engine.model.families.llada2_moe.moe import GroupLimitedMoeBlock
+from engine.model.families.llada2_moe.moe import LLaDA2MoeBlock
 from engine.model.layers.decoder import DecoderLayer, PreNormDecoderLM
 from engine.model.layers.mlp import MLP
 from engine.model.layers.moe import MoEStats
@@ -92,7 +95,7 @@ class LLaDA2Layer(DecoderLayer):
         extra: LLaDA2Spec = spec.extra
         self.attention = LLaDA2Attention(spec, tp)
         if extra.is_sparse(index):
-            self.mlp = GroupLimitedMoeBlock(spec.hidden_size, extra, tp, moe_stats)
+            self.mlp = LLaDA2MoeBlock(spec.hidden_size, extra, tp, moe_stats)
         else:
             self.mlp = MLP(spec.hidden_size, spec.intermediate_size, tp)
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
@@ -128,3 +131,16 @@ class LLaDA2MoeModelLM(PreNormDecoderLM):
     def rotary_embedding(spec: ModelSpec) -> RotaryEmbedding:
         # the rotary tables span only the rotated dims (frequencies over rotary_dim, as transformers')
         return RotaryEmbedding(replace(spec, head_dim=spec.extra.rotary_dim))
+
+    def check_block_length(self, block_length: int | None) -> None:
+        """Refuse a DLLM block length other than the routing block of a block-routed checkpoint (the
+        runner asks before serving)."""
+        if self.spec.extra.routing_block is not None:
+            check_block_length(block_length, self.spec.extra.routing_block)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata, backend: AttentionBackend
+                ) -> torch.Tensor:
+        if self.spec.extra.routing_block is not None:
+            check_segments(meta, self.spec.extra.routing_block)
+        return super().forward(input_ids, positions, kv_caches, meta, backend)

@@ -7,7 +7,10 @@ from its description: fused QKV split into q, k, v heads; per-head RMSNorm of q 
 the first `head_dim * partial_rotary_factor` dims; attention.dense (+ bias); a dense MLP in the first
 `first_k_dense_replace` layers, else a float32 sigmoid router (expert bias for choosing only, groups
 scored by their two best, top `topk_group` groups, top-k experts, weights normalised and scaled) over
-SwiGLU experts plus the shared experts. Logits at position i predict token i.
+SwiGLU experts plus the shared experts; with `expert_capacity` (LLaDA2.2) the groups give way to
+block routing: the sequence's positions in blocks of `block_size`, each block's `expert_capacity`
+experts of the largest biased scores over its tokens, each token's top-k among them. Logits at
+position i predict token i.
 
 `reference_generate` decodes greedily one prompt with SGLang's LowConfidence (`low_confidence`) or
 JointThreshold (`joint_threshold`) rule, whole blocks, the output cut afterwards.
@@ -104,19 +107,18 @@ class LLaDA2Reference:
 
     def _moe(self, h: torch.Tensor, p: str) -> torch.Tensor:
         c, w = self.cfg, self.w
-        n_exp, top_k, groups, keep = c["num_experts"], c["num_experts_per_tok"], c["n_group"], c["topk_group"]
+        n_exp, top_k = c["num_experts"], c["num_experts_per_tok"]
         expert_out = [_swiglu(h, w, f"{p}mlp.experts.{e}") for e in range(n_exp)]  # every expert, every row
         scores = torch.sigmoid(h @ w[p + "mlp.gate.weight"].T)
+        biased = (scores + w[p + "mlp.gate.expert_bias"]).tolist()
+        if c.get("expert_capacity") is not None:
+            allowed = self._block_allowed(biased)
+        else:
+            allowed = [self._group_allowed(row) for row in biased]
         out = torch.zeros_like(h)
         for row in range(h.shape[0]):
-            s = scores[row]
-            biased = (s + w[p + "mlp.gate.expert_bias"]).tolist()
-            size = n_exp // groups
-            group_score = [sum(sorted(biased[g * size:(g + 1) * size], reverse=True)[:2]) for g in range(groups)]
-            kept = sorted(range(groups), key=lambda g: -group_score[g])[:keep]
-            allowed = [e for e in range(n_exp) if e // size in kept]
-            chosen = sorted(allowed, key=lambda e: -biased[e])[:top_k]
-            weights = s[chosen]
+            chosen = sorted(allowed[row], key=lambda e: -biased[row][e])[:top_k]
+            weights = scores[row][chosen]
             if top_k > 1:
                 weights = weights / (weights.sum() + 1e-20)
             weights = weights * c.get("routed_scaling_factor", 2.5)
@@ -125,6 +127,28 @@ class LLaDA2Reference:
         if c.get("num_shared_experts"):
             out = out + _swiglu(h, w, p + "mlp.shared_experts")
         return out
+
+    def _group_allowed(self, biased: list[float]) -> list[int]:
+        """One token's experts under group-limited routing: those of its `topk_group` best groups."""
+        c = self.cfg
+        n_exp, groups, keep = c["num_experts"], c["n_group"], c["topk_group"]
+        size = n_exp // groups
+        group_score = [sum(sorted(biased[g * size:(g + 1) * size], reverse=True)[:2]) for g in range(groups)]
+        kept = sorted(range(groups), key=lambda g: -group_score[g])[:keep]
+        return [e for e in range(n_exp) if e // size in kept]
+
+    def _block_allowed(self, biased: list[list[float]]) -> list[list[int]]:
+        """Every token's experts under block routing: the sequence's positions in blocks of `block_size`;
+        an expert's block score is its largest biased score over the block's tokens; the
+        `expert_capacity` best experts of its block."""
+        c = self.cfg
+        n_exp, size, capacity = c["num_experts"], c["block_size"], c["expert_capacity"]
+        allowed = []
+        for start in range(0, len(biased), size):
+            block = biased[start : start + size]
+            block_score = [max(token[e] for token in block) for e in range(n_exp)]
+            allowed += [sorted(range(n_exp), key=lambda e: -block_score[e])[:capacity]] * len(block)
+        return allowed
 
 
 @dataclass

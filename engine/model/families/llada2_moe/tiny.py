@@ -44,6 +44,8 @@ def write_tiny_llada2(
     first_k_dense_replace: int = 1,
     partial_rotary_factor: float = 0.5,
     routed_scaling_factor: float = 2.5,
+    expert_capacity: int | None = None,
+    block_size: int = 32,
     rope_theta: float = 600000.0,
     use_qkv_bias: bool = False,
     use_bias: bool = False,
@@ -140,6 +142,8 @@ def write_tiny_llada2(
         "score_function": "sigmoid", "moe_router_enable_expert_bias": True, "router_dtype": "fp32",
         "norm_topk_prob": True, "torch_dtype": str(dtype).removeprefix("torch."),
     }
+    if expert_capacity is not None:
+        config |= {"expert_capacity": expert_capacity, "block_size": block_size}
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     generation = {"eos_token_id": [im_end_id, eos_id], "pad_token_id": eos_id}
     (path / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
