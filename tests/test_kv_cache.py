@@ -160,7 +160,8 @@ def test_dllm_key_extends_to_the_end_of_the_block(page_size, block):
     diverge = tokens[:page_size] + [999] * (len(tokens) - page_size)
     probe = PageTable()
     assert kv.match_prefix(probe, diverge, max_tokens=len(tokens)) == 0
-    # identical tokens: full reuse; with max_tokens inside a block, only pages whose block fits
+    # identical tokens: full reuse; with max_tokens inside a block, only pages whose block fits, and
+    # then only whole blocks of them (a forward from a hit feeds whole blocks)
     probe = PageTable()
     assert kv.match_prefix(probe, tokens, max_tokens=2 * block) == 2 * block
     kv.free(probe)
@@ -170,7 +171,10 @@ def test_dllm_key_extends_to_the_end_of_the_block(page_size, block):
     pages = 0  # leading pages whose key (through the end of their block) fits under the limit
     while -(-((pages + 1) * page_size) // block) * block <= limit:
         pages += 1
+    while pages * page_size % block:
+        pages -= 1
     assert reused == pages * page_size < limit
+    assert len(probe.pages) == pages  # the pages dropped to round down are not held
     kv.free(probe)
     kv.free(a)
 

@@ -153,14 +153,11 @@ def test_chunked_prefills_and_prefix_hits_equal_reference(llada22):
     assert pipe.engine.kv.prefix_hit_tokens - hits == 64 + 96
 
 
-@pytest.mark.parametrize("page_size", [
-    pytest.param(16, marks=pytest.mark.xfail(strict=True, reason=(
-        "the page manager may reuse a prefix that ends inside a DLLM block (pages of 16, the block's second "
-        "page evicted): block routing refuses that forward; engine/kv must round prefix hits down to a block"))),
-    32])
+@pytest.mark.parametrize("page_size", [16, 32])
 def test_a_prefix_hit_inside_a_block(llada22, page_size):
     """Prompt A cached, prompt B evicting the LRU page (the tail page of A's first block), A again: with
-    pages of 16 its hit is 16 tokens, half a routing block. Pages of a multiple of 32 never split a block."""
+    pages of 16 the 16 cached tokens are half a routing block, so the page manager rounds the hit down
+    to whole blocks and the forward feeds whole blocks. Pages of a multiple of 32 never split a block."""
     path, ref, pipe = llada22
     params = _params("low_confidence", 5)
     a, b = prompt_of(40, 1), prompt_of(40, 2)

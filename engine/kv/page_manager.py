@@ -140,10 +140,10 @@ class KVPageManager:
         if not self.enable_prefix_caching or table.pages:
             return 0
         table.epoch = self.epoch
-        parent = None
+        hashes: list[int] = []  # of the attached pages' keys
         p = 0
         while self._key_end(p) <= max_tokens and (p + 1) * self.page_size <= max_tokens:
-            key = self._key(parent, tokens, p)
+            key = self._key(hashes[-1] if hashes else None, tokens, p)
             page_id = self._by_hash.get(hash(key))
             if page_id is None or self._pages[page_id].key != key:
                 break
@@ -152,10 +152,17 @@ class KVPageManager:
                 del self._evictable[page_id]
             page.ref_count += 1
             table.pages.append(page_id)
-            parent = hash(key)
+            hashes.append(hash(key))
             p += 1
+        # a hit covers whole DLLM blocks (its pages are at most one block's short of one when the page
+        # after them was evicted): a forward then feeds whole blocks from it, as block routing needs
+        b = self.dllm_block_length
+        while b is not None and p and (p * self.page_size) % b:
+            self._unref(table.pages.pop())
+            hashes.pop()
+            p -= 1
         table.registered = p
-        table.parent_hash = parent
+        table.parent_hash = hashes[-1] if hashes else None
         reused = p * self.page_size
         self.prefix_hit_tokens += reused
         return reused
