@@ -42,13 +42,16 @@ ENGINE_WIDE_IGNORED: tuple[Paradigm, ...] = ("autoregressive",)
 
 @dataclass(frozen=True)
 class RuleSpec:
-    """An unmasking rule as users name it (`dllm_unmasking_strategy`): the paradigms that decode with it
-    and whether it may rewrite tokens it already revealed (token editing)."""
+    """An unmasking rule as users name it (`dllm_unmasking_strategy`): the paradigms that decode with it,
+    whether it may rewrite tokens it already revealed (token editing), and its own defaults of knobs it
+    reads (`defaults`: a request decoding with it gets them where neither it nor the engine config set
+    the knob; they replace the family's and the table's defaults)."""
 
     name: str
     paradigms: tuple[Paradigm, ...]
     doc: str
     edits: bool = False
+    defaults: Mapping[str, Any] = field(default_factory=dict)
 
 
 RULE_SPECS: dict[str, RuleSpec] = {r.name: r for r in (
@@ -61,6 +64,10 @@ RULE_SPECS: dict[str, RuleSpec] = {r.name: r for r in (
     RuleSpec("random", ("block",), "the step's quota of positions drawn uniformly (seeded by the request)"),
     RuleSpec("joint_threshold", ("block",), "reveal above dllm_confidence_threshold (else the most confident) and "
              "rewrite revealed tokens whose candidate is more confident than dllm_edit_threshold", edits=True),
+    RuleSpec("joint_threshold_indel", ("block",), "joint_threshold's reveals and rewrites (at least 1 + the masks it "
+             "introduced while original masks remain), plus insert/delete edits: a DELETE candidate drops its "
+             "position, a SPLIT one inserts a mask before its token; greedy; threshold 0.5 unless set", edits=True,
+             defaults={"dllm_confidence_threshold": 0.5}),
 )}
 # a runtime Literal over the table's names, so that no second list of them exists
 UnmaskingStrategy = Literal[tuple(RULE_SPECS)]  # type: ignore[valid-type]
@@ -110,27 +117,32 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
          ("block",), {"ge": 1}, rules=("low_confidence_dynamic", "low_confidence_static", "sequential", "random"),
          upstream={"lmdeploy": "dllm_denoising_steps", "jetengine.sampling": "denoising_steps"}),
     Knob("dllm_confidence_threshold", float, 0.85, "low_confidence_dynamic: reveal every position at least this "
-         "confident", DIFFUSION, _UNIT, rules=("low_confidence_dynamic", "joint_threshold"),
+         "confident (joint_threshold and joint_threshold_indel: strictly more)", DIFFUSION, _UNIT,
+         rules=("low_confidence_dynamic", "joint_threshold", "joint_threshold_indel"),
          upstream={"lmdeploy": "dllm_confidence_threshold", "jetengine.sampling": "dynamic_threshold",
                    "sglang.algorithm": "threshold"}),
     Knob("dllm_entropy_threshold", float, 0.35, "entropy_bounded: reveal the lowest-entropy positions while their "
          "summed entropy (nats) stays below this bound", ("block",), {"gt": 0.0}, rules=("entropy_bounded",),
          upstream={"jetengine.sampling": "eb_threshold"}),
-    Knob("dllm_edit_threshold", float, 0.0, "joint_threshold: rewrite a revealed token when the model's candidate "
+    Knob("dllm_edit_threshold", float, 0.0, "token editing: rewrite a revealed token when the model's candidate "
          "for its position differs and is more confident than this", ("block",), _UNIT, rules=EDITING_RULES,
          strict_rules=True, upstream={"sglang.algorithm": "edit_threshold"}),
-    Knob("dllm_max_post_edit_steps", int, 16, "joint_threshold: steps a block may keep editing after its last mask "
-         "is revealed", ("block",), {"ge": 0}, rules=EDITING_RULES, strict_rules=True,
-         upstream={"sglang.algorithm": "max_post_edit_steps"}),
+    Knob("dllm_max_post_edit_steps", int, 16, "token editing: steps a block may keep editing after its last mask "
+         "is revealed (joint_threshold_indel: counted in all, also while masks reappear)", ("block",), {"ge": 0},
+         rules=EDITING_RULES, strict_rules=True, upstream={"sglang.algorithm": "max_post_edit_steps"}),
     Knob("dllm_penalty_lambda", float, 0.0, "joint_threshold: lower the logit of the token at the previous position "
          "by this much (repetition damping inside a block)", ("block",), {"ge": 0.0, "allow_inf_nan": False},
-         rules=EDITING_RULES, strict_rules=True, upstream={"sglang.algorithm": "penalty_lambda"}),
+         rules=("joint_threshold",), strict_rules=True, upstream={"sglang.algorithm": "penalty_lambda"}),
     Knob("dllm_sub_block_length", int, 8, "Fast-dLLM v2: a block is decoded in sub-blocks of this many positions, "
          "left to right (must divide the block length)", ("sub_block",), {"ge": 1}, per_request=False),
     Knob("dllm_commit_fusion", bool, True, "fuse a block's commit forward with the next block's first step",
          ("block",), per_request=False),
     Knob("dllm_mask_token_id", int | None, None, "mask token of a block-diffusion model whose checkpoint names none",
          DIFFUSION, {"ge": 0}, per_request=False, upstream={"jetengine.config": "mask_token_id"}),
+    Knob("dllm_delete_token_id", int | None, None, "joint_threshold_indel's DELETE token, for a checkpoint whose "
+         "config.json names no delete_token_id", ("block",), {"ge": 0}, per_request=False),
+    Knob("dllm_split_token_id", int | None, None, "joint_threshold_indel's SPLIT token, for a checkpoint whose "
+         "config.json names no split_token_id", ("block",), {"ge": 0}, per_request=False),
     # renoising (DiffusionGemma); the checkpoint's generation_config.json replaces these defaults
     Knob("dllm_max_denoising_steps", int, 48, "renoising: steps per canvas at most (N of the temperature schedule)",
          ("renoising",), {"ge": 1}, upstream={"sglang.algorithm": "max_denoising_steps"}),

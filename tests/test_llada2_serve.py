@@ -1,7 +1,7 @@
 """LLaDA2 served: SGLang's /generate body with the per-request decoding fields, over real HTTP, from a
 tensor-parallel (tp=2) deployment, equals the in-process tp=1 pipeline -- LowConfidence (the family's
-defaults, applied in the served engine too) and JointThreshold (edits, λ penalty) alike: tokens,
-step_map, finish reasons, logprobs, step trace. (A served tp=1 engine is the pipeline's engine behind
+defaults, applied in the served engine too), JointThreshold (edits, λ penalty) and insert/delete
+editing (its trace's moves and deletions) alike: tokens, step_map, finish reasons, logprobs, step trace. (A served tp=1 engine is the pipeline's engine behind
 the same ingress and EngineServer code, so the tp=2 deployment covers both sides.)"""
 
 from __future__ import annotations
@@ -17,11 +17,15 @@ from configs import EngineConfig
 from engine import GenerationConfig, pipeline
 from tools.tiny_llada2 import write_tiny_llada2
 
-ENGINE = {"max_model_len": 512, "kv_block_size": 16, "num_kv_blocks": 96, "logprobs_mode": "raw_logprobs"}
+# the edit tokens of insert/delete editing: ids the tiny model writes now and then
+ENGINE = {"max_model_len": 512, "kv_block_size": 16, "num_kv_blocks": 96, "logprobs_mode": "raw_logprobs",
+          "dllm_delete_token_id": 128, "dllm_split_token_id": 295}
 RULES = {
     "low_confidence": {"stop_token_ids": [241]},
     "joint_threshold": {"stop_token_ids": [155], "dllm_unmasking_strategy": "joint_threshold",
                         "dllm_edit_threshold": 0.6, "dllm_max_post_edit_steps": 4, "dllm_penalty_lambda": 1.0},
+    "joint_threshold_indel": {"dllm_unmasking_strategy": "joint_threshold_indel", "dllm_max_post_edit_steps": 16,
+                              "dllm_confidence_threshold": 0.9},
 }
 
 
@@ -44,5 +48,7 @@ def test_http_at_tp2_equals_the_tp1_pipeline(serve_cluster, tmp_path_factory):
                 assert values == pytest.approx([e[t] for e, t in zip(w.logprobs, w.token_ids, strict=True)],
                                                abs=1e-4), rule
                 assert meta["step_map"] == w.step_map and meta["step_trace"] == w.step_trace, rule
+        indel = want["joint_threshold_indel"]
+        assert any("moves" in event for out in indel for event in out.step_trace), "the requests delete or split"
     finally:
         serve.delete(app.name)

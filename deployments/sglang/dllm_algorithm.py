@@ -4,6 +4,8 @@
 - `LowConfidence`: `low_confidence_dynamic` with as many denoising steps as the block has positions
   (every masked position above the threshold, else the single most confident one).
 - `JointThreshold`: `joint_threshold` (reveals and token edits).
+- `JointThresholdInDel`: `joint_threshold_indel` (reveals, token edits, deletes and inserts; the
+  checkpoint's `delete_token_id` / `split_token_id`).
 - `Gemma4Renoise`: DiffusionGemma's renoising, the only way that model decodes (the flag names it;
   its settings come from the YAML file, else the checkpoint's generation_config.json).
 
@@ -26,7 +28,8 @@ import yaml
 from configs.knobs import upstream_names
 
 # SGLang's algorithm -> the unmasking rule it means (None: a paradigm without rules)
-ALGORITHMS = {"LowConfidence": "low_confidence_dynamic", "JointThreshold": "joint_threshold", "Gemma4Renoise": None}
+ALGORITHMS = {"LowConfidence": "low_confidence_dynamic", "JointThreshold": "joint_threshold",
+              "JointThresholdInDel": "joint_threshold_indel", "Gemma4Renoise": None}
 # SGLang's key (nested mappings joined with ".") -> the EngineConfig field (from the knob table)
 CONFIG_KEYS = {key: knob for knob, key in upstream_names("sglang.algorithm").items()}
 # the renoising keys SGLang also reads at the top level
@@ -52,7 +55,8 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("SGLang's block-diffusion flags")
     group.add_argument("--dllm-algorithm", dest="dllm_algorithm", choices=list(ALGORITHMS), default=None,
                        help="LowConfidence (low_confidence_dynamic, steps = block length), JointThreshold "
-                       "(joint_threshold: reveals and token edits) or Gemma4Renoise (DiffusionGemma's renoising)")
+                       "(joint_threshold: reveals and token edits), JointThresholdInDel (joint_threshold_indel: "
+                       "also deletes and inserts) or Gemma4Renoise (DiffusionGemma's renoising)")
     group.add_argument("--dllm-algorithm-config", dest="dllm_algorithm_config", type=Path, default=None,
                        help="YAML with SGLang's keys: " + ", ".join(CONFIG_KEYS))
 

@@ -19,6 +19,7 @@ import logging
 import secrets
 import time
 from dataclasses import asdict
+from functools import partial
 
 from configs import EngineConfig, GenerationConfig
 from configs.knobs import DIFFUSION, rules_of
@@ -38,7 +39,14 @@ from engine.core.model_settings import (
 from engine.core.output_builder import OutputBuilder
 from engine.core.overlap import LaunchedForward, OverlapSchedule
 from engine.core.rank_operations import RankOperations
-from engine.core.sampler import PickedOnHost, RowGroup, logprob_entries, logprob_values, pick_tokens
+from engine.core.sampler import (
+    PickedOnHost,
+    RowGroup,
+    logprob_entries,
+    logprob_values,
+    pick_tokens,
+    token_logprobs,
+)
 from engine.core.scheduler import ScheduledSeq, Scheduler
 from engine.core.scoring import take_score_rows
 from engine.core.sequence import SeqStatus, Sequence
@@ -75,6 +83,7 @@ class LLMEngine(RankOperations, FaultIsolation):
         self.tokenizer = load_tokenizer(model_path)
         self.is_dllm = spec.is_dllm
         self.block_length = resolve_block_length(config, spec)
+        self.knobs_set = frozenset(config.model_fields_set)  # what the user set (rule defaults yield to it)
         self.config = config = with_family_defaults(config, spec).model_copy(update={
             "max_model_len": resolve_max_model_len(config, spec), "dllm_block_length": self.block_length})
         self.paradigm = paradigm_of(spec.family)
@@ -140,7 +149,7 @@ class LLMEngine(RankOperations, FaultIsolation):
 
     def unmasking_settings(self, p: GenerationConfig) -> UnmaskingSettings:
         """The request's block-diffusion knobs over the engine's defaults."""
-        return UnmaskingSettings.resolve(p, self.config, self.block_length)
+        return UnmaskingSettings.resolve(p, self.config, self.block_length, self.knobs_set)
 
     def abort(self, request_id: str) -> OutputChunk | None:
         """Stop a request now and free its pages; returns its final chunk (finish_reason abort)."""
@@ -270,6 +279,7 @@ class LLMEngine(RankOperations, FaultIsolation):
         """Queue the sampler on the forward's logits, and the copy of its picks to the host."""
         groups, ks = [], []
         any_logprobs = False
+        seqs = [sl.seq for sl in fwd.slices]
         for sl in fwd.slices:
             seq, params, n = sl.seq, self.decoding.row_params(sl.seq), len(sl.positions)
             groups.append((sl.first, n, RowGroup(
@@ -281,7 +291,8 @@ class LLMEngine(RankOperations, FaultIsolation):
             any_logprobs = any_logprobs or params.logprobs is not None
         processed = any_logprobs and self.config.logprobs_mode in ("processed_logprobs", "processed_logits")
         picked = pick_tokens(fwd.result.logits, groups, self.decoding.needs_confidence,
-                             overwrite=not any_logprobs, keep_processed=processed)
+                             overwrite=not (any_logprobs or any(map(self.decoding.wants_logits, seqs))),
+                             keep_processed=processed)
         logprobs = None
         if any_logprobs:  # computed on the device for every row, read back with the picks
             values = picked.processed if processed else fwd.result.logits
@@ -306,8 +317,13 @@ class LLMEngine(RankOperations, FaultIsolation):
             entries = logprob_entries(tokens, fwd.ks, chosen_v, top_v, top_i)
         for sl in fwd.slices:
             first, end = sl.first, sl.first + len(sl.positions)
-            fwd.rows.append(PickedRows(sl.positions, tokens[first:end], confidence[first:end],
-                                       entropy[first:end] if entropy is not None else None, entries[first:end]))
+            rows = PickedRows(sl.positions, tokens[first:end], confidence[first:end],
+                              entropy[first:end] if entropy is not None else None, entries[first:end])
+            if self.decoding.wants_logits(sl.seq):
+                rows.logits = fwd.result.logits[first:end]
+                rows.logprob_of = partial(token_logprobs, rows.logits, k=fwd.ks[first],
+                                          mode=self.config.logprobs_mode)
+            fwd.rows.append(rows)
         return fwd
 
     def _suppressed(self, seq: Sequence, positions: list[int]) -> list[bool]:
@@ -356,8 +372,8 @@ class LLMEngine(RankOperations, FaultIsolation):
         if output.want_trace:  # the step's writes inside the (possible) output
             # provisional writes (token editing) show inside the token budget (`stop_bound`), even
             # where the stop rule just ended the output before them
-            ended = seq.num_output is not None and not self.decoding.provisional_writes(seq)
-            shown = [g for g in revealed if g < (seq.num_output if ended else seq.stop_bound)]
+            bound = self.decoding.trace_bound(seq)
+            shown = [g for g in revealed if g < bound]
             event = self.decoding.trace_event(seq, shown)
             if event is not None:
                 output.add_trace(event)

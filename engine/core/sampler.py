@@ -343,3 +343,16 @@ def logprob_entries(chosen: list[int], ks: list[int | None], chosen_v: list[floa
                 entry.setdefault(t, v)
         out[i] = entry
     return out
+
+
+def token_logprobs(rows: torch.Tensor, indices: list[int], tokens: list[int], k: int | None, mode: str | None
+                   ) -> list[dict[int, float] | None]:
+    """The logprob entries (as `logprob_entries` makes them) of `tokens[i]` in row `indices[i]` of the
+    raw logits `rows`, for a rule that writes tokens other than the sampler's picks. Processed modes
+    read the raw rows too: valid for greedy rows without processors, the only ones such a rule has."""
+    if k is None or not tokens:
+        return [None] * len(tokens)
+    chosen = torch.tensor(tokens, device=rows.device)
+    chosen_v, top_v, top_i = logprob_values(rows[torch.tensor(indices, device=rows.device)], chosen, k, mode)
+    return logprob_entries(tokens, [k] * len(tokens), chosen_v.tolist(),
+                           None if top_v is None else top_v.tolist(), None if top_i is None else top_i.tolist())

@@ -35,6 +35,7 @@ class DLLMBlock:
     step_index: int = 0  # the block's own step counter s (0-based)
     post_edit_steps: int = 0  # token editing: steps taken since the block's last mask was revealed
     ended: bool = False  # token editing: a step wrote nothing (or the post-edit budget ran out)
+    rule_state: object | None = None  # a rule's own state of the block (insert/delete editing's)
 
 
 @dataclass

@@ -37,6 +37,7 @@ canvas ends -- maps onto it as follows:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -64,6 +65,17 @@ class PickedRows:
     entropy: list[float] | None
     logprobs: list[dict | None]
     logits: torch.Tensor | None = None
+    #: for a rule that reads its rows' logits (`wants_logits`): (row indices, tokens) -> the logprob
+    #: entries of those tokens in those rows, in the engine's logprobs mode (None each when not asked)
+    logprob_of: Callable[[list[int], list[int]], list[dict | None]] | None = None
+
+
+def step_event(seq: Sequence, shown: list[int]) -> StepEvent | None:
+    """A step's trace event: the generated indices `shown` written this step and their tokens now."""
+    if not shown:
+        return None
+    base = seq.prompt_len
+    return {"step": seq.step_counter, "positions": shown, "token_ids": [seq.tokens[base + g] for g in shown]}
 
 
 class DecodingStrategy(ABC):
@@ -147,13 +159,21 @@ class DecodingStrategy(ABC):
         kinds of a network with encoder and canvas passes); nothing by default."""
         return
 
+    def wants_logits(self, seq: Sequence) -> bool:
+        """Whether the sequence's rows come with their logits (`PickedRows.logits`, `logprob_of`) beside
+        the sampler's picks."""
+        return False
+
+    def trace_bound(self, seq: Sequence) -> int:
+        """Generated indices at or past this stay out of the step trace: past the output once it is
+        final, else past what the output can reach (`stop_bound`)."""
+        ended = seq.num_output is not None and not self.provisional_writes(seq)
+        return seq.num_output if ended else seq.stop_bound
+
     def trace_event(self, seq: Sequence, shown: list[int]) -> StepEvent | None:
         """The step trace event of the step just applied, for the generated indices `shown` (None: no
         event, as for a step that showed nothing)."""
-        if not shown:
-            return None
-        base = seq.prompt_len
-        return {"step": seq.step_counter, "positions": shown, "token_ids": [seq.tokens[base + g] for g in shown]}
+        return step_event(seq, shown)
 
     def replay(self, seq: Sequence, num_output: int) -> dict[str, Any]:
         """The replay fields of a finished request (`return_dllm_replay`): its last block as it stood

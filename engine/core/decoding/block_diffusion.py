@@ -34,30 +34,43 @@ forward: no block spends a forward only to end or to persist.
 from __future__ import annotations
 
 from configs import EngineConfig, GenerationConfig
+from engine.carrier import StepEvent
 from engine.core.decoding.base import DecodingStrategy, PickedRows
+from engine.core.decoding.indel import special_ids
 from engine.core.decoding.rules import RULES, DecodingRule
-from engine.core.decoding.unmasking import UnmaskingSettings
+from engine.core.decoding.unmasking import SpecialIds, UnmaskingSettings
 from engine.core.sequence import DLLMBlock, Sequence
+from engine.errors import RequestError
 from engine.model.spec import ModelSpec
 
 
 class BlockDiffusionDecoding(DecodingStrategy):
     paradigm = "block"
 
-    def __init__(self, block_length: int, mask_id: int, commit_fusion: bool = True):
+    def __init__(self, block_length: int, mask_id: int, commit_fusion: bool = True, ids: SpecialIds | None = None):
         self.block_length = block_length
         self.mask_id = mask_id
+        self.ids = ids or SpecialIds(mask_id)
         self.commit_fusion = commit_fusion
         self.chunk_alignment = block_length
 
     @classmethod
     def from_config(cls, config: EngineConfig, spec: ModelSpec, mask_id: int) -> BlockDiffusionDecoding:
-        """The strategy of an engine config whose `dllm_block_length` is resolved."""
-        return cls(config.dllm_block_length, mask_id, config.dllm_commit_fusion)
+        """The strategy of an engine config whose `dllm_block_length` is resolved; ValueError when the
+        engine's rule needs a special token the model lacks."""
+        ids = special_ids(spec, config, mask_id)
+        problem = RULES[config.dllm_unmasking_strategy].missing(ids)
+        if problem:
+            raise ValueError(problem)
+        return cls(config.dllm_block_length, mask_id, config.dllm_commit_fusion, ids)
 
     def check_request(self, params: GenerationConfig, settings: UnmaskingSettings) -> None:
         super().check_request(params, settings)
-        RULES[settings.strategy].check_request(params)
+        rule = RULES[settings.strategy]
+        problem = rule.missing(self.ids)
+        if problem:
+            raise RequestError(problem, "dllm_unmasking_strategy")
+        rule.check_request(params)
 
     @staticmethod
     def rule(seq: Sequence) -> DecodingRule:
@@ -111,8 +124,18 @@ class BlockDiffusionDecoding(DecodingStrategy):
     def provisional_writes(self, seq: Sequence) -> bool:
         return self.rule(seq).edits
 
+    def wants_logits(self, seq: Sequence) -> bool:
+        return self.rule(seq).wants_logits
+
+    def trace_bound(self, seq: Sequence) -> int:
+        # a rule that moves tokens may bring any write of the block into the output
+        return seq.num_generated_positions if self.rule(seq).moves_tokens else super().trace_bound(seq)
+
+    def trace_event(self, seq: Sequence, shown: list[int]) -> StepEvent | None:
+        return self.rule(seq).trace_event(seq, shown)
+
     def advance(self, seq: Sequence, rows: PickedRows) -> list[int]:
-        return self.rule(seq).advance(seq, rows, self.mask_id)
+        return self.rule(seq).advance(seq, rows, self.ids)
 
     def num_final(self, seq: Sequence) -> int:
         return self.rule(seq).num_final(seq)

@@ -10,11 +10,16 @@ between rules:
 - `lowered_logits`: what it does to the logits before the sampler picks (token editing's λ);
 - `advance`: which picked tokens it writes (reveals, and for an editing rule rewrites);
 - `num_final` / `block_done`: when tokens become final and when the block ends;
-- `check_request`: what a request may not combine with it (beyond the knob table's refusals).
+- `check_request` / `missing`: what a request may not combine with it (beyond the knob table's
+  refusals), and what a model lacks for it (a special token);
+- `wants_logits`, `moves_tokens`, `trace_event`: whether it reads its rows' logits itself, whether its
+  steps move tokens between positions (the step trace then shows every write of the block) and what
+  its trace events hold.
 
-Two kinds exist: `RevealRule` (each revealed token is final; a block ends with its last mask) and
+Three kinds exist: `RevealRule` (each revealed token is final; a block ends with its last mask),
 `EditRule` (token editing: revealed tokens may be rewritten, so a block's tokens are final only
-when the block ends, on a step that writes nothing or past its post-edit budget).
+when the block ends, on a step that writes nothing or past its post-edit budget) and `InDelRule`
+(token editing that also deletes and inserts positions: `engine.core.decoding.indel`).
 """
 
 from __future__ import annotations
@@ -25,10 +30,13 @@ from dataclasses import dataclass
 
 from configs import GenerationConfig
 from configs.knobs import RULE_SPECS, RuleSpec, rule_knobs
-from engine.core.decoding.base import PickedRows
+from engine.carrier import StepEvent
+from engine.core.decoding.base import PickedRows, step_event
 from engine.core.decoding.editing import BlockRows, budget_spent, joint_threshold
+from engine.core.decoding.indel import InDelBlock, StepOutcome, indel_step
 from engine.core.decoding.unmasking import (
     Rule,
+    SpecialIds,
     UnmaskingSettings,
     entropy_bounded,
     low_confidence_dynamic,
@@ -61,12 +69,26 @@ def write_token(seq: Sequence, position: int, token: int, logprob: dict | None, 
     return g
 
 
+def end_block(seq: Sequence, fed_final: bool) -> None:
+    """End an editing rule's block. `fed_final`: this step's forward fed exactly the block's final
+    tokens, so its K/V are kept as the block's commit; otherwise the next block's first forward
+    writes them."""
+    block = seq.block
+    block.ended, block.masked = True, []
+    if fed_final:
+        seq.num_computed = max(seq.num_computed, block.end)
+
+
 @dataclass(frozen=True)
 class DecodingRule(ABC):
     """The hooks every rule has; `spec` is its declaration, `knobs` the request knobs it reads."""
 
     spec: RuleSpec
     needs_entropy: bool = False
+    #: the rule reads its rows' logits itself (`PickedRows.logits`), beside the sampler's picks
+    wants_logits: bool = False
+    #: a step may move tokens between positions, so any write of the block may reach the output
+    moves_tokens: bool = False
 
     @property
     def knobs(self) -> tuple[str, ...]:
@@ -80,6 +102,10 @@ class DecodingRule(ABC):
     def check_request(self, params: GenerationConfig) -> None:  # noqa: B027 (most rules refuse nothing more)
         """Raise RequestError naming the field when a request asks what this rule cannot do."""
 
+    def missing(self, ids: SpecialIds) -> str | None:
+        """Why a model with these special tokens cannot decode with this rule (None: it can)."""
+        return None
+
     def sample_positions(self, seq: Sequence) -> list[int]:
         return list(seq.block.masked)
 
@@ -87,8 +113,13 @@ class DecodingRule(ABC):
         return None
 
     @abstractmethod
-    def advance(self, seq: Sequence, rows: PickedRows, mask_id: int) -> list[int]:
+    def advance(self, seq: Sequence, rows: PickedRows, ids: SpecialIds) -> list[int]:
         """Apply the step's picked tokens; returns the generated indices written, ascending."""
+
+    def trace_event(self, seq: Sequence, shown: list[int]) -> StepEvent | None:
+        """The trace event of the step just applied (`shown`: the generated indices it wrote that the
+        trace shows)."""
+        return step_event(seq, shown)
 
     def num_final(self, seq: Sequence) -> int:
         """Revealed tokens are final: the leading generated positions that hold one."""
@@ -109,7 +140,7 @@ class RevealRule(DecodingRule):
 
     choose: Rule | None = None
 
-    def advance(self, seq: Sequence, rows: PickedRows, mask_id: int) -> list[int]:
+    def advance(self, seq: Sequence, rows: PickedRows, ids: SpecialIds) -> list[int]:
         block, settings = seq.block, seq.unmasking
         n = tokens_this_step(block.num_masked_at_start, settings.denoising_steps, block.step_index)
         positions = rows.positions
@@ -150,17 +181,16 @@ class EditRule(DecodingRule):
             return None
         return amount, [seq.tokens[p - 1] if p > seq.block.start else -1 for p in positions]
 
-    def advance(self, seq: Sequence, rows: PickedRows, mask_id: int) -> list[int]:
+    def advance(self, seq: Sequence, rows: PickedRows, ids: SpecialIds) -> list[int]:
         """Write what the rule picks, or end the block."""
-        block, positions = seq.block, rows.positions
+        block, positions, mask_id = seq.block, rows.positions, ids.mask_id
         masked = [seq.tokens[p] == mask_id for p in positions]
         if not any(masked):
             block.post_edit_steps += 1
         view = BlockRows([seq.tokens[p] for p in positions], rows.tokens, rows.confidence, masked)
         writes = self.pick(view, block.post_edit_steps, seq.unmasking)
-        if writes is None:  # this forward fed the final tokens: keep its K/V as the block's commit
-            block.ended, block.masked = True, []
-            seq.num_computed = max(seq.num_computed, block.end)
+        if writes is None:
+            end_block(seq, fed_final=True)
             return []
         seq.step_counter += 1
         block.step_index += 1
@@ -181,6 +211,97 @@ class EditRule(DecodingRule):
         return seq.block.ended
 
 
+@dataclass(frozen=True)
+class InDelRule(EditRule):
+    """Token editing with deletes and inserts (`engine.core.decoding.indel`): greedy on the rows' own
+    logits, which it reads itself (fallbacks, cleanup and anti-loop take other tokens than the
+    argmax). Each position's step, block step and logprob are those of its content's last write,
+    carried when a delete or split moves it; a step that changed nothing (e.g. a mask written back)
+    neither counts nor shows. The block ends when a step has nothing to write (its forward fed the
+    final tokens) or after its cleanup step (whose writes the next block's first forward commits
+    when they changed the block)."""
+
+    wants_logits: bool = True
+    moves_tokens: bool = True
+
+    def check_request(self, params: GenerationConfig) -> None:
+        super().check_request(params)
+        refused = {"do_sample": not params.is_greedy, "repetition_penalty": params.repetition_penalty != 1.0,
+                   "min_new_tokens": params.min_new_tokens > 0}
+        for name, bad in refused.items():
+            if bad:
+                raise RequestError(f"{name} does not apply to {self.spec.name}: it decodes greedily from the "
+                                   "model's own logits; leave it unset", name)
+
+    def missing(self, ids: SpecialIds) -> str | None:
+        if ids.delete_id is None or ids.split_id is None:
+            return (f"dllm_unmasking_strategy={self.spec.name!r} needs the model's DELETE and SPLIT tokens: "
+                    "config.json delete_token_id and split_token_id (or EngineConfig dllm_delete_token_id and "
+                    "dllm_split_token_id), and this model has none")
+        return None
+
+    def lowered_logits(self, seq: Sequence, positions: list[int]) -> tuple[float, list[int]] | None:
+        return None  # no λ penalty (an engine-wide one is joint_threshold's)
+
+    def advance(self, seq: Sequence, rows: PickedRows, ids: SpecialIds) -> list[int]:
+        block, positions = seq.block, rows.positions
+        if block.rule_state is None:  # the block's first step: every generated position is an original mask
+            block.rule_state = InDelBlock([True] * len(positions))
+        state: InDelBlock = block.rule_state
+        state.last = None
+        outcome = indel_step(state, [seq.tokens[p] for p in positions], rows.logits, positions[0] - block.start,
+                             block.end - block.start, seq.unmasking, ids)
+        if outcome is None:
+            end_block(seq, fed_final=True)
+            return []
+        if outcome.changed:
+            seq.step_counter += 1
+            block.step_index += 1
+            self._rewrite(seq, positions, outcome, rows, ids.mask_id)
+            state.last = outcome
+        if outcome.cleanup:
+            end_block(seq, fed_final=not outcome.changed)
+        first = positions[0] - seq.prompt_len
+        return [first + i for i in sorted(outcome.writes) if outcome.writes[i] not in (ids.delete_id, ids.split_id)]
+
+    @staticmethod
+    def _rewrite(seq: Sequence, positions: list[int], outcome: StepOutcome, rows: PickedRows, mask_id: int) -> None:
+        """The block's positions after the step: written tokens with this step's counters and logprobs,
+        moved ones with their own, new masks with none."""
+        g0, n = positions[0] - seq.prompt_len, len(positions)
+        steps, block_steps, logprobs = (values[g0: g0 + n] for values in
+                                        (seq.out_steps, seq.out_block_steps, seq.out_logprobs))
+        written = [(j, it) for j, it in enumerate(outcome.items) if it.written and it.token != mask_id]
+        entries = dict(zip((j for j, _ in written), rows.logprob_of([it.source for _, it in written],
+                                                                    [it.token for _, it in written]), strict=True))
+        for j, it in enumerate(outcome.items):
+            seq.tokens[positions[j]] = it.token
+            if j in entries:
+                now = (seq.step_counter, seq.block.step_index, entries[j])
+            elif it.source is not None and it.token != mask_id:
+                now = (steps[it.source], block_steps[it.source], logprobs[it.source])
+            else:
+                now = (None, None, None)
+            seq.out_steps[g0 + j], seq.out_block_steps[g0 + j], seq.out_logprobs[g0 + j] = now
+        seq.block.masked = [p for p in positions if seq.tokens[p] == mask_id]
+
+    def trace_event(self, seq: Sequence, shown: list[int]) -> StepEvent | None:
+        """Every changing write of the step at its input position (edit tokens aside); a step that
+        deleted or split adds `moves` (input position -> position after the step, of each token the
+        rescan moved) and `deleted` (the input positions whose content left the block)."""
+        state: InDelBlock | None = seq.block.rule_state
+        outcome = state.last if state is not None else None
+        if outcome is None:
+            return None
+        first = max(seq.block.start, seq.prompt_len) - seq.prompt_len
+        event: StepEvent = {"step": seq.step_counter, "positions": shown,
+                            "token_ids": [outcome.writes[g - first] for g in shown]}
+        if outcome.rescanned:
+            event["moves"] = [[first + a, first + b] for a, b in outcome.moves]
+            event["deleted"] = [first + i for i in outcome.deleted]
+        return event
+
+
 RULES: dict[str, DecodingRule] = {r.spec.name: r for r in (
     RevealRule(RULE_SPECS["sequential"], choose=sequential),
     RevealRule(RULE_SPECS["low_confidence_static"], choose=low_confidence_static),
@@ -188,4 +309,5 @@ RULES: dict[str, DecodingRule] = {r.spec.name: r for r in (
     RevealRule(RULE_SPECS["entropy_bounded"], needs_entropy=True, choose=entropy_bounded),
     RevealRule(RULE_SPECS["random"], choose=random_order),
     EditRule(RULE_SPECS["joint_threshold"], pick=joint_threshold),
+    InDelRule(RULE_SPECS["joint_threshold_indel"]),
 )}

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from configs import EngineConfig, GenerationConfig
-from configs.knobs import DIFFUSION, request_knobs
+from configs.knobs import DIFFUSION, RULE_SPECS, request_knobs
 from engine.errors import RequestError
 
 DIFFUSION_PARADIGMS = set(DIFFUSION)  # the paradigms that unmask (renoising reads its own knobs)
@@ -42,20 +42,37 @@ class UnmaskingSettings:
     penalty_lambda: float = 0.0
 
     @classmethod
-    def resolve(cls, params: GenerationConfig, config: EngineConfig, block_length: int) -> UnmaskingSettings:
+    def resolve(cls, params: GenerationConfig, config: EngineConfig, block_length: int,
+                engine_set: frozenset[str] = frozenset()) -> UnmaskingSettings:
         """The request's knobs over the engine's (`config`, family defaults applied); a request's
-        `dllm_block_length` must equal the model's."""
+        `dllm_block_length` must equal the model's. The rule's own defaults (`RuleSpec.defaults`) come
+        between: they replace the engine's value of a knob unless its user set it (`engine_set`, the
+        fields given to the EngineConfig before the family's defaults were applied)."""
         if params.dllm_block_length is not None and params.dllm_block_length != block_length:
             raise RequestError(f"dllm_block_length={params.dllm_block_length}: this model decodes blocks of "
                                f"{block_length} tokens and the block length cannot change per request; leave it "
                                "unset", "dllm_block_length")
+        rule = params.dllm_unmasking_strategy or config.dllm_unmasking_strategy
+        rule_defaults = {k: v for k, v in RULE_SPECS[rule].defaults.items() if k not in engine_set}
         values = {}
         for knob in request_knobs():
             if knob.name != "dllm_block_length" and DIFFUSION_PARADIGMS & set(knob.used_by):
                 value = getattr(params, knob.name)
-                values[knob.setting] = getattr(config, knob.name) if value is None else value
+                if value is None:
+                    value = rule_defaults.get(knob.name, getattr(config, knob.name))
+                values[knob.setting] = value
         values["denoising_steps"] = values["denoising_steps"] or block_length  # default: one token per step
         return cls(**values)
+
+
+@dataclass(frozen=True)
+class SpecialIds:
+    """The token ids a block's rules treat specially: the mask, and the edit tokens of
+    `joint_threshold_indel` (None where the model has none)."""
+
+    mask_id: int
+    delete_id: int | None = None
+    split_id: int | None = None
 
 
 def tokens_this_step(num_masked_at_block_start: int, steps: int, step_index: int) -> int:
