@@ -21,6 +21,15 @@ block, SGLang (and this engine) end the block at that step writing nothing, so d
 order (batched GEMMs against the reference's per-row loops), so a router choice whose two candidates
 tie to ~1e-7 can flip: random weights and JointThreshold's many steps meet such a tie now and then,
 and that request's later tokens differ (LowConfidence's fewer steps rarely do).
+
+`python -m bench.llada2 --indel [--tokens 256] [--toy]` measures LLaDA2.2 instead: the same shape with
+block routing (`expert_capacity` 8 of 16 experts per 32-token routing block; toy: 4 of 8) and two
+ordinary ids as DELETE and SPLIT, decoded with `joint_threshold_indel` (threshold 0.5, edit threshold 0,
+`dllm_max_post_edit_steps` 16) at 1 and 8 concurrent, against SGLang 0.5.23's released
+JointThresholdInDel and its synchronous block loop (`bench/sglang_indel.py`) over the full-recompute
+reference (every forward recomputes the whole sequence, nothing remembered). It prints forwards per
+block, tokens per forward and tokens/s per side, identical requests, and the DELETE / SPLIT writes the
+released rule made.
 """
 
 from __future__ import annotations
@@ -39,6 +48,8 @@ from diffusers import BlockRefinementScheduler, LLaDA2Pipeline
 from engine import EngineConfig, GenerationConfig, pipeline
 from engine.model.families.llada2_moe.reference import LLaDA2Reference
 from tools.tiny_llada2 import MASK_TEXT, write_tiny_llada2
+
+INDEL_IDS = (128, 295)  # DELETE, SPLIT: ordinary ids of the byte tokenizer, written now and then
 
 B = 32
 DIFFUSERS_MAX_POST_STEPS = 16
@@ -78,12 +89,80 @@ def run_diffusers(net: torch.nn.Module, prompts: list[list[int]], tokens: int, m
     return outs
 
 
+def run_indel(tokens: int, toy: bool) -> dict:
+    """LLaDA2.2 (block routing, insert/delete editing): the engine against the released rule over the
+    full-recompute reference, at 1 and 8 concurrent."""
+    from bench.sglang_indel import SGLangInDel
+
+    delete_id, split_id = INDEL_IDS
+    shape = dict(expert_capacity=4) if toy else dict(SHAPE, expert_capacity=8)
+    path = write_tiny_llada2(Path(tempfile.mkdtemp(prefix="bench-llada22-")), seed=1, **shape)
+    added = json.loads((path / "tokenizer.json").read_text())["added_tokens"]
+    mask_id = next(t["id"] for t in added if t["content"] == MASK_TEXT)
+    ref = LLaDA2Reference(path)
+    calls = [0]
+
+    def recompute(ids: list[int], block_length: int) -> torch.Tensor:
+        calls[0] += 1
+        return ref._forward(ids, block_length)
+
+    knobs = {"threshold": 0.5, "edit_threshold": 0.0, "max_post_edit_steps": 16}
+    config = GenerationConfig(max_new_tokens=tokens, dllm_unmasking_strategy="joint_threshold_indel",
+                              dllm_confidence_threshold=0.5, dllm_edit_threshold=0.0, dllm_max_post_edit_steps=16)
+    prompts = [[random.Random(i).randrange(300) for _ in range(B)] for i in range(8)]
+    result: dict = {"tokens": tokens, "shape": "toy" if toy else SHAPE, "expert_capacity": shape["expert_capacity"],
+                    "delete_split_ids": list(INDEL_IDS), "threads": torch.get_num_threads()}
+    engine_config = EngineConfig(max_model_len=B + tokens, num_kv_blocks=8 * (B + tokens) // 16 + 16, max_batch_size=8,
+                                 dllm_delete_token_id=delete_id, dllm_split_token_id=split_id)
+    with pipeline(str(path), engine_config) as engine:
+        stop_ids = set(engine.engine.spec.eos_token_ids)
+        for concurrent in (1, 8):
+            batch = prompts[:concurrent]
+            engine(batch, config)  # warm-up
+            forwards = engine.engine.stats.forwards
+            t0 = time.perf_counter()
+            mine = engine(batch, config)
+            engine_s = time.perf_counter() - t0
+            engine_forwards = engine.engine.stats.forwards - forwards
+            oracle = SGLangInDel(recompute, B, mask_id, delete_id, split_id, stop_ids, **knobs)
+            calls[0] = 0
+            t0 = time.perf_counter()
+            theirs = oracle.generate(batch, [tokens] * concurrent)
+            released_s = time.perf_counter() - t0
+            writes = [t for r in theirs for block in r.blocks for step in block for t in step.writes.values()]
+            generated = sum(len(m.token_ids) for m in mine)
+            blocks = sum(len(r.blocks) for r in theirs)
+            result[f"indel/{concurrent}"] = {
+                "engine_s": round(engine_s, 2), "released_rule_s": round(released_s, 2),
+                "speedup": round(released_s / engine_s, 1),
+                "engine_tok_s": round(generated / engine_s, 1),
+                "released_rule_tok_s": round(sum(len(r.output) for r in theirs) / released_s, 1),
+                # engine: batched forwards per block of the round; released rule: forwards of every request
+                # (each a full recompute) per block
+                "forwards_per_block": {"engine": round(engine_forwards / (blocks / concurrent), 2),
+                                       "released_rule": round(calls[0] / blocks, 2)},
+                "tokens_per_forward": {"engine": round(generated / engine_forwards, 2),
+                                       "released_rule": round(sum(len(r.output) for r in theirs) / calls[0], 2)},
+                "identical_requests": sum(m.token_ids == t.output and m.finish_reason == t.finish_reason
+                                          for m, t in zip(mine, theirs, strict=True)),
+                "requests": concurrent,
+                "delete_writes": writes.count(delete_id), "split_writes": writes.count(split_id),
+            }
+            print(json.dumps({"indel": result[f"indel/{concurrent}"], "concurrent": concurrent}), flush=True)
+    return result
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=256, help="new tokens per request (a multiple of 32)")
     parser.add_argument("--toy", action="store_true", help="the tests' tiny shape and 64 tokens (seconds)")
+    parser.add_argument("--indel", action="store_true",
+                        help="LLaDA2.2: block routing and insert/delete editing against SGLang's released rule")
     args = parser.parse_args(argv)
     tokens = 64 if args.toy else args.tokens
+    if args.indel:
+        print(json.dumps(run_indel(tokens, args.toy)))
+        return
     path = write_tiny_llada2(Path(tempfile.mkdtemp(prefix="bench-llada2-")), seed=1, **({} if args.toy else SHAPE))
     added = json.loads((path / "tokenizer.json").read_text())["added_tokens"]
     mask_id = next(t["id"] for t in added if t["content"] == MASK_TEXT)

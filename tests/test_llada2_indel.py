@@ -1,5 +1,5 @@
 """LLaDA2.2's insert/delete editing rule `joint_threshold_indel` against SGLang's released
-JointThresholdInDel (tests/sglang_indel.py loads the released file): step by step on the same logits,
+JointThresholdInDel (bench/sglang_indel.py loads the released file): step by step on the same logits,
 random and constructed to force DELETE, SPLIT, cleanup and the anti-loop rule; whole requests over
 the full-recompute LLaDA2 reference; the step trace replayed; refusals."""
 
@@ -11,9 +11,9 @@ import shutil
 
 import pytest
 import torch
-from sglang_indel import ForwardBatch as SGLangBatch
-from sglang_indel import SGLangInDel, algorithm, changed_writes, recording_rescans
 
+from bench.sglang_indel import ForwardBatch as SGLangBatch
+from bench.sglang_indel import SGLangInDel, algorithm, changed_writes, recording_rescans
 from configs import EngineConfig
 from deployments.cli import app_args, build_parser
 from engine import GenerationConfig, pipeline
@@ -312,3 +312,13 @@ def test_sglang_flags(tmp_path):
     assert EngineConfig(**engine).model_dump(include=set(engine)) == {
         "dllm_unmasking_strategy": RULE, "dllm_confidence_threshold": 0.6, "dllm_edit_threshold": 0.1,
         "dllm_max_post_edit_steps": 8, "dllm_block_length": 32}
+
+
+def test_the_bench_runs_and_agrees_with_the_released_rule():
+    """`python -m bench.llada2 --indel --toy`: every request identical to the released rule's."""
+    from bench.llada2 import run_indel
+
+    result = run_indel(64, toy=True)
+    for concurrent in (1, 8):
+        part = result[f"indel/{concurrent}"]
+        assert part["identical_requests"] == part["requests"] == concurrent, part

@@ -1,8 +1,9 @@
 """LLaDA2 served: SGLang's /generate body with the per-request decoding fields, over real HTTP, from a
 tensor-parallel (tp=2) deployment, equals the in-process tp=1 pipeline -- LowConfidence (the family's
 defaults, applied in the served engine too), JointThreshold (edits, λ penalty) and insert/delete
-editing (its trace's moves and deletions) alike: tokens, step_map, finish reasons, logprobs, step trace. (A served tp=1 engine is the pipeline's engine behind
-the same ingress and EngineServer code, so the tp=2 deployment covers both sides.)"""
+editing (its trace's moves and deletions) alike: tokens, step_map, finish reasons, logprobs, step
+trace. (A served tp=1 engine is the pipeline's engine behind the same ingress and EngineServer code,
+so the tp=2 deployment covers both sides.)"""
 
 from __future__ import annotations
 

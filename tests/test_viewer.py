@@ -243,3 +243,23 @@ def test_a_position_written_twice_is_an_edit_whose_step_is_its_last_write(browse
     edited = browser.find_element(By.CSS_SELECTOR, "section.run[data-run='a'] [data-position='1']")
     assert edited.get_attribute("data-edits") == "1" and "edited" in edited.get_attribute("class")
     assert "edited at step 2" in edited.get_attribute("title")
+
+
+def test_insert_delete_steps_carry_each_token_to_its_new_position(browser, served_apps, tmp_path):
+    """A step trace with `deleted` and `moves` (insert/delete editing): the deleted content is gone, the
+    moved token keeps its history at its new position (not counted as an edit), and the tooltip says so."""
+    body = {"text": "abc", "output_ids": [5, 7, 8], "meta_info": {
+        "finish_reason": {"type": "length"}, "prompt_tokens": 3, "step_map": [1, 1, 3],
+        "step_trace": [{"step": 1, "positions": [0, 1, 2], "token_ids": [5, 6, 7]},
+                       {"step": 2, "positions": [], "token_ids": [], "moves": [[2, 1]], "deleted": [1]},
+                       {"step": 3, "positions": [2], "token_ids": [8]}]}}
+    path = tmp_path / "indel.json"
+    path.write_text(json.dumps(body))
+    browser.get(f"{served_apps['sdar'].url}/viewer")
+    assert open_files(browser, [path]) == "done"
+    assert cells(browser, "a") == [(0, 5, 1), (1, 7, 1), (2, 8, 3)]
+    moved = browser.find_element(By.CSS_SELECTOR, "section.run[data-run='a'] [data-position='1']")
+    assert moved.get_attribute("data-moved") == "true" and moved.get_attribute("data-edits") is None
+    title = moved.get_attribute("title")
+    assert "written at step 1" in title and "moved here at step 2" in title and "(id 6)" not in title
+    assert not console_errors(browser)

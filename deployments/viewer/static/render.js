@@ -1,5 +1,6 @@
 // Drawing one run in its panel: the cells grouped by block (as they stood at the replayed step),
 // the replay slider, the per-block table and the tokens-per-step chart.
+import { edited } from "./run.js";
 
 const SVG = "http://www.w3.org/2000/svg";
 const PALETTE = [[68, 1, 84], [59, 82, 139], [33, 145, 140], [94, 201, 98], [253, 231, 37]]; // viridis
@@ -98,7 +99,9 @@ export class Panel {
     const attrs = { class: "cell", "data-position": String(position) };
     if (step !== null) attrs["data-step"] = String(step);
     if (tokenId !== null) attrs["data-token-id"] = String(tokenId);
-    if (writes.length > 1) attrs["data-edits"] = String(writes.length - 1);
+    const edits = edited(writes);
+    if (edits) attrs["data-edits"] = String(edits);
+    if (writes.some((w) => w.moved)) attrs["data-moved"] = "true";
     const node = element("span", attrs);
     const seen = writes.filter((w) => w.step <= at);
     if (!seen.length) {
@@ -107,7 +110,8 @@ export class Panel {
     } else {
       const now = seen[seen.length - 1];
       node.textContent = shown(run.text(now.tokenId));
-      if (seen.length > 1) node.classList.add("edited");
+      if (edited(seen)) node.classList.add("edited");
+      if (now.moved) node.classList.add("moved");
       if (now.step === at) node.classList.add("new");
       if (!final) node.classList.add("pending");
       const value = final ? final.value : null;
@@ -125,7 +129,8 @@ export class Panel {
     const run = this.run;
     const lines = [`position ${position} (block ${run.blockOf(position)})`];
     for (const [i, w] of writes.entries()) {
-      lines.push(`${i ? "edited" : "written"} at step ${w.step}: ${JSON.stringify(run.text(w.tokenId))} (id ${w.tokenId})`);
+      const what = w.moved ? "moved here" : i ? "edited" : "written";
+      lines.push(`${what} at step ${w.step}: ${JSON.stringify(run.text(w.tokenId))} (id ${w.tokenId})`);
     }
     if (final && final.value !== null) lines.push(`${run.valueName} ${final.value.toFixed(4)}`);
     if (!final) lines.push(run.finished ? "not output" : "decoded, not yet released");
@@ -137,7 +142,7 @@ export class Panel {
     const perStep = run.tokensPerStep();
     const tokens = run.cells.length;
     const steps = perStep.size;
-    const edits = run.cells.reduce((n, c) => n + Math.max(0, c.writes.length - 1), 0);
+    const edits = run.cells.reduce((n, c) => n + edited(c.writes), 0);
     const parts = [`${tokens} tokens`, `${steps} steps`, `${(tokens / Math.max(1, steps)).toFixed(2)} tokens/step`];
     if (edits) parts.push(`${edits} edits`);
     if (run.serverSteps !== null) parts.push(`server: ${run.serverSteps} denoising steps`);

@@ -1,6 +1,11 @@
 // One run's data, without any drawing: each generated position with every write to it (a step of
 // the step trace, or the released output), from live /generate chunks or from a saved body.
 
+/** How many times a position's content was rewritten (moves by insert/delete editing aside). */
+export function edited(writes) {
+  return Math.max(0, writes.filter((w) => !w.moved).length - 1);
+}
+
 export class Run {
   /**
    * @param {string} label  the panel's name (A, B, ...)
@@ -39,14 +44,27 @@ export class Run {
     if (!last || last.step !== step || last.tokenId !== tokenId) writes.push({ step, tokenId });
   }
 
+  /** One step trace event: its writes, then (insert/delete editing) the positions whose content left
+   *  the block emptied and every moved token's history carried to its new position, marked moved. */
+  applyEvent(event) {
+    event.positions.forEach((p, i) => this.write(p, event.token_ids[i], event.step));
+    if (!event.moves) return;
+    const moved = event.moves.map(([from]) => this.cell(from).writes);
+    for (const p of event.deleted || []) this.cell(p).writes = [];
+    for (const [from] of event.moves) this.cell(from).writes = [];
+    event.moves.forEach(([, to], i) => {
+      const writes = moved[i];
+      const last = writes[writes.length - 1];
+      this.cell(to).writes = last ? [...writes, { step: event.step, tokenId: last.tokenId, moved: true }] : [];
+    });
+  }
+
   /** One /generate chunk (cumulative or a delta), or a whole unary body. */
   applyChunk(chunk) {
     const meta = chunk.meta_info || {};
     if (meta.prompt_tokens != null) this.promptTokens = meta.prompt_tokens;
     if (meta.dllm_num_steps != null) this.serverSteps = meta.dllm_num_steps;
-    for (const event of meta.step_trace || []) {
-      event.positions.forEach((p, i) => this.write(p, event.token_ids[i], event.step));
-    }
+    for (const event of meta.step_trace || []) this.applyEvent(event);
     const start = this.incremental ? this.outputIds.length : 0;
     const rows = meta.output_token_logprobs || [];
     (chunk.output_ids || []).forEach((tokenId, i) => {
@@ -116,7 +134,7 @@ export class Run {
       for (const p of positions) {
         const writes = this.cells[p].writes;
         writes.forEach((w) => steps.add(w.step));
-        edits += Math.max(0, writes.length - 1);
+        edits += edited(writes);
       }
       return { block, tokens: positions.length, steps: steps.size, edits };
     });

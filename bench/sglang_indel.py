@@ -3,7 +3,8 @@ and its base class's synchronous block loop (`DllmAlgorithm._run_sync`, `algorit
 released: both files are loaded from the installed package, with stand-ins for only the names their
 imports bind where the real module does not import (sglang is installed without its dependencies).
 `SGLangInDel` decodes whole requests with them over a full-recompute reference network, block by
-block as SGLang's scheduler feeds them, and records every step.
+block as SGLang's scheduler feeds them, and records every step. The oracle of the rule's tests and
+of `python -m bench.llada2 --indel`; it needs `pip install --no-deps sglang==0.5.23` (as `.ci/run` does).
 """
 
 from __future__ import annotations
