@@ -24,12 +24,12 @@ and that request's later tokens differ (LowConfidence's fewer steps rarely do).
 
 `python -m bench.llada2 --indel [--tokens 256] [--toy]` measures LLaDA2.2 instead: the same shape with
 block routing (`expert_capacity` 8 of 16 experts per 32-token routing block; toy: 4 of 8) and two
-ordinary ids as DELETE and SPLIT, decoded with `joint_threshold_indel` (threshold 0.5, edit threshold 0,
-`dllm_max_post_edit_steps` 16) at 1 and 8 concurrent, against SGLang 0.5.23's released
-JointThresholdInDel and its synchronous block loop (`bench/sglang_indel.py`) over the full-recompute
-reference (every forward recomputes the whole sequence, nothing remembered). It prints forwards per
-block, tokens per forward and tokens/s per side, identical requests, and the DELETE / SPLIT writes the
-released rule made.
+ordinary ids as DELETE and SPLIT, decoded to `--tokens` (stop ids ignored) with `joint_threshold_indel`
+(threshold 0.5, edit threshold 0, `dllm_max_post_edit_steps` 16) at 1 and 8 concurrent, against SGLang
+0.5.23's released JointThresholdInDel and its synchronous block loop (`bench/sglang_indel.py`) over the
+full-recompute reference (every forward recomputes the whole sequence, nothing remembered). It prints
+forwards per block, tokens per forward and tokens/s per side, identical requests, and the DELETE /
+SPLIT writes the released rule made.
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ def run_indel(tokens: int, toy: bool) -> dict:
         return ref._forward(ids, block_length)
 
     knobs = {"threshold": 0.5, "edit_threshold": 0.0, "max_post_edit_steps": 16}
-    config = GenerationConfig(max_new_tokens=tokens, dllm_unmasking_strategy="joint_threshold_indel",
+    config = GenerationConfig(max_new_tokens=tokens, ignore_eos=True, dllm_unmasking_strategy="joint_threshold_indel",
                               dllm_confidence_threshold=0.5, dllm_edit_threshold=0.0, dllm_max_post_edit_steps=16)
     prompts = [[random.Random(i).randrange(300) for _ in range(B)] for i in range(8)]
     result: dict = {"tokens": tokens, "shape": "toy" if toy else SHAPE, "expert_capacity": shape["expert_capacity"],
@@ -115,7 +115,6 @@ def run_indel(tokens: int, toy: bool) -> dict:
     engine_config = EngineConfig(max_model_len=B + tokens, num_kv_blocks=8 * (B + tokens) // 16 + 16, max_batch_size=8,
                                  dllm_delete_token_id=delete_id, dllm_split_token_id=split_id)
     with pipeline(str(path), engine_config) as engine:
-        stop_ids = set(engine.engine.spec.eos_token_ids)
         for concurrent in (1, 8):
             batch = prompts[:concurrent]
             engine(batch, config)  # warm-up
@@ -124,7 +123,7 @@ def run_indel(tokens: int, toy: bool) -> dict:
             mine = engine(batch, config)
             engine_s = time.perf_counter() - t0
             engine_forwards = engine.engine.stats.forwards - forwards
-            oracle = SGLangInDel(recompute, B, mask_id, delete_id, split_id, stop_ids, **knobs)
+            oracle = SGLangInDel(recompute, B, mask_id, delete_id, split_id, set(), **knobs)  # no stop id
             calls[0] = 0
             t0 = time.perf_counter()
             theirs = oracle.generate(batch, [tokens] * concurrent)
