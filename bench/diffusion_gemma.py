@@ -12,12 +12,29 @@ then decodes the same seeded prompts on both sides, float32 on CPU:
 After an untimed warm-up of both, it prints one JSON object: seconds and generated tokens per
 second per side and mode, and how many seeded requests got tokens identical to transformers'
 batch-1 output.
+
+`python -m bench.diffusion_gemma --memory [--vocab 262144] [--levels 1,8,32] [--canvas 256] [--steps 4]
+[--sides engine,transformers]`
+measures memory instead: a checkpoint of the given vocabulary (hidden 64, the tiny few layers, so
+the LM head and the sampler are what costs), one canvas per request, stability 0. Each side at each
+concurrency level runs in a fresh interpreter (so each peak is that level's): its RSS once the
+model (and the engine's KV, the same pools at every level) is in memory, then the kernel's resident
+peak reset and N seeded requests run to completion cold (no warm-up), then the peak (VmHWM), its
+growth over that baseline, seconds and tokens per second. transformers' batch `generate()` runs at a
+level only when its predicted growth (at least one float32 [N, canvas, vocab] temporary;
+extrapolated linearly from the levels measured before) stays under 18 GB and what is free; a child
+that dies (returncode -9: the OOM killer) is reported as failed.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import os
+import resource
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -108,16 +125,173 @@ def run(requests: int, max_new_tokens: int, canvas: int, steps: int, prompt_len:
     }
 
 
+# ---- memory: peak RSS per concurrency level, each level in a fresh process ----------------------------------
+
+GB = 1 << 30
+HF_FIT_BYTES = 18 * GB  # the most transformers' batch may be predicted to need before it is skipped
+
+
+def _status_kib(field: str) -> int:
+    """A `/proc/self/status` field in KiB (VmRSS: resident now; VmHWM: the resident peak)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(field)
+
+
+def _reset_peak() -> bool:
+    """Reset the kernel's resident peak (VmHWM) to the current RSS, so the peak a child reports is the
+    workload's and not the checkpoint load's transient; False where the kernel refuses."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return False
+    return True
+
+
+def _gb(kib: int) -> float:
+    return round(kib * 1024 / GB, 3)
+
+
+def memory_child(side: str, ckpt: Path, n: int, steps: int, prompt_len: int, max_batch: int) -> dict:
+    """One side at one concurrency level, in this (fresh) process: RSS once the model (and the engine's
+    KV) is in memory, then `n` seeded requests of one canvas each to completion, then the peak."""
+    knobs = RenoiseKnobs(max_denoising_steps=steps, stability_threshold=0)
+    canvas = json.loads((ckpt / "config.json").read_text())["canvas_length"]
+    vocab = json.loads((ckpt / "config.json").read_text())["text_config"]["vocab_size"]
+    prompts = [torch.randint(0, vocab, (prompt_len,), generator=torch.Generator().manual_seed(i)).tolist()
+               for i in range(n)]
+    out: dict = {}
+    if side == "engine":
+        pages = max_batch * (-(-(prompt_len + canvas) // 16) + 2)
+        eng = LLMEngine(str(ckpt), EngineConfig(
+            device="cpu", kv_block_size=16, num_kv_blocks=pages, max_batch_size=max_batch,
+            max_prefill_token_num=max(256, prompt_len),
+            **{f"dllm_{name}": value for name, value in vars(knobs).items()}))
+        caches = getattr(getattr(eng.executor, "runner", None), "kv_caches", [])
+        out["kv_gb"] = round(sum(t.nbytes for layer in caches for t in layer) / GB, 4)
+
+        def work() -> int:
+            for seed, prompt in enumerate(prompts):
+                eng.add_request(prompt, GenerationConfig(max_new_tokens=canvas, random_seed=seed), str(seed))
+            tokens = 0
+            while eng.has_unfinished():
+                tokens += sum(len(chunk.token_ids) for chunk in eng.step())
+            return tokens
+    else:
+        model = load_reference(ckpt)
+        hf_kwargs = {"max_new_tokens": canvas, "max_denoising_steps": steps, "t_min": knobs.t_min,
+                     "t_max": knobs.t_max, "stability_threshold": 0, "confidence_threshold": knobs.stop_entropy}
+
+        def work() -> int:
+            torch.manual_seed(0)
+            with torch.no_grad():
+                sequences = model.generate(torch.tensor(prompts), **hf_kwargs).sequences
+            return sequences[:, prompt_len:prompt_len + canvas].numel()
+    gc.collect()
+    baseline = _status_kib("VmRSS")
+    reset = _reset_peak()
+    tokens, seconds = _timed(work)
+    peak = _status_kib("VmHWM") if reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {**out, "baseline_rss_gb": _gb(baseline), "peak_rss_gb": _gb(peak), "growth_gb": _gb(peak - baseline),
+            "seconds": round(seconds, 2), "tokens": tokens, "tok_s": round(tokens / seconds, 1),
+            **({} if reset else {"peak_includes_load": True})}
+
+
+def _spawn(side: str, ckpt: Path, n: int, steps: int, prompt_len: int, max_batch: int, threads: int) -> dict:
+    """`memory_child` in a fresh interpreter; a child that dies (the OOM killer: returncode -9) is reported."""
+    cmd = [sys.executable, "-m", "bench.diffusion_gemma", "--threads", str(threads), "--memory-child", side,
+           "--ckpt", str(ckpt), "--n", str(n), "--steps", str(steps), "--prompt-len", str(prompt_len),
+           "--max-batch", str(max_batch)]
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=Path(__file__).resolve().parents[1])
+    if proc.returncode != 0:
+        return {"failed": f"returncode {proc.returncode}" + (" (killed: out of memory?)" if proc.returncode == -9
+                                                               else ""), "stderr_tail": proc.stderr[-600:]}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _available_bytes() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return 1 << 62
+
+
+def _hf_prediction(n: int, canvas: int, vocab: int, measured: dict[int, dict]) -> float:
+    """Bytes transformers' batch of `n` is predicted to add: at least one float32 [n, canvas, vocab]
+    temporary; from one measured level, its growth scaled by the batch size; from two, their growth
+    extrapolated linearly in the batch size (its logits, softmax and sampling temporaries all scale
+    with it)."""
+    one_temporary = n * canvas * vocab * 4
+    done = sorted((k, v["growth_gb"] * GB) for k, v in measured.items() if "growth_gb" in v)
+    if not done:
+        return one_temporary
+    if len(done) == 1:  # proportional to the batch size
+        (n0, g0), = done
+        return max(one_temporary, g0 * n / n0)
+    (n0, g0), (n1, g1) = done[0], done[-1]
+    return max(one_temporary, g1 + (g1 - g0) / (n1 - n0) * (n - n1))
+
+
+def run_memory(levels: list[int], vocab: int, canvas: int, steps: int, threads: int, prompt_len: int = 12,
+               sides: tuple[str, ...] = ("engine", "transformers")) -> dict:
+    """Peak RSS growth of the engine at each concurrency level (the same engine config at each: the KV
+    and batch sized for the largest level) and of transformers' batch `generate()` as far as it fits
+    (`sides`: which of the two run)."""
+    max_batch = max(levels)
+    result: dict = {"vocab_size": vocab, "canvas_length": canvas, "max_new_tokens": canvas,
+                    "max_denoising_steps": steps, "prompt_len": prompt_len, "hidden_size": 64,
+                    "engine": {}, "transformers": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = converging_checkpoint(Path(tmp) / "tiny", canvas, vocab_size=vocab)
+        for n in levels if "engine" in sides else ():
+            result["engine"][str(n)] = _spawn("engine", ckpt, n, steps, prompt_len, max_batch, threads)
+        measured: dict[int, dict] = {}
+        for n in levels if "transformers" in sides else ():
+            need = _hf_prediction(n, canvas, vocab, measured)
+            limit = min(HF_FIT_BYTES, _available_bytes() - 2 * GB)
+            if need > limit:
+                measured[n] = {"skipped": f"would need ~{need / GB:.1f} GB (limit {limit / GB:.1f} GB)"}
+            else:
+                measured[n] = _spawn("transformers", ckpt, n, steps, prompt_len, max_batch, threads)
+            result["transformers"][str(n)] = measured[n]
+    eng = result["engine"]
+    lo, hi = str(min(levels)), str(max(levels))
+    if "peak_rss_gb" in eng.get(lo, {}) and "peak_rss_gb" in eng.get(hi, {}):
+        result[f"engine_peak_rss_growth_{lo}_to_{hi}_gb"] = round(eng[hi]["peak_rss_gb"] - eng[lo]["peak_rss_gb"], 3)
+    return result
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--canvas", type=int, default=32)
-    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--canvas", type=int, default=None, help="canvas length (default 32; --memory: 256)")
+    parser.add_argument("--steps", type=int, default=None, help="max denoising steps (default 16; --memory: 4)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (both sides)")
+    parser.add_argument("--memory", action="store_true",
+                        help="peak RSS per concurrency level instead of speed (each level a fresh process)")
+    parser.add_argument("--vocab", type=int, default=262_144, help="--memory: the checkpoint's vocabulary")
+    parser.add_argument("--levels", default="1,8,32", help="--memory: concurrency levels, comma-separated")
+    parser.add_argument("--sides", default="engine,transformers", help="--memory: which sides run, comma-separated")
+    # one level of --memory, run by the parent in a fresh interpreter
+    parser.add_argument("--memory-child", choices=("engine", "transformers"), help=argparse.SUPPRESS)
+    parser.add_argument("--ckpt", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--n", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--prompt-len", type=int, default=12, help=argparse.SUPPRESS)
+    parser.add_argument("--max-batch", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    print(json.dumps(run(args.requests, args.max_new_tokens, args.canvas, args.steps), indent=2))
+    if args.memory_child:
+        print(json.dumps(memory_child(args.memory_child, args.ckpt, args.n, args.steps, args.prompt_len,
+                                      args.max_batch)))
+    elif args.memory:
+        levels = [int(x) for x in args.levels.split(",")]
+        print(json.dumps({"memory": run_memory(levels, args.vocab, args.canvas or 256, args.steps or 4,
+                                               args.threads, sides=tuple(args.sides.split(",")))}, indent=2))
+    else:
+        print(json.dumps(run(args.requests, args.max_new_tokens, args.canvas or 32, args.steps or 16), indent=2))
 
 
 if __name__ == "__main__":

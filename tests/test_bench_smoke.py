@@ -188,3 +188,13 @@ def test_diffusion_gemma_bench_toy():
                     "--steps", "4")
     assert r["identical_to_transformers"] == 2
     assert r["engine"]["concurrent_2_tok_s"] > 0 and r["transformers"]["static_batch_2_tok_s"] > 0
+
+
+def test_diffusion_gemma_memory_bench_toy():
+    """`--memory` at toy size: each side at each level in its own process, every level reported."""
+    pytest.importorskip("transformers.models.diffusion_gemma")
+    r = _run_module("bench.diffusion_gemma", "--memory", "--vocab", "4096", "--levels", "1,2", "--canvas", "16",
+                    "--steps", "2")["memory"]
+    for side in ("engine", "transformers"):
+        for n in ("1", "2"):
+            assert r[side][n]["tokens"] == int(n) * 16 and r[side][n]["peak_rss_gb"] > 0, r[side][n]

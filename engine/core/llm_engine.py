@@ -305,8 +305,8 @@ class LLMEngine(RankOperations, FaultIsolation):
         itself gets each sequence's raw logits rows)."""
         if self.decoding.samples_logits:
             logits = fwd.result.logits
-            fwd.rows = [PickedRows(sl.positions, [], [], None, [],
-                                   logits=logits[sl.first: sl.first + len(sl.positions)]) for sl in fwd.slices]
+            fwd.rows = [PickedRows(sl.positions, [], [], None, [], read_logits=partial(
+                logits.__getitem__, slice(sl.first, sl.first + len(sl.positions)))) for sl in fwd.slices]
             return fwd
         if fwd.on_host is None:
             return fwd

@@ -19,7 +19,7 @@ canvas ends -- maps onto it as follows:
   position each step, and `advance` rewrites all of them and returns the indices whose shown token
   changed;
 - `samples_logits` is True: the engine hands the strategy each step's raw logits rows
-  (`PickedRows.logits`) instead of running its own sampler on them;
+  (`PickedRows.read_logits`) instead of running its own sampler on them;
 - `provisional_writes` is True: the step trace shows the rewrites (`trace_event` says what a
   step's event holds), the output is bounded only by final tokens;
 - `num_final` stays at the canvas' start until the canvas ends, so the stop rule (and streaming)
@@ -57,7 +57,7 @@ if TYPE_CHECKING:
 @dataclass
 class PickedRows:
     """What the sampler made of one sequence's rows (one entry per sampled position); for a strategy
-    that samples its rows itself (`samples_logits`), their raw logits instead."""
+    that samples its rows itself (`samples_logits`), a reader of their raw logits instead."""
 
     positions: list[int]
     tokens: list[int]
@@ -68,6 +68,9 @@ class PickedRows:
     #: for a rule that reads its rows' logits (`wants_logits`): (row indices, tokens) -> the logprob
     #: entries of those tokens in those rows, in the engine's logprobs mode (None each when not asked)
     logprob_of: Callable[[list[int], list[int]], list[dict | None]] | None = None
+    #: for a strategy that samples its rows itself (`samples_logits`): the rows' raw logits, made when
+    #: called (the LM head may run here), so that the step holds one sequence's logits at a time
+    read_logits: Callable[[], torch.Tensor] | None = None
 
 
 def step_event(seq: Sequence, shown: list[int]) -> StepEvent | None:

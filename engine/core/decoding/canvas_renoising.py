@@ -137,7 +137,7 @@ class RenoisingDecoding(DecodingStrategy):
     # ---- one canvas step ----------------------------------------------------------------------
     def advance(self, seq: Sequence, rows: PickedRows) -> list[int]:
         canvas, start, base = seq.canvas, seq.canvas.start, seq.prompt_len
-        report = canvas.step(rows.logits.float())
+        report = canvas.step(rows.read_logits().float())  # this request's logits only, dropped after the step
         seq.step_counter += 1
         seq.tokens[start: start + self.canvas_length] = canvas.tokens[0].tolist()
         canvas.report = report
