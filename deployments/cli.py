@@ -27,7 +27,7 @@ import yaml
 
 from configs import EngineConfig
 from deployments.sglang import dllm_algorithm
-from deployments.single_machine import check_port_free, start_local_ray
+from deployments.single_machine import CONTROLLER_OPTIONS, PortInUseError, check_port_free, start_local_ray
 
 APP_NAME = "blockserve"
 NONE_WORDS = {"none", "null"}
@@ -146,7 +146,13 @@ def serve(args: dict[str, Any], host: str, port: int) -> None:
         app = build_app(args)
     except (ValueError, FileNotFoundError) as e:  # PlacementError is a ValueError
         raise SystemExit(f"blockserve serve: {e}") from None
-    ray_serve.start(http_options={"host": host, "port": port})
+    try:
+        ray_serve.start(http_options={"host": host, "port": port}, controller_options=CONTROLLER_OPTIONS)
+    except ray.exceptions.RayActorError as e:  # Serve's controller refused the port (a cluster RAY_ADDRESS names)
+        refusal = PortInUseError.named_in(str(e))
+        if refusal is None:
+            raise
+        raise SystemExit(f"blockserve serve: {refusal}") from None
     try:
         ray_serve.run(app, name=APP_NAME, route_prefix="/")
         # A Serve instance already running on the cluster keeps its own host and port: ask it.

@@ -1,0 +1,165 @@
+"""A second server on a port the first one holds: README's `serve run serve_config.yaml` serves; then
+`blockserve serve` and docs/migrate.md's `serve run configs/ray-serve-llm.yaml` on the same port are
+each refused with the port named (`blockserve serve` in one line), exit non-zero, and never listen
+there: every /health probe of the first answers 200 while they try."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+import yaml
+from conftest import _free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+MIN_PROBES = 40
+
+
+def _env() -> dict[str, str]:
+    """The environment of a shell that typed the docs' commands: none of the Serve settings this test
+    session's own cluster put into os.environ, no cluster to attach to."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RAY_ADDRESS", "SERVE_SOCKET_REUSE_PORT_ENABLED", "RAY_SERVE_CONTROLLER_CALLBACK_IMPORT_PATH")}
+    return {**env, "RAY_AUTH_MODE": "disabled", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+
+
+def _on_port(config: str, port: int, tmp_path: Path) -> Path:
+    """A copy of one of the repository's Serve configs with its HTTP port changed, nothing else."""
+    data = yaml.safe_load((ROOT / config).read_text())
+    data["http_options"]["port"] = port
+    path = tmp_path / Path(config).name
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def _stop(proc: subprocess.Popen, timeout: float = 90) -> None:
+    """Ctrl-C for a process this test started (Ray's cleanup runs), then kill if it lingers."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _listening_pids(port: int) -> set[int | None]:
+    return {c.pid for c in psutil.net_connections(kind="tcp")
+            if c.status == psutil.CONN_LISTEN and c.laddr.port == port}
+
+
+class Prober(threading.Thread):
+    """GET /health on the first server, over a new connection each time, until stopped and at least
+    MIN_PROBES were sent; records every answer (or error) and every set of processes listening."""
+
+    def __init__(self, url: str, port: int):
+        super().__init__(daemon=True)
+        self.url, self.port = url, port
+        self.answers: list[int | str] = []
+        self.listeners: set[frozenset[int | None]] = set()
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        while not (self.done.is_set() and len(self.answers) >= MIN_PROBES):
+            try:
+                self.answers.append(httpx.get(self.url + "/health", timeout=30).status_code)
+            except httpx.HTTPError as e:
+                self.answers.append(type(e).__name__)
+            self.listeners.add(frozenset(_listening_pids(self.port)))
+            time.sleep(0.1)
+
+
+def _second(argv: list[str], url: str, port: int, timeout: float = 300) -> tuple[subprocess.CompletedProcess, Prober]:
+    """Run a second server on the first one's port to its end while probing the first."""
+    prober = Prober(url, port)
+    prober.start()
+    try:
+        done = subprocess.run(argv, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
+    finally:
+        prober.done.set()
+        prober.join(timeout=300)
+    return done, prober
+
+
+def test_the_controller_callback_refuses_a_port_held_outside_the_cluster(monkeypatch):
+    """refuse_a_taken_http_port as Ray calls it (no arguments, from ServeController.__init__): a port a
+    process outside the cluster listens on is refused, one only the cluster's own proxy holds (a restarted
+    controller) is not, and outside a controller it does nothing; the CLI finds the message in Ray's text."""
+    import socket
+
+    from ray.serve.config import HTTPOptions
+
+    from deployments import single_machine
+    from deployments.single_machine import PortInUseError, refuse_a_taken_http_port
+
+    class ServeController:
+        def __init__(self, *, http_options):
+            refuse_a_taken_http_port()
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        monkeypatch.setattr(single_machine, "_listeners_outside_this_cluster", lambda host, p: ["pid 7 (other)"])
+        with pytest.raises(PortInUseError, match=f"port {port} on 127.0.0.1 is already in use by pid 7 "):
+            ServeController(http_options=HTTPOptions(host="127.0.0.1", port=port))
+        refuse_a_taken_http_port()  # not in a controller: nothing to check
+        monkeypatch.setattr(single_machine, "_listeners_outside_this_cluster", lambda host, p: [])
+        ServeController(http_options=HTTPOptions(host="127.0.0.1", port=port))  # its own proxy's port
+    ServeController(http_options=HTTPOptions(host="127.0.0.1", port=port))  # a free port
+    text = ("ray.exceptions.ActorDiedError: ...\ndeployments.single_machine.PortInUseError: port 8 on h is "
+            "already in use by pid 7 (x); stop that one\n\nRuntimeError: The function f raised an exception: "
+            "port 8 on h ...\n")
+    assert PortInUseError.named_in(text) == "port 8 on h is already in use by pid 7 (x); stop that one"
+    assert PortInUseError.named_in("ray.exceptions.ActorDiedError: out of memory") is None
+
+
+@pytest.mark.system  # three servers of their own, each starting its own Ray cluster
+def test_a_second_server_on_a_taken_port_is_refused_and_takes_none_of_its_traffic(tmp_path):
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    first = subprocess.Popen([str(BIN / "serve"), "run", str(_on_port("serve_config.yaml", port, tmp_path))],
+                             cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert first.poll() is None, first.stderr.read()[-4000:]
+            try:
+                if httpx.get(url + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the first server never became healthy"
+            time.sleep(1)
+        (proxy,) = _listening_pids(port)
+        taken = f"port {port} on 127.0.0.1 is already in use"
+
+        # blockserve serve: refused before it starts a cluster, in one line
+        done, prober = _second([str(BIN / "blockserve"), "serve", "models/sdar-tiny", "--port", str(port)], url, port)
+        assert done.returncode != 0
+        assert done.stderr.strip().splitlines() == [done.stderr.strip()] and done.stderr.startswith(
+            f"blockserve serve: {taken}"), done.stderr[-4000:]
+        assert set(prober.answers) == {200}, prober.answers
+        assert prober.listeners == {frozenset({proxy})}
+
+        # serve run of another config (Ray's own CLI): Serve's controller refuses the port before it starts
+        # a proxy; the command's last line names the port
+        config = _on_port("configs/ray-serve-llm.yaml", port, tmp_path)
+        done, prober = _second([str(BIN / "serve"), "run", str(config)], url, port)
+        assert done.returncode != 0
+        last = done.stderr.strip().splitlines()[-1]
+        assert taken in last and "stop that one, or choose another port" in last, done.stderr[-4000:]
+        assert set(prober.answers) == {200}, prober.answers
+        assert prober.listeners == {frozenset({proxy})}
+        assert first.poll() is None and httpx.get(url + "/health", timeout=30).status_code == 200
+    finally:
+        _stop(first)
