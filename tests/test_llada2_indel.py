@@ -213,25 +213,25 @@ def literal(prompt: list[int], mask_id: int) -> list[int]:
     return out
 
 
-@pytest.mark.parametrize("m", [0, 1, 16])
-def test_whole_requests_equal_the_released_rule(llada2, m):
+@pytest.mark.parametrize(("m", "e"), [(0, 0.0), (1, 0.0), (16, 0.0), (0, 0.6), (16, 0.6)])
+def test_whole_requests_equal_the_released_rule(llada2, m, e):
     """Prompts of 1, 31, 32, 33 and 70 tokens (and the same with literal mask / DELETE / SPLIT ids),
-    5 and 80 new tokens, batched, and some alone: equal to the released rule and loop over the
-    full-recompute reference network."""
+    5 and 80 new tokens, post-edit budgets 0, 1 and 16, edit thresholds 0 and 0.6, batched, and some
+    alone: equal to the released rule and loop over the full-recompute reference network."""
     ref, pipe = llada2
     mask_id = pipe.engine.decoding.mask_id
     prompts = [prompt_of(n, n) for n in LENGTHS]
     prompts += [literal(p, mask_id) for p in prompts if len(p) >= 3] + [[mask_id], [DELETE]]
     cases = [(p, n) for n in (5, 80) for p in prompts]
     params = [GenerationConfig(max_new_tokens=n, logprobs=0, return_step_trace=True, dllm_unmasking_strategy=RULE,
-                               dllm_max_post_edit_steps=m) for _, n in cases]
+                               dllm_max_post_edit_steps=m, dllm_edit_threshold=e) for _, n in cases]
     outs = pipe([p for p, _ in cases], params)
     alone = {i: pipe(cases[i][0], params[i]) for i in range(0, len(cases), 5)}
     oracle = SGLangInDel(ref.logits, B, mask_id, DELETE, SPLIT, set(pipe.engine.spec.eos_token_ids), threshold=0.5,
-                         edit_threshold=0.0, max_post_edit_steps=m)
+                         edit_threshold=e, max_post_edit_steps=m)
     wants = oracle.generate([p for p, _ in cases], [n for _, n in cases])
     for (prompt, n), out, want in zip(cases, outs, wants, strict=True):
-        check(out, want, prompt, mask_id, (len(prompt), n, m))
+        check(out, want, prompt, mask_id, (len(prompt), n, m, e))
     for i, out in alone.items():
         assert (out.token_ids, out.step_map, out.step_trace) == (outs[i].token_ids, outs[i].step_map,
                                                                   outs[i].step_trace)
