@@ -21,7 +21,7 @@ from conftest import _free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
-MIN_PROBES = 40
+MIN_PROBES = 100
 
 
 def _env() -> dict[str, str]:
