@@ -11,8 +11,11 @@ Tiers (pytest markers, assigned here, never by hand except `system`):
 
 from __future__ import annotations
 
+import signal
 import socket
+import subprocess
 import sys
+import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -76,6 +79,35 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def stop_process(proc: subprocess.Popen, timeout: float = 60) -> None:
+    """Ctrl-C for a server process a test started (its Ray cleanup runs, `serve run` deletes its
+    application), then kill if it lingers past `timeout` seconds."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, what: str, timeout: float = 300) -> None:
+    """Poll `url`/health until it answers 200; fails with the process's stderr (it must have been
+    started with stderr=PIPE) if it exits first, or naming `what` after `timeout` seconds."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None, proc.stderr.read()[-4000:]
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, f"{what} never became healthy"
+        time.sleep(1)
 
 
 @pytest.fixture(scope="session")

@@ -6,16 +6,14 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 import yaml
-from conftest import _free_port
+from conftest import _free_port, stop_process, wait_healthy
 
 from configs import EngineConfig
 from configs.reference import reference
@@ -67,17 +65,6 @@ while True:
 """
 
 
-def _stop(proc: subprocess.Popen, timeout: float = 60) -> None:
-    """Ctrl-C for a process this test started (its Ray cleanup runs), then kill if it lingers."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 @pytest.mark.system  # a cluster and `blockserve serve` in processes of their own
 def test_blockserve_serve_scores_over_http_on_the_cluster_ray_address_names():
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
@@ -91,16 +78,7 @@ def test_blockserve_serve_scores_over_http_on_the_cluster_ray_address_names():
                                   env={**env, "RAY_ADDRESS": address}, stdout=subprocess.DEVNULL,
                                   stderr=subprocess.PIPE, text=True)
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 300
-        while True:
-            assert server.poll() is None, server.stderr.read()[-4000:]
-            try:
-                if httpx.get(url + "/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "blockserve serve never became healthy"
-            time.sleep(1)
+        wait_healthy(server, url, "blockserve serve")
         ids = httpx.post(url + "/generate", json={"prompt": "23+58=81", "max_tokens": 1}, timeout=60).json()
         prompt_ids = [*range(40, 46), *ids["output_ids"]]
         body = {"input_ids": prompt_ids, "max_tokens": 0, "return_logprob": True, "logprob_start_len": 0}
@@ -112,8 +90,8 @@ def test_blockserve_serve_scores_over_http_on_the_cluster_ray_address_names():
         assert [m["id"] for m in models] == ["qwen3-tiny"] and models[0]["max_model_len"] == 1024
     finally:
         if server is not None:
-            _stop(server)
-        _stop(head)
+            stop_process(server)
+        stop_process(head)
 
 
 RESOLVE = """

@@ -22,7 +22,6 @@ import os
 import re
 import select
 import shlex
-import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
+from conftest import stop_process
 from ray_env import QUIET
 
 from configs import EngineConfig
@@ -251,16 +251,6 @@ def test_every_python_block_compiles():
 
 
 # ---- the servers -----------------------------------------------------------------------------------
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)  # the command's Ctrl-C: it deletes its application
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 @pytest.fixture(scope="module")
 def blockserve_cli(serve_cluster):
     """`blockserve serve --config configs/sdar-tiny.yaml` on this session's cluster: (url, ready line)."""
@@ -273,7 +263,7 @@ def blockserve_cli(serve_cluster):
         assert ready.startswith("blockserve: application 'blockserve' ready at "), (ready, proc.poll())
         yield serve_cluster.url, ready
     finally:
-        _stop(proc)
+        stop_process(proc)
 
 
 @pytest.fixture(scope="module")

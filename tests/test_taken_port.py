@@ -6,7 +6,6 @@ there: every /health probe of the first answers 200 while they try."""
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -17,7 +16,7 @@ import httpx
 import psutil
 import pytest
 import yaml
-from conftest import _free_port
+from conftest import _free_port, stop_process, wait_healthy
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -39,17 +38,6 @@ def _on_port(config: str, port: int, tmp_path: Path) -> Path:
     path = tmp_path / Path(config).name
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path
-
-
-def _stop(proc: subprocess.Popen, timeout: float = 90) -> None:
-    """Ctrl-C for a process this test started (Ray's cleanup runs), then kill if it lingers."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def _listening_pids(port: int) -> set[int | None]:
@@ -130,16 +118,7 @@ def test_a_second_server_on_a_taken_port_is_refused_and_takes_none_of_its_traffi
     first = subprocess.Popen([str(BIN / "serve"), "run", str(_on_port("serve_config.yaml", port, tmp_path))],
                              cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert first.poll() is None, first.stderr.read()[-4000:]
-            try:
-                if httpx.get(url + "/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "the first server never became healthy"
-            time.sleep(1)
+        wait_healthy(first, url, "the first server")
         (proxy,) = _listening_pids(port)
         taken = f"port {port} on 127.0.0.1 is already in use"
 
@@ -162,4 +141,4 @@ def test_a_second_server_on_a_taken_port_is_refused_and_takes_none_of_its_traffi
         assert prober.listeners == {frozenset({proxy})}
         assert first.poll() is None and httpx.get(url + "/health", timeout=30).status_code == 200
     finally:
-        _stop(first)
+        stop_process(first, timeout=90)
