@@ -89,6 +89,16 @@ def run_diffusers(net: torch.nn.Module, prompts: list[list[int]], tokens: int, m
     return outs
 
 
+def timed_engine(engine, batch: list[list[int]], config: GenerationConfig) -> tuple[list, float, int]:
+    """The offline pipeline `engine` on `batch` after an untimed warm-up round (the first forwards of a
+    shape pack weights and grow buffers): its outputs, seconds and forwards."""
+    engine(batch, config)
+    forwards = engine.engine.stats.forwards
+    t0 = time.perf_counter()
+    outputs = engine(batch, config)
+    return outputs, time.perf_counter() - t0, engine.engine.stats.forwards - forwards
+
+
 def run_indel(tokens: int, toy: bool) -> dict:
     """LLaDA2.2 (block routing, insert/delete editing): the engine against the released rule over the
     full-recompute reference, at 1 and 8 concurrent."""
@@ -117,12 +127,7 @@ def run_indel(tokens: int, toy: bool) -> dict:
     with pipeline(str(path), engine_config) as engine:
         for concurrent in (1, 8):
             batch = prompts[:concurrent]
-            engine(batch, config)  # warm-up
-            forwards = engine.engine.stats.forwards
-            t0 = time.perf_counter()
-            mine = engine(batch, config)
-            engine_s = time.perf_counter() - t0
-            engine_forwards = engine.engine.stats.forwards - forwards
+            mine, engine_s, engine_forwards = timed_engine(engine, batch, config)
             oracle = SGLangInDel(recompute, B, mask_id, delete_id, split_id, set(), **knobs)  # no stop id
             calls[0] = 0
             t0 = time.perf_counter()
@@ -175,12 +180,7 @@ def main(argv: list[str] | None = None) -> None:
                 "joint_threshold" if rule == "joint_threshold" else None), **knobs)
             for concurrent in (1, 8):
                 batch = prompts[:concurrent]
-                engine(batch, config)  # warm-up: the first forwards of a shape pack weights, grow buffers
-                forwards = engine.engine.stats.forwards
-                t0 = time.perf_counter()
-                mine = engine(batch, config)
-                engine_s = time.perf_counter() - t0
-                engine_forwards = engine.engine.stats.forwards - forwards
+                mine, engine_s, engine_forwards = timed_engine(engine, batch, config)
                 net.calls = 0
                 t0 = time.perf_counter()
                 theirs = run_diffusers(net, batch, tokens, mask_id, knobs.get("dllm_edit_threshold"))
