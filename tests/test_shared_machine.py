@@ -17,8 +17,8 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
-from conftest import _free_port, engine_totals, wait_idle
-from test_cli import BLOCKSERVE, _stop
+from conftest import _free_port, engine_totals, stop_process, wait_idle
+from test_cli import BLOCKSERVE
 
 from engine.errors import CheckpointError
 from engine.model.source import resolve_model_path
@@ -97,7 +97,7 @@ def test_blockserve_serve_listens_on_loopback_only_and_refuses_a_taken_port(tmp_
         models = [httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"] for _ in range(20)]
         assert models == ["sdar-tiny"] * 20 and server.poll() is None  # the first serves alone
     finally:
-        _stop(server)
+        stop_process(server)
 
 
 @pytest.mark.system  # the `blockserve serve` command as typed
