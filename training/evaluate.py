@@ -250,9 +250,9 @@ def render(out: Path, results: dict) -> str:
     steps = {kind: info["steps"] for kind, info in logs.items()}
     for kind, info in logs.items():
         args = f"--model {kind} --out {_rel(out)}/ --steps {info['steps']} --seed {info['seed']}"
-        lines.append(f"python -m training.train_tiny {args}")
+        lines.append(f".venv/bin/python -m training.train_tiny {args}")
     lines += [
-        "python -m training.evaluate --write-docs     # re-run the evaluation, rewrite this file",
+        ".venv/bin/python -m training.evaluate --write-docs     # re-run the evaluation, rewrite this file",
         "```",
         "",
         "The run is determined by the seed and the number of optimizer steps (one CPU thread, float32).",
