@@ -24,6 +24,7 @@ page names. Not part of the pytest suite: it takes far longer than the suite's b
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -369,6 +370,19 @@ def port_taken(port: int = PORT) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
+def group_alive(pgid: int, wait: float) -> bool:
+    """Whether a process of the group is still there after `wait` seconds."""
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return False
+        if time.monotonic() > deadline:
+            return True
+        time.sleep(1)
+
+
 def healthy() -> bool:
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{PORT}/health", timeout=5) as r:
@@ -450,23 +464,30 @@ class Walk:
         return None, f"not ready after {cap} s"
 
     def stop(self) -> None:
-        """Ctrl-C to the server's process group, as in its shell; then harder, if it does not go."""
+        """Ctrl-C to the server's process group, as in its shell; harder only if it does not go, and
+        then a row says so (the docs say Ctrl-C stops the server and the cluster it started)."""
         server, self.server = self.server, None
         if server is None:
             return
-        for sig, wait in ((signal.SIGINT, 90), (signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+        used = ""
+        for sig, wait in ((signal.SIGINT, 120), (signal.SIGTERM, 30), (signal.SIGKILL, 10)):
             if server.proc.poll() is not None:
                 break
-            try:
+            used = sig.name
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(server.proc.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 server.proc.wait(wait)
-            except subprocess.TimeoutExpired:
-                continue
+        left = group_alive(server.proc.pid, 60)
+        if left:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(server.proc.pid, signal.SIGKILL)
+        rc = server.proc.returncode
         with server.log.open("a") as fh:
-            fh.write(f"\n--- stopped with Ctrl-C: exit status {server.proc.returncode}\n")
+            fh.write(f"\n--- stopped with {used or 'nothing (it had exited)'}: exit status {rc}\n")
+        if used != "SIGINT" or left:
+            why = f"{used} was needed" if used != "SIGINT" else "processes of its group were left (killed)"
+            self.rows.append(Row(server.log.name, f"Ctrl-C to {server.name}", "stopped", str(rc), "", why, ok=False))
         for _ in range(60):
             if not port_taken():
                 break
@@ -599,6 +620,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--long", action="store_true", help="also the whole test suite and the retraining")
     ap.add_argument("--list", action="store_true", help="print what would be done with each block, run nothing")
     args = ap.parse_args(argv)
+    # Ctrl-C for this walk, and for the servers it starts: a shell's background job (`cmd &`) ignores
+    # SIGINT, and its children would inherit that and outlive the Ctrl-C the docs stop them with
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     blocks = [b for doc in doc_paths(ROOT) for b in extract(ROOT, doc)]
     unused = [f"{s.doc}: {s.contains!r}" for s in SPECS
               if sum(s.doc == b.doc and s.contains in b.text for b in blocks) != 1]
