@@ -78,11 +78,12 @@ def extract(root: Path, doc: str) -> list[Block]:
             for m in FENCE.finditer(text)]
 
 
-def shown_after(root: Path, block: Block, blocks: list[Block]) -> Block | None:
-    """The block right after `block` with only whitespace between them: what the page says it prints."""
+def shown_after(root: Path, block: Block, blocks: list[Block], prose: bool = False) -> Block | None:
+    """The block right after `block` with only whitespace between them (or, with `prose`, a sentence
+    saying what it prints): the output the page shows for it."""
     text = (root / block.doc).read_text()
     nxt = next((b for b in blocks if b.doc == block.doc and b.start >= block.end), None)
-    return nxt if nxt is not None and not text[block.end:nxt.start].strip() else None
+    return nxt if nxt is not None and (prose or not text[block.end:nxt.start].strip()) else None
 
 
 # ------------------------------------------------------------------------------------------ the table
@@ -110,6 +111,7 @@ class Spec:
     ready: str = "health"  # how a server's page says it is ready: health | line
     expect: list[str] = field(default_factory=list)  # output lines the page shows in comments (verbatim)
     shown: bool = False  # the block after this one is its output, as the page shows it
+    prose: bool = False  # ... with a sentence between them
     volatile: list[tuple[str, str]] = field(default_factory=list)  # (shown text, regex) that vary per run
     check: Callable[[str, Path], str | None] | None = None  # another check: None when as documented
     pre: str = ""  # a command the page's prose says to run first
@@ -214,7 +216,7 @@ SPECS: list[Spec] = [
     Spec("README.md", "serve models/qwen3-tiny --logprobs-mode raw_logprobs --port 8000", "server",
          ready="line"),
     Spec("README.md", 'with pipeline("models/sdar-tiny"', shown=True),
-    Spec("README.md", "--png docs/trace.png", shown=True, check=_trace_png),
+    Spec("README.md", "--png docs/trace.png", shown=True, prose=True, check=_trace_png),
     Spec("README.md", "python3 -m webbrowser", "skip",
          "opens a browser window (no display here); docs/viewer.md's curl checks the page, "
          "tests/test_viewer.py drives it in headless Chromium"),
@@ -370,16 +372,30 @@ def port_taken(port: int = PORT) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
-def group_alive(pgid: int, wait: float) -> bool:
-    """Whether a process of the group is still there after `wait` seconds."""
+def port_bindable(port: int = PORT) -> bool:
+    """Whether a server could listen on the port now: `blockserve serve`'s own check."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def leftovers(clone: Path, wait: float) -> list[tuple[int, str]]:
+    """(pid, name) of the processes still running in the clone (nothing else runs there between
+    blocks) after up to `wait` seconds; Linux's /proc."""
     deadline = time.monotonic() + wait
     while True:
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
-            return False
-        if time.monotonic() > deadline:
-            return True
+        left = []
+        for d in Path("/proc").iterdir():
+            with contextlib.suppress(OSError):
+                if (d.name.isdigit() and int(d.name) != os.getpid() and os.readlink(d / "cwd") == str(clone)
+                        and (d / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"):
+                    left.append((int(d.name), (d / "comm").read_text().strip()))
+        if not left or time.monotonic() > deadline:
+            return left
         time.sleep(1)
 
 
@@ -478,20 +494,22 @@ class Walk:
                 os.killpg(server.proc.pid, sig)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 server.proc.wait(wait)
-        left = group_alive(server.proc.pid, 60)
-        if left:
+        left = leftovers(self.clone, 60)  # Ray's workers run in process groups of their own
+        for pid, _ in left:
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(server.proc.pid, signal.SIGKILL)
+                os.kill(pid, signal.SIGKILL)
         rc = server.proc.returncode
         with server.log.open("a") as fh:
             fh.write(f"\n--- stopped with {used or 'nothing (it had exited)'}: exit status {rc}\n")
         if used != "SIGINT" or left:
-            why = f"{used} was needed" if used != "SIGINT" else "processes of its group were left (killed)"
+            why = (f"{used} was needed" if used != "SIGINT" else
+                   f"{len(left)} of its processes were left a minute later (killed): {left[0][1]}")
             self.rows.append(Row(server.log.name, f"Ctrl-C to {server.name}", "stopped", str(rc), "", why, ok=False))
-        for _ in range(60):
-            if not port_taken():
-                break
+        t0 = time.monotonic()
+        while not port_bindable() and time.monotonic() - t0 < 120:
             time.sleep(1)
+        with server.log.open("a") as fh:
+            fh.write(f"--- port {PORT} could be bound again {time.monotonic() - t0:.0f} s after it exited\n")
 
     def need(self, name: str | None, where: str) -> str:
         """Make `name` the running server; '' when it is, else why not."""
@@ -532,7 +550,7 @@ class Walk:
             note = f" (up to `{spec.cut.strip()}`: {spec.reason})"
         elif spec.lines is not None:
             text = "\n".join(block.text.splitlines()[i] for i in spec.lines)
-        shown = shown_after(self.clone, block, blocks) if spec.shown else None
+        shown = shown_after(self.clone, block, blocks, spec.prose) if spec.shown else None
         if spec.kind == "server":
             self.run_servers(block, spec, text, shown, note)
             return
@@ -658,7 +676,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.start:
         at = next(i for i, b in enumerate(selected) if b.where == args.start)
         selected = selected[at:]
-    shown_blocks = {id(s) for b in blocks if spec_of(b).shown for s in [shown_after(clone, b, blocks)] if s}
+    shown_blocks = {id(s) for b in blocks if spec_of(b).shown
+                    for s in [shown_after(clone, b, blocks, spec_of(b).prose)] if s}
     t0 = time.monotonic()
     try:
         for block in selected:
