@@ -112,14 +112,13 @@ class Spec:
     expect: list[str] = field(default_factory=list)  # output lines the page shows in comments (verbatim)
     shown: bool = False  # the block after this one is its output, as the page shows it
     prose: bool = False  # ... with a sentence between them
-    described: int = 0  # the output's first lines, which the sentence describes rather than shows
+    described: tuple[int, int] = (0, 0)  # the output's first and last lines that the prose describes, not shows
     volatile: list[tuple[str, str]] = field(default_factory=list)  # (shown text, regex) that vary per run
     check: Callable[[str, Path], str | None] | None = None  # another check: None when as documented
     pre: str = ""  # a command the page's prose says to run first
     file: str = ""  # the page says to save the Python block as this file, then run `command`
-    command: str = ""
+    command: str = ""  # how the page runs the Python block ({ray_address}: the current server's cluster)
     timeout: int = 900
-    unordered: bool = False
 
 
 def _no_error(out: str, clone: Path) -> str | None:
@@ -139,8 +138,9 @@ def _trajectory_logprobs(out: str, clone: Path) -> str | None:
 
 def _scoring_rows(out: str, clone: Path) -> str | None:
     rows = json.loads(out)["meta_info"]["input_token_logprobs"]
-    ids = [r[1] for r in rows]
-    return None if ids == [17, 40, 41, 90] else f"rows for ids {ids}, expected [17, 40, 41, 90]: {rows}"
+    if [r[1] for r in rows] != [17, 40, 41, 90] or any(len(r) != 3 or r[2] is not None for r in rows):
+        return f"expected rows [value, id, null] for ids [17, 40, 41, 90], got {rows}"
+    return None
 
 
 def _http_200(out: str, clone: Path) -> str | None:
@@ -217,8 +217,8 @@ SPECS: list[Spec] = [
     Spec("README.md", "serve models/qwen3-tiny --logprobs-mode raw_logprobs --port 8000", "server",
          ready="line"),
     Spec("README.md", 'with pipeline("models/sdar-tiny"', shown=True),
-    Spec("README.md", "--png docs/trace.png", shown=True, prose=True, described=1, check=_trace_png,
-         reason="the first line, the coloured continuation, is described; the step list compared"),
+    Spec("README.md", "--png docs/trace.png", shown=True, prose=True, described=(1, 1), check=_trace_png,
+         reason="the step list compared; the coloured continuation before it and the line after, described"),
     Spec("README.md", "python3 -m webbrowser", "skip",
          "opens a browser window (no display here); docs/viewer.md's curl checks the page, "
          "tests/test_viewer.py drives it in headless Chromium"),
@@ -293,7 +293,7 @@ SPECS: list[Spec] = [
          needs="none", timeout=2400),
     Spec("docs/rollouts.md", "path/to/sdar-checkpoint", "skip", "a placeholder checkpoint path"),
     Spec("docs/scoring.md", '"input_ids": [1, 17, 40, 41, 90]', needs="qwen3", check=_scoring_rows,
-         reason="compared with the prose: one row per id of [17, 40, 41, 90]"),
+         reason="compared with the prose: a row [value, id, null] per id of [17, 40, 41, 90]"),
     Spec("docs/scoring.md", '"prompt": [[...ctx + cont...]', "text", "a request body lm-eval-harness sends"),
     Spec("docs/training.md", "training.train_tiny --model sdar", "long",
          "retrains the shipped models (11 and 14 min on one core, then the evaluation; --long runs it)",
@@ -585,7 +585,8 @@ class Walk:
             return f"timed out after {spec.timeout} s"
         if rc != 0:
             return f"exit status {rc}"
-        out = "\n".join(out.splitlines()[spec.described:])
+        lines = [ln for ln in out.splitlines() if ln.strip()]
+        out = "\n".join(lines[spec.described[0]:len(lines) - spec.described[1]])
         return ((shown and compare(out, [shown.text], spec.volatile))
                 or (spec.expect and compare(out, spec.expect, spec.volatile))
                 or (spec.check and spec.check(out, self.clone)) or None)
