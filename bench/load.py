@@ -256,6 +256,9 @@ def run_local(n: int, seed: int) -> dict[str, Any]:
 
 
 def _run_local(n: int, seed: int) -> dict[str, Any]:
+    from engine.local_ray import use_loopback
+
+    use_loopback()  # before `import ray`: local_serve's cluster listens on loopback only
     from ray import serve
 
     from deployments.app import build_app
