@@ -83,14 +83,15 @@ def _free_port() -> int:
 
 def stop_process(proc: subprocess.Popen, timeout: float = 60) -> None:
     """Ctrl-C for a server process a test started (its Ray cleanup runs, `serve run` deletes its
-    application), then kill if it lingers past `timeout` seconds."""
+    application), then kill if it lingers past `timeout` seconds. Its output pipes are read meanwhile:
+    a process whose shutdown messages fill a pipe nobody reads blocks on the write and never exits."""
     if proc.poll() is None:
         proc.send_signal(signal.SIGINT)
         try:
-            proc.wait(timeout)
+            proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             proc.kill()
-            proc.wait()
+            proc.communicate()
 
 
 def wait_healthy(proc: subprocess.Popen, url: str, what: str, timeout: float = 300) -> None:
