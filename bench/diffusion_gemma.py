@@ -1,14 +1,19 @@
 """DiffusionGemma renoising decoding: the engine's canvas loop vs transformers' `generate()`.
 
-`python -m bench.diffusion_gemma [--requests 8] [--max-new-tokens 64] [--canvas 32] [--steps 16]`
-writes a tiny random diffusion_gemma checkpoint whose canvases converge (`converging_checkpoint`),
-then decodes the same seeded prompts on both sides, float32 on CPU:
+`python -m bench.diffusion_gemma [--requests 8] [--max-new-tokens 256] [--canvas 128] [--steps 16]
+[--vocab 16384] [--hidden 256] [--stop-entropy 0.1] [--norm-scale 4]`
+writes a small random diffusion_gemma checkpoint whose canvases converge (`converging_checkpoint`:
+at these defaults a canvas stops after 6 to 10 steps, varying by request and canvas), then decodes the
+same seeded prompts on both sides, float32 on CPU:
 
 - **transformers**: `generate()` one request at a time (`torch.manual_seed(seed)` before each) and
   once as its own static batch of all requests;
 - **engine**: `LLMEngine`, one request at a time and all requests in flight together (one forward
   serves every request's pass).
 
+The defaults make the LM head and the sampler over [canvas x vocabulary] a real part of a step, as
+they are at the release's shape; `--vocab 384 --hidden 64 --canvas 32 --max-new-tokens 64
+--stop-entropy 0.8 --norm-scale 12` is the toy shape, where per-step host work is all that costs.
 After an untimed warm-up of both, it prints one JSON object: seconds and generated tokens per
 second per side and mode, and how many seeded requests got tokens identical to transformers'
 batch-1 output.
@@ -69,17 +74,20 @@ def _timed(fn):
     return out, time.perf_counter() - start
 
 
-def run(requests: int, max_new_tokens: int, canvas: int, steps: int, prompt_len: int = 12) -> dict:
-    knobs = RenoiseKnobs(max_denoising_steps=steps, stability_threshold=0, stop_entropy=0.8)
+def run(requests: int, max_new_tokens: int, canvas: int, steps: int, vocab: int | None = 16384, hidden: int = 256,
+        stop_entropy: float = 0.1, norm_scale: float = 4.0, prompt_len: int = 12) -> dict:
+    """The speed comparison (`vocab` None: the tiny tokenizer's own vocabulary)."""
+    knobs = RenoiseKnobs(max_denoising_steps=steps, stability_threshold=0, stop_entropy=stop_entropy)
     with tempfile.TemporaryDirectory() as tmp:
-        ckpt = converging_checkpoint(Path(tmp) / "tiny", canvas)
+        ckpt = converging_checkpoint(Path(tmp) / "tiny", canvas, norm_scale=norm_scale, vocab_size=vocab,
+                                     hidden_size=hidden)
         model = load_reference(ckpt)
         eng = LLMEngine(str(ckpt), EngineConfig(
             device="cpu", kv_block_size=16, num_kv_blocks=4096, max_batch_size=max(requests, 1),
             max_prefill_token_num=max(256, prompt_len),
             **{f"dllm_{name}": value for name, value in vars(knobs).items()}))
-    vocab = eng.spec.vocab_size
-    prompts = [torch.randint(0, vocab, (prompt_len,), generator=torch.Generator().manual_seed(i)).tolist()
+    vocab_size = eng.spec.vocab_size
+    prompts = [torch.randint(0, vocab_size, (prompt_len,), generator=torch.Generator().manual_seed(i)).tolist()
                for i in range(requests)]
     hf_kwargs = {"max_new_tokens": max_new_tokens, "max_denoising_steps": steps, "t_min": knobs.t_min,
                  "t_max": knobs.t_max, "stability_threshold": 0, "confidence_threshold": knobs.stop_entropy}
@@ -116,6 +124,7 @@ def run(requests: int, max_new_tokens: int, canvas: int, steps: int, prompt_len:
     _, en = _timed(lambda: engine(requests))
     return {
         "requests": requests, "max_new_tokens": max_new_tokens, "canvas_length": canvas, "max_denoising_steps": steps,
+        "vocab_size": vocab_size, "hidden_size": hidden, "stop_entropy": stop_entropy, "norm_scale": norm_scale,
         "transformers": {"batch_1_s": round(hf1, 3), "batch_1_tok_s": round(tokens / hf1, 1),
                          f"static_batch_{requests}_s": round(hfb, 3),
                          f"static_batch_{requests}_tok_s": round(tokens / hfb, 1)},
@@ -266,13 +275,19 @@ def run_memory(levels: list[int], vocab: int, canvas: int, steps: int, threads: 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--requests", type=int, default=8)
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--canvas", type=int, default=None, help="canvas length (default 32; --memory: 256)")
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--canvas", type=int, default=None, help="canvas length (default 128; --memory: 256)")
     parser.add_argument("--steps", type=int, default=None, help="max denoising steps (default 16; --memory: 4)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (both sides)")
     parser.add_argument("--memory", action="store_true",
                         help="peak RSS per concurrency level instead of speed (each level a fresh process)")
-    parser.add_argument("--vocab", type=int, default=262_144, help="--memory: the checkpoint's vocabulary")
+    parser.add_argument("--vocab", type=int, default=None,
+                        help="the checkpoint's vocabulary (default 16384; --memory: 262144)")
+    parser.add_argument("--hidden", type=int, default=256, help="the checkpoint's hidden size (speed only)")
+    parser.add_argument("--stop-entropy", type=float, default=0.1,
+                        help="the stop rule's mean-entropy bound (speed only; stability 0)")
+    parser.add_argument("--norm-scale", type=float, default=4.0,
+                        help="the factor on the final norm that makes canvases converge (speed only)")
     parser.add_argument("--levels", default="1,8,32", help="--memory: concurrency levels, comma-separated")
     parser.add_argument("--sides", default="engine,transformers", help="--memory: which sides run, comma-separated")
     # one level of --memory, run by the parent in a fresh interpreter
@@ -288,10 +303,11 @@ def main(argv: list[str] | None = None) -> None:
                                       args.max_batch)))
     elif args.memory:
         levels = [int(x) for x in args.levels.split(",")]
-        print(json.dumps({"memory": run_memory(levels, args.vocab, args.canvas or 256, args.steps or 4,
+        print(json.dumps({"memory": run_memory(levels, args.vocab or 262_144, args.canvas or 256, args.steps or 4,
                                                args.threads, sides=tuple(args.sides.split(",")))}, indent=2))
     else:
-        print(json.dumps(run(args.requests, args.max_new_tokens, args.canvas or 32, args.steps or 16), indent=2))
+        print(json.dumps(run(args.requests, args.max_new_tokens, args.canvas or 128, args.steps or 16,
+                             args.vocab or 16384, args.hidden, args.stop_entropy, args.norm_scale), indent=2))
 
 
 if __name__ == "__main__":

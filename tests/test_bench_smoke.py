@@ -185,7 +185,7 @@ def test_diffusion_gemma_bench_toy():
     """The canvas loop against transformers' generate() at toy size: every seeded request identical."""
     pytest.importorskip("transformers.models.diffusion_gemma")
     r = _run_module("bench.diffusion_gemma", "--requests", "2", "--max-new-tokens", "8", "--canvas", "8",
-                    "--steps", "4")
+                    "--steps", "4", "--vocab", "384", "--hidden", "64", "--stop-entropy", "0.8", "--norm-scale", "12")
     assert r["identical_to_transformers"] == 2
     assert r["engine"]["concurrent_2_tok_s"] > 0 and r["transformers"]["static_batch_2_tok_s"] > 0
 
