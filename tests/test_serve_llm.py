@@ -55,11 +55,8 @@ def ray_serve_llm():
     """Ray's own `ray.serve.llm`, or a skip: it imports only beside vLLM or SGLang and pyarrow, which
     README's test install does not bring (docs/rl.md's install of sglang and the callers' requirements
     does, as .ci/run runs it)."""
-    try:
-        import ray.serve.llm
-    except ImportError as e:
-        pytest.skip(f"ray.serve.llm does not import here ({e}); docs/rl.md's sglang install brings it")
-    return ray.serve.llm
+    return pytest.importorskip("ray.serve.llm", exc_type=ImportError,
+                               reason="docs/rl.md's sglang install brings what ray.serve.llm imports")
 
 
 def test_shipped_yaml_is_a_ray_serve_llm_config():
