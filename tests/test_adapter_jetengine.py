@@ -113,8 +113,15 @@ def test_refusals(dllm_ckpt, ar_ckpt):
         LLM(dllm_ckpt, diversity_enforce=True, **KV)
     with pytest.raises(ValueError, match="mask_token_id"):
         LLM(dllm_ckpt, mask_token_id=mask_id(dllm_ckpt) + 1, **KV)
-    with pytest.raises(ValueError, match="autoregressive"):
+    with pytest.raises(ValueError, match="model_type 'qwen3'.* is autoregressive: use engine.pipeline"):
         LLM(ar_ckpt, **KV)
+
+
+def test_a_renoising_model_is_refused_naming_its_paradigm(gemma_ckpt):
+    """Before anything loads, and not as JetEngine's default block_length refused (which a user cannot
+    leave unset)."""
+    with pytest.raises(ValueError, match="model_type 'diffusion_gemma'.* is decoded with renoising decoding: use"):
+        LLM(str(gemma_ckpt), **KV)
 
 
 def test_bad_sampling_params_name_jetengines_field(llm):

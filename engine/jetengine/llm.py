@@ -19,8 +19,10 @@ import sys
 from typing import Any
 
 from configs import GenerationConfig
+from configs.knobs import DIFFUSION
 from configs.trajectory import DllmTrajectory
 from engine.carrier import Response
+from engine.core.decoding import paradigm_of
 from engine.jetengine.params import Config, SamplingParams, to_engine_config, to_generation_config
 from engine.local_ray import start_local_ray
 from engine.model.checkpoint import load_model_spec
@@ -53,16 +55,17 @@ class LLM:
 
         self.config = Config(**config)
         path = resolve_model_path(model)
-        engine_config = to_engine_config(self.config, load_model_spec(path).max_position_embeddings,
-                                         on_cuda=torch.cuda.is_available())
+        spec = load_model_spec(path)
+        paradigm = paradigm_of(spec.family)
+        if paradigm not in DIFFUSION:  # block and sub-block decoding
+            what = "autoregressive" if paradigm == "autoregressive" else f"decoded with {paradigm} decoding"
+            raise ValueError(f"{model}: JetEngine runs block-diffusion models; this checkpoint (model_type "
+                             f"{spec.family.model_type!r}) is {what}: use engine.pipeline or engine.lmdeploy")
+        engine_config = to_engine_config(self.config, spec.max_position_embeddings, on_cuda=torch.cuda.is_available())
         self._own_ray = False
         self._pipe = Pipeline(path, engine_config.model_copy(update={"logprobs_mode": "processed_logprobs"}),
                               self._tp_executor() if engine_config.tp > 1 else None)
         engine = self._pipe.engine
-        if not engine.is_dllm:
-            self._pipe.close()
-            raise ValueError(f"{model}: JetEngine runs block-diffusion models; this checkpoint is autoregressive "
-                             "(use engine.pipeline)")
         if self.config.mask_token_id != -1 and self.config.mask_token_id != engine.mask_id:
             self._pipe.close()
             raise ValueError(f"mask_token_id={self.config.mask_token_id}: the checkpoint's mask token is "
