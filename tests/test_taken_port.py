@@ -1,7 +1,8 @@
 """A second server on a port the first one holds: README's `serve run serve_config.yaml` serves; then
-`blockserve serve` and docs/migrate.md's `serve run configs/ray-serve-llm.yaml` on the same port are
-each refused with the port named (`blockserve serve` in one line), exit non-zero, and never listen
-there: every /health probe of the first answers 200 while they try."""
+`blockserve serve` and `serve run` of each other Serve config the repository ships (docs/migrate.md's
+configs/ray-serve-llm.yaml, docs/deploy.md's configs/multinode.yaml) on the same port are each
+refused with the port named (`blockserve serve` in one line), exit non-zero, and never listen there:
+every /health probe of the first answers 200 while they try."""
 
 from __future__ import annotations
 
@@ -21,6 +22,9 @@ from conftest import _free_port, stop_process, wait_healthy
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 MIN_PROBES = 100
+# every Serve config the repository ships besides serve_config.yaml (the first server)
+SECOND_CONFIGS = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "configs").glob("*.yaml")
+                        if "applications" in yaml.safe_load(p.read_text()))
 
 
 def _env() -> dict[str, str]:
@@ -130,15 +134,18 @@ def test_a_second_server_on_a_taken_port_is_refused_and_takes_none_of_its_traffi
         assert set(prober.answers) == {200}, prober.answers
         assert prober.listeners == {frozenset({proxy})}
 
-        # serve run of another config (Ray's own CLI): Serve's controller refuses the port before it starts
-        # a proxy; the command's last line names the port
-        config = _on_port("configs/ray-serve-llm.yaml", port, tmp_path)
-        done, prober = _second([str(BIN / "serve"), "run", str(config)], url, port)
-        assert done.returncode != 0
-        last = done.stderr.strip().splitlines()[-1]
-        assert taken in last and "stop that one, or choose another port" in last, done.stderr[-4000:]
-        assert set(prober.answers) == {200}, prober.answers
-        assert prober.listeners == {frozenset({proxy})}
+        # serve run of each other config (Ray's own CLI): Serve's controller refuses the port before it
+        # starts a proxy; the command's last line names the port (and the host the config binds)
+        for name in SECOND_CONFIGS:
+            config = _on_port(name, port, tmp_path)
+            host = yaml.safe_load(config.read_text())["http_options"]["host"]
+            done, prober = _second([str(BIN / "serve"), "run", str(config)], url, port)
+            assert done.returncode != 0, name
+            last = done.stderr.strip().splitlines()[-1]
+            assert f"port {port} on {host} is already in use" in last, (name, done.stderr[-4000:])
+            assert "stop that one, or choose another port" in last, (name, done.stderr[-4000:])
+            assert set(prober.answers) == {200}, (name, prober.answers)
+            assert prober.listeners == {frozenset({proxy})}, name
         assert first.poll() is None and httpx.get(url + "/health", timeout=30).status_code == 200
     finally:
         stop_process(first, timeout=90)
