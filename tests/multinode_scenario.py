@@ -45,13 +45,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _deploy(url: str, name: str, args: dict[str, Any]) -> str:
+def _deploy(url: str, apps: dict[str, dict[str, Any]]) -> dict[str, str]:
+    """Deploy build_app(args) for each named application at route /name, all at once (their replicas
+    start in parallel); name -> URL once all are running."""
     from ray import serve
 
     from deployments.app import build_app
 
-    serve.run(build_app(args), name=name, route_prefix=f"/{name}", logging_config=QUIET)
-    return f"{url}/{name}"
+    serve.run_many([serve.RunTarget(build_app(args), name=name, route_prefix=f"/{name}", logging_config=QUIET)
+                    for name, args in apps.items()])
+    return {name: f"{url}/{name}" for name in apps}
 
 
 def _alive_actors() -> list[dict[str, Any]]:
@@ -73,15 +76,43 @@ def _generate(url: str, prompt: str) -> dict[str, Any]:
                       timeout=120).json()
 
 
-def spread(url: str, ckpt: str, nodes: dict[str, str]) -> dict[str, Any]:
+def apps(ckpt: str) -> dict[str, dict[str, Any]]:
+    """The applications the spread, tp and loss parts measure, deployed together before them."""
+    return {
+        # spread: a one-replica reference on the head, two replicas on A and B
+        "ref": {"model": ckpt, "engine": ENGINE, "ray_actor_options": {"num_cpus": 1, "resources": {"head": 0.01}}},
+        "spread": {"model": ckpt, "engine": ENGINE, "num_replicas": 2,
+                   "ray_actor_options": {"num_cpus": 1, "resources": {"spread": 1}}},
+        # tp: a tp=2 group whose bundles need `tp` (one unit on A, one on B): PACK spans the two
+        "tp_pack": tp_args(ckpt) | {"placement_strategy": "PACK"},
+        # loss: two replicas on C and D
+        "loss": {"model": ckpt, "engine": ENGINE, "num_replicas": 2, "request_router": "power_of_two",
+                 "ray_actor_options": {"num_cpus": 1, "resources": {"loss": 1}},
+                 "health_check_period_s": 1.0, "health_check_timeout_s": 5.0},
+    }
+
+
+def tp_args(ckpt: str) -> dict[str, Any]:
+    """A tp=2 group whose bundles need resource `tp`."""
+    return {"model": ckpt, "engine": dict(ENGINE, tp=2), "ray_actor_options": {"num_cpus": 1, "resources": {"tp": 1}}}
+
+
+def tp_strict(url: str, ckpt: str) -> str | None:
+    """The STRICT_PACK group's build-time refusal (None: it deployed)."""
+    from deployments.placement import PlacementError
+
+    try:
+        _deploy(url, {"tp_strict": tp_args(ckpt)})
+    except PlacementError as e:
+        return str(e)
+    return None
+
+
+def spread(urls: dict[str, str], nodes: dict[str, str]) -> dict[str, Any]:
     from ray import serve
 
-    ref = _deploy(url, "ref", {"model": ckpt, "engine": ENGINE, "ray_actor_options": {"num_cpus": 1,
-                                                                                       "resources": {"head": 0.01}}})
-    two = _deploy(url, "spread", {"model": ckpt, "engine": ENGINE, "num_replicas": 2,
-                                  "ray_actor_options": {"num_cpus": 1, "resources": {"spread": 1}}})
-    expected = [_generate(ref, p)["output_ids"] for p in PROMPTS]
-    got = [_generate(two, p)["output_ids"] for p in PROMPTS]  # distinct prefixes: spread over both replicas
+    expected = [_generate(urls["ref"], p)["output_ids"] for p in PROMPTS]
+    got = [_generate(urls["spread"], p)["output_ids"] for p in PROMPTS]  # distinct prefixes: spread over both
     stats = serve.get_app_handle("spread").engine_stats.remote().result()
     placed = sorted(nodes[n] for n in _replica_nodes("spread").values())
     serve.delete("ref")
@@ -90,19 +121,10 @@ def spread(url: str, ckpt: str, nodes: dict[str, str]) -> dict[str, Any]:
             "tokens_per_replica": sorted(s["generated_tokens"] for s in stats)}
 
 
-def tp(url: str, ckpt: str, nodes: dict[str, str]) -> dict[str, Any]:
+def tp(urls: dict[str, str], nodes: dict[str, str], strict_error: str | None) -> dict[str, Any]:
     from ray import serve
 
-    from deployments.placement import PlacementError
-
-    args = {"model": ckpt, "engine": dict(ENGINE, tp=2), "ray_actor_options": {"num_cpus": 1, "resources": {"tp": 1}}}
-    try:
-        _deploy(url, "tp_strict", args)
-        strict_error = None
-    except PlacementError as e:
-        strict_error = str(e)
-    packed = _deploy(url, "tp_pack", args | {"placement_strategy": "PACK"})
-    out = _generate(packed, PROMPTS[1])
+    out = _generate(urls["tp_pack"], PROMPTS[1])
     (stats,) = serve.get_app_handle("tp_pack").engine_stats.remote().result()
     (worker,) = [a["Address"]["NodeID"] for a in _alive_actors() if a["Name"] == stats["tp_worker_names"][0]]
     rank_nodes = sorted(nodes[n] for n in [*_replica_nodes("tp_pack").values(), worker])
@@ -141,13 +163,10 @@ def _held_once_all_admitted(handle, ended: dict[int, float], total: int) -> dict
     raise TimeoutError(f"only {held} of {total} requests reached an engine")
 
 
-def loss(url: str, ckpt: str, nodes: dict[str, str], cluster, victim) -> dict[str, Any]:
-    """Replicas on C and D; once they run, node E joins with a spare `loss` unit for the replacement."""
+def loss(app: str, nodes: dict[str, str], cluster, victim) -> dict[str, Any]:
+    """Replicas on C and D (running); node E joins with a spare `loss` unit for the replacement."""
     from ray import serve
 
-    app = _deploy(url, "loss", {"model": ckpt, "engine": ENGINE, "num_replicas": 2, "request_router": "power_of_two",
-                                "ray_actor_options": {"num_cpus": 1, "resources": {"loss": 1}},
-                                "health_check_period_s": 1.0, "health_check_timeout_s": 5.0})
     placed = {rid: nodes[n] for rid, n in _replica_nodes("loss").items()}
     ingress_nodes = sorted(nodes[n] for n in _replica_nodes("loss", "Ingress").values())  # the default placement
     nodes[cluster.add_node(num_cpus=3, resources={"loss": 1}).node_id] = "E"
@@ -252,9 +271,13 @@ def main() -> int:
     try:
         with tempfile.TemporaryDirectory() as tmp:
             ckpt = str(write_tiny_checkpoint(Path(tmp) / "sdar", model_type="sdar", logit_scale=DLLM_TEST_LOGIT_SCALE))
-            for part, run in (("spread", lambda: spread(url, ckpt, nodes)), ("tp", lambda: tp(url, ckpt, nodes)),
+            started = time.monotonic()
+            strict_error = tp_strict(url, ckpt)
+            urls = _deploy(url, apps(ckpt))
+            report["deploy_seconds"] = round(time.monotonic() - started, 1)
+            for part, run in (("spread", lambda: spread(urls, nodes)), ("tp", lambda: tp(urls, nodes, strict_error)),
                               ("unschedulable", lambda: unschedulable(url, ckpt)),
-                              ("loss", lambda: loss(url, ckpt, nodes, cluster, handles["C"]))):
+                              ("loss", lambda: loss(urls["loss"], nodes, cluster, handles["C"]))):
                 started = time.monotonic()
                 report[part] = run()
                 report[part]["seconds"] = round(time.monotonic() - started, 1)

@@ -324,10 +324,11 @@ def test_sglang_flags(tmp_path):
 
 
 def test_the_bench_runs_and_agrees_with_the_released_rule():
-    """`python -m bench.llada2 --indel --toy`: every request identical to the released rule's."""
+    """`python -m bench.llada2 --indel --toy`'s measuring part, at one block of new tokens (the
+    whole-request tests above cover several): every request identical to the released rule's."""
     from bench.llada2 import run_indel
 
-    result = run_indel(64, toy=True)
+    result = run_indel(32, toy=True)
     for concurrent in (1, 8):
         part = result[f"indel/{concurrent}"]
         assert part["identical_requests"] == part["requests"] == concurrent, part
