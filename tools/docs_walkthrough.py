@@ -39,6 +39,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from deployments.single_machine import PortInUseError, check_port_free
+
 ROOT = Path(__file__).resolve().parent.parent
 DOC_GLOBS = ["README.md", "deployments/README.md", "docs/*.md"]
 PORT = 8000
@@ -49,12 +51,14 @@ FENCE = re.compile(r"^```(\w*)\n(.*?)^```\n?", re.M | re.S)
 
 @dataclass
 class Block:
+    """One fenced block of a doc."""
+
     doc: str  # relative to the repository root
     line: int  # the line of the opening fence
-    lang: str
-    text: str
+    lang: str  # the fence's info string: sh, python, json, ... ('' when none)
+    text: str  # between the fences
+    start: int  # offset of the opening fence in the doc
     end: int  # offset after the closing fence
-    start: int
 
     @property
     def where(self) -> str:
@@ -66,6 +70,7 @@ class Block:
 
 
 def doc_paths(root: Path) -> list[str]:
+    """The docs the walk reads, relative to `root`, in walk order (DOC_GLOBS, each glob sorted)."""
     paths = []
     for pattern in DOC_GLOBS:
         paths += sorted(str(p.relative_to(root)) for p in root.glob(pattern))
@@ -73,8 +78,9 @@ def doc_paths(root: Path) -> list[str]:
 
 
 def extract(root: Path, doc: str) -> list[Block]:
+    """The fenced blocks of `doc`, in page order."""
     text = (root / doc).read_text()
-    return [Block(doc, text.count("\n", 0, m.start()) + 1, m[1], m[2], m.end(), m.start())
+    return [Block(doc, text.count("\n", 0, m.start()) + 1, m[1], m[2], m.start(), m.end())
             for m in FENCE.finditer(text)]
 
 
@@ -165,22 +171,22 @@ def _attention_timings(out: str, clone: Path) -> str | None:
     return None if ok else f"expected 'torch N ms' then 'flex eager N ms', got {out.strip()[:200]!r}"
 
 
+def _last_line(out: str) -> str:
+    return out.strip().splitlines()[-1] if out.strip() else ""
+
+
 def _pytest_passed(out: str, clone: Path) -> str | None:
     """pytest's summary: passed, none failed (the skips the docs name, e.g. the RL callers' tests
     without sglang, are allowed)."""
-    last = out.strip().splitlines()[-1] if out.strip() else ""
+    last = _last_line(out)
     return f"pytest said: {last}" if " passed" not in last or re.search(r"failed|error", last) else None
 
 
 def _viewer_test(out: str, clone: Path) -> str | None:
-    last = out.strip().splitlines()[-1] if out.strip() else ""
+    last = _last_line(out)
     if "skipped" in last:  # the page says it makes the picture: Chromium is needed, and here
         return f"pytest said: {last}"
     return _pytest_passed(out, clone) or _files("docs/viewer.png")(out, clone)
-
-
-def _trace_png(out: str, clone: Path) -> str | None:
-    return _files("docs/trace.png")(out, clone)
 
 
 def _training_unchanged(out: str, clone: Path) -> str | None:
@@ -189,7 +195,9 @@ def _training_unchanged(out: str, clone: Path) -> str | None:
     return f"the rerun changed: {diff.strip()}" if diff.strip() else None
 
 
-READY_PORT = [("41827", r"\d+")]
+# How the pages run a Python block that joins the current server's cluster ({ray_address}: its address).
+RAY_CLIENT = "RAY_AUTH_MODE=disabled RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_ADDRESS={ray_address} .venv/bin/python"
+READY_PORT = [("41827", r"\d+")]  # the Ray cluster's port in a ready line the page shows
 DEPLOY_READY = ("blockserve: application 'blockserve' ready at http://127.0.0.1:8000 on the Ray cluster at "
                 "127.0.0.1:41827 (RAY_ADDRESS=127.0.0.1:41827 for Serve handles). Ctrl-C stops it.")
 SPECS: list[Spec] = [
@@ -211,8 +219,7 @@ SPECS: list[Spec] = [
          name="sdar",
          volatile=READY_PORT),
     Spec("README.md", "ray.init(address=os.environ", needs="sdar", file="client.py",
-         command="RAY_AUTH_MODE=disabled RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_ADDRESS={ray_address} "
-         ".venv/bin/python client.py",
+         command=f"{RAY_CLIENT} client.py",
          expect=["112", "[220, 58] [1, 1]", "[220, 58, 18, 11, 19, 11] [1, 1, 2, 2, 2, 2]", "…"]),
     Spec("README.md", '"input_ids": [17, 18, 10, 20, 23, 28, 23, 16]', needs="qwen3", shown=True),
     Spec("README.md", '"echo": true}', needs="readme", shown=True,
@@ -220,7 +227,8 @@ SPECS: list[Spec] = [
     Spec("README.md", "serve models/qwen3-tiny --logprobs-mode raw_logprobs --port 8000", "server",
          ready="line"),
     Spec("README.md", 'with pipeline("models/sdar-tiny"', shown=True),
-    Spec("README.md", "--png docs/trace.png", shown=True, prose=True, described=(1, 1), check=_trace_png,
+    Spec("README.md", "--png docs/trace.png", shown=True, prose=True, described=(1, 1),
+         check=_files("docs/trace.png"),
          reason="the step list compared; the coloured continuation before it and the line after, described"),
     Spec("README.md", "python3 -m webbrowser", "skip",
          "opens a browser window (no display here); docs/viewer.md's curl checks the page, "
@@ -236,8 +244,7 @@ SPECS: list[Spec] = [
          "a fault drill's handle call: it needs the drill application (build_drill_app), not the "
          "production one; tests/test_reliability_faults.py runs it"),
     Spec("deployments/README.md", 'body = h.generate.remote({"input_ids": [1, 2, 3]', needs="qwen3",
-         command="RAY_AUTH_MODE=disabled RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_ADDRESS={ray_address} "
-         ".venv/bin/python -"),
+         command=f"{RAY_CLIENT} -"),
     # docs
     Spec("docs/adding-a-family.md", "engine/model/families/<name>/", "text", "a directory layout"),
     Spec("docs/api.md", '"dllm_trajectory": [{"output_ids"', needs="readme", check=_trajectory_logprobs,
@@ -266,8 +273,7 @@ SPECS: list[Spec] = [
     Spec("docs/deploy.md", "model: /models/my-sdar-checkpoint", "text", "a config fragment (tp=2 on CUDA)"),
     Spec("docs/deploy.md", "ray get-auth-token --generate", "skip", "several machines, with Ray's token auth"),
     Spec("docs/deploy.md", "ray.init(address=os.environ[\"RAY_ADDRESS\"])   # the cluster", needs="sdar",
-         command="RAY_AUTH_MODE=disabled RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_ADDRESS={ray_address} "
-         ".venv/bin/python -"),
+         command=f"{RAY_CLIENT} -"),
     Spec("docs/gpu.md", "pip install -e '.[cuda]'", "skip", "needs a CUDA GPU (vllm and the CUDA torch it pins)"),
     Spec("docs/gpu.md", "hf download JetLM/SDAR-1.7B-Chat", "skip",
          "downloads a 1.7B checkpoint from the Hugging Face Hub (not reachable here), for the GPU"),
@@ -311,6 +317,8 @@ SPECS: list[Spec] = [
 
 
 def spec_of(block: Block) -> Spec:
+    """The block's entry of SPECS; for a block the table does not name, text for an untagged, json
+    or yaml block, else run it."""
     found = [s for s in SPECS if s.doc == block.doc and s.contains in block.text]
     if len(found) > 1:
         raise SystemExit(f"{block.where}: more than one entry of SPECS matches: {[s.contains for s in found]}")
@@ -356,6 +364,7 @@ def pattern(shown: str, volatile: list[tuple[str, str]]) -> re.Pattern[str]:
 
 
 def compare(actual: str, shown: list[str], volatile: list[tuple[str, str]]) -> str | None:
+    """None when the non-blank lines of `actual` match the shown lines (`pattern`), else what it printed."""
     lines = "".join(ln.rstrip() + "\n" for ln in actual.splitlines() if ln.strip())
     if pattern("\n".join(shown), volatile).fullmatch(lines):
         return None
@@ -365,6 +374,9 @@ def compare(actual: str, shown: list[str], volatile: list[tuple[str, str]]) -> s
 # -------------------------------------------------------------------------------------------- runner
 
 def clean_env() -> dict[str, str]:
+    """This process's environment for the docs' commands: without the Ray cluster and auth this process
+    may have been given, its PYTHONPATH or its virtualenv (the clone's `.venv` is named by path), and
+    unbuffered Python, so that a server's log shows its ready line as it prints it."""
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE", "PYTHONPATH",
                                                           "VIRTUAL_ENV")}
     env["PYTHONUNBUFFERED"] = "1"
@@ -372,6 +384,7 @@ def clean_env() -> dict[str, str]:
 
 
 def port_taken(port: int = PORT) -> bool:
+    """Whether something answers a connection on the port (a server this walk did not start)."""
     with socket.socket() as s:
         s.settimeout(1)
         return s.connect_ex(("127.0.0.1", port)) == 0
@@ -379,13 +392,11 @@ def port_taken(port: int = PORT) -> bool:
 
 def port_bindable(port: int = PORT) -> bool:
     """Whether a server could listen on the port now: `blockserve serve`'s own check."""
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-        return True
+    try:
+        check_port_free("127.0.0.1", port)
+    except PortInUseError:
+        return False
+    return True
 
 
 def leftovers(clone: Path, wait: float) -> list[tuple[int, str]]:
@@ -405,6 +416,7 @@ def leftovers(clone: Path, wait: float) -> list[tuple[int, str]]:
 
 
 def healthy() -> bool:
+    """Whether the server on PORT answers /health with 200 now."""
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{PORT}/health", timeout=5) as r:
             return r.status == 200
@@ -414,17 +426,21 @@ def healthy() -> bool:
 
 @dataclass
 class Server:
-    name: str
+    """The server the walk has running in the background."""
+
+    name: str  # what `Spec.needs` calls it (readme, qwen3, sdar, ...: `Spec.name`), else DOC:LINE#i
     proc: subprocess.Popen
-    log: Path
-    ray_address: str = ""
+    log: Path  # its stdout and stderr
+    ray_address: str = ""  # the cluster its ready line names ('' for one waited on by /health)
 
 
 @dataclass
 class Row:
-    where: str
-    first: str
-    status: str
+    """One row of walkthrough.md."""
+
+    where: str  # DOC:LINE (or a server's log, for a stop that needed more than Ctrl-C)
+    first: str  # the command's first line
+    status: str  # ran / skipped / not a command, and why
     rc: str = ""
     seconds: str = ""
     verdict: str = ""
@@ -432,19 +448,23 @@ class Row:
 
 
 class Walk:
+    """The walk through the blocks in the clone: the server it has running, and the rows so far."""
+
     def __init__(self, clone: Path, logs: Path, long: bool) -> None:
         self.clone, self.logs, self.long = clone, logs, long
         self.server: Server | None = None
         self.rows: list[Row] = []
-        self.n = 0
-        self.readme_first = ""
+        self.logs_written = 0  # numbers the logs, in walk order
+        self.readme_first = ""  # README's first command: the "readme" server
 
     # ----- processes
     def _log(self, where: str, suffix: str) -> Path:
-        self.n += 1
-        return self.logs / f"{self.n:03d}-{where.replace('/', '_').replace(':', '-')}.{suffix}"
+        self.logs_written += 1
+        return self.logs / f"{self.logs_written:03d}-{where.replace('/', '_').replace(':', '-')}.{suffix}"
 
     def shell(self, text: str, where: str, timeout: int, stdin: str | None = None) -> tuple[int, str, float]:
+        """Run `text` with bash -e -o pipefail in the clone, Ctrl-C after `timeout` s (exit status 124);
+        (exit status, stdout, seconds), stdout and stderr logged."""
         log = self._log(where, "log")
         t0 = time.monotonic()
         p = subprocess.run(["timeout", "-s", "INT", "-k", "30", str(timeout), "bash", "-e", "-o", "pipefail",
@@ -461,11 +481,11 @@ class Walk:
         if port_taken():
             return None, f"port {PORT} is taken by a process this walk did not start"
         log = self._log(where, "server.log")
-        fh = log.open("w")
-        fh.write(f"$ {text}\n")
-        fh.flush()
-        proc = subprocess.Popen(["bash", "-c", text], cwd=self.clone, env=clean_env(), stdout=fh,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        with log.open("w") as fh:  # the server writes to its own copy of the file
+            fh.write(f"$ {text}\n")
+            fh.flush()
+            proc = subprocess.Popen(["bash", "-c", text], cwd=self.clone, env=clean_env(), stdout=fh,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
         server = Server(name, proc, log)
         self.server = server
         deadline = time.monotonic() + cap
@@ -511,8 +531,9 @@ class Walk:
         with server.log.open("a") as fh:
             fh.write(f"\n--- stopped with {used or 'nothing (it had exited)'}: exit status {rc}; port {PORT} "
                      f"could be bound again {freed:.0f} s after it exited; {len(left)} processes left\n")
-        if used not in ("", "SIGINT") or left:
-            why = (f"{used} was needed" if used not in ("", "SIGINT") else
+        forced = used not in ("", "SIGINT")
+        if forced or left:
+            why = (f"{used} was needed" if forced else
                    f"{len(left)} of its processes were left a minute later (killed): {left[0][1]}")
             self.rows.append(Row(server.log.name, f"Ctrl-C to {server.name}", "stopped", str(rc), "", why, ok=False))
 
@@ -525,9 +546,8 @@ class Walk:
         if name == "none":
             self.stop()
             return ""
-        if self.server and self.server.name == name:
-            if self.server.proc.poll() is None:
-                return ""
+        if self.server and self.server.name == name and self.server.proc.poll() is None:
+            return ""
         if name == "readme":
             _, why = self.start("readme", self.readme_first, where + "-readme", "health")
         else:
@@ -537,9 +557,11 @@ class Walk:
     # ----- one block
     def add(self, block: Block, status: str, rc: str = "", seconds: str = "", verdict: str = "",
             ok: bool = True) -> None:
+        """A row for the block."""
         self.rows.append(Row(block.where, block.first_line, status, rc, seconds, verdict, ok))
 
     def run_block(self, block: Block, blocks: list[Block]) -> None:
+        """Do with the block what its spec says, and add its row."""
         spec = spec_of(block)
         if spec.kind == "text":
             self.add(block, f"not a command: {spec.reason}")
@@ -549,7 +571,8 @@ class Walk:
             return
         for e in spec.expect:
             assert e in block.text, f"{block.where}: {e!r} is not what the page shows"
-        text, note = block.text, f" ({spec.reason})" if spec.reason else ""
+        text = block.text
+        note = f" ({spec.reason})" if spec.reason else ""
         if spec.kind == "long" and not self.long:
             text = text.split(spec.cut)[0]
             note = f" (up to `{spec.cut.strip()}`: {spec.reason})"
@@ -584,6 +607,8 @@ class Walk:
         self.add(block, "ran" + note, str(rc), f"{secs:.0f}", verdict or "as documented", ok=verdict is None)
 
     def judge(self, rc: int, out: str, spec: Spec, shown: Block | None) -> str | None:
+        """None when the block answered as its page says (exit 0, then the shown output, the expected
+        lines and the spec's check, on the output less its `described` lines), else what it did."""
         if rc == 124:
             return f"timed out after {spec.timeout} s"
         if rc != 0:
@@ -599,6 +624,7 @@ class Walk:
         alternative servers (`per_line`): each in turn, stopped before the next."""
         texts = [ln for ln in text.splitlines() if ln.strip()] if spec.per_line else [text]
         for i, t in enumerate(texts):
+            # Serve's own CLI (`serve run`) prints no blockserve ready line: it is ready at /health 200
             ready = "health" if spec.per_line and "serve run" in t else spec.ready
             t0 = time.monotonic()
             server, why = self.start(spec.name or f"{block.where}#{i}", t, block.where, ready)
@@ -623,6 +649,7 @@ class Walk:
 # -------------------------------------------------------------------------------------------- report
 
 def report(rows: list[Row], path: Path, head: str) -> None:
+    """Write walkthrough.md: `head`, then a table of the rows, the ones not as documented in bold."""
     def cell(s: str) -> str:
         return s.replace("|", "\\|").replace("\n", " ")
 
@@ -683,8 +710,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.start:
         at = next(i for i, b in enumerate(selected) if b.where == args.start)
         selected = selected[at:]
-    shown_blocks = {id(s) for b in blocks if spec_of(b).shown
-                    for s in [shown_after(clone, b, blocks, spec_of(b).prose)] if s}
+    shown_blocks: set[int] = set()  # ids of the blocks that are the output a page shows for the block above them
+    for b in blocks:
+        spec = spec_of(b)
+        if spec.shown and (s := shown_after(clone, b, blocks, spec.prose)):
+            shown_blocks.add(id(s))
     t0 = time.monotonic()
     try:
         for block in selected:
