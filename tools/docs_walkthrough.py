@@ -2,7 +2,7 @@
 README.md, deployments/README.md and docs/*.md, in document order, each compared with what its page
 says it answers.
 
-    .venv/bin/python -m tools.docs_walkthrough --out DIR          # the whole walk (about an hour on 2 cores)
+    .venv/bin/python -m tools.docs_walkthrough --out DIR          # the whole walk (about 30 minutes on 2 cores)
     .venv/bin/python -m tools.docs_walkthrough --out DIR --only docs/migrate.md --reuse
     .venv/bin/python -m tools.docs_walkthrough --out DIR --from README.md:171 --reuse
 
@@ -603,7 +603,7 @@ class Walk:
             note += f" (as `{command}`{' < the block' if stdin else ''})"
         rc, out, secs = self.shell(command, block.where, spec.timeout, stdin)
         partial = spec.kind == "long" and not self.long  # its check is the whole block's
-        verdict = self.judge(rc, out, Spec(spec.doc, "") if partial else spec, shown)
+        verdict = self.judge(rc, out, Spec(spec.doc, "", timeout=spec.timeout) if partial else spec, shown)
         self.add(block, "ran" + note, str(rc), f"{secs:.0f}", verdict or "as documented", ok=verdict is None)
 
     def judge(self, rc: int, out: str, spec: Spec, shown: Block | None) -> str | None:
@@ -665,7 +665,7 @@ def report(rows: list[Row], path: Path, head: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, required=True, help="the clone, the logs and walkthrough.md go here")
+    ap.add_argument("--out", type=Path, help="the clone, the logs and walkthrough.md go here (all but --list)")
     ap.add_argument("--only", action="append", default=[], help="only this doc (repeatable), e.g. docs/api.md")
     ap.add_argument("--from", dest="start", default="", help="start at this block, DOC:LINE")
     ap.add_argument("--reuse", action="store_true", help="keep DIR/clone if it is there (no fresh clone)")
@@ -687,6 +687,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{b.where:32} {spec.kind:6} {spec.needs or '':7} {b.first_line[:70]}  {spec.reason[:60]}")
         return 0
 
+    if args.out is None:
+        ap.error("--out DIR is needed to run the walk")
     out = args.out.resolve()
     clone, logs = out / "clone", out / "logs"
     if port_taken():
