@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from configs import EngineConfig
 from configs.knobs import ENGINE_WIDE_IGNORED, PARADIGMS, rules_of, unusable
-from engine.core.decoding import paradigm_of
+from engine.core.decoding import describe_paradigm, paradigm_of
 from engine.model.checkpoint import ModelSpec
 
 log = logging.getLogger(__name__)
@@ -58,7 +58,7 @@ def check_engine_knobs(config: EngineConfig, spec: ModelSpec) -> None:
     paradigm, model_type = paradigm_of(spec.family), spec.family.model_type
     if paradigm not in PARADIGMS:
         return  # no decoding strategy: `strategy_for` refuses the model
-    what = "autoregressive" if paradigm == "autoregressive" else f"decoded with {paradigm} decoding"
+    what = describe_paradigm(paradigm)
     unused = {k.name: (k, getattr(config, k.name)) for k in unusable(paradigm) if k.name in config.model_fields_set}
     unused = {name: (k, v) for name, (k, v) in unused.items() if v != k.default}
     if unused and paradigm in ENGINE_WIDE_IGNORED:

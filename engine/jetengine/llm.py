@@ -22,7 +22,7 @@ from configs import GenerationConfig
 from configs.knobs import DIFFUSION
 from configs.trajectory import DllmTrajectory
 from engine.carrier import Response
-from engine.core.decoding import paradigm_of
+from engine.core.decoding import describe_paradigm, paradigm_of
 from engine.jetengine.params import Config, SamplingParams, to_engine_config, to_generation_config
 from engine.local_ray import start_local_ray
 from engine.model.checkpoint import load_model_spec
@@ -58,9 +58,9 @@ class LLM:
         spec = load_model_spec(path)
         paradigm = paradigm_of(spec.family)
         if paradigm not in DIFFUSION:  # block and sub-block decoding
-            what = "autoregressive" if paradigm == "autoregressive" else f"decoded with {paradigm} decoding"
             raise ValueError(f"{model}: JetEngine runs block-diffusion models; this checkpoint (model_type "
-                             f"{spec.family.model_type!r}) is {what}: use engine.pipeline or engine.lmdeploy")
+                             f"{spec.family.model_type!r}) is {describe_paradigm(paradigm)}: use engine.pipeline or "
+                             "engine.lmdeploy")
         engine_config = to_engine_config(self.config, spec.max_position_embeddings, on_cuda=torch.cuda.is_available())
         self._own_ray = False
         self._pipe = Pipeline(path, engine_config.model_copy(update={"logprobs_mode": "processed_logprobs"}),

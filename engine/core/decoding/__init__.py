@@ -27,6 +27,12 @@ def paradigm_of(family: ModelFamily) -> str | None:
     return family.block_decoding if family.is_dllm else "autoregressive"
 
 
+def describe_paradigm(paradigm: str | None) -> str:
+    """How an error message says what a model's paradigm is: "autoregressive", or "decoded with
+    renoising decoding"."""
+    return "autoregressive" if paradigm == "autoregressive" else f"decoded with {paradigm} decoding"
+
+
 def strategy_for(spec: ModelSpec, config: EngineConfig, mask_id: int | None) -> DecodingStrategy:
     """The decoding strategy of the checkpoint `spec` under `config` (whose `dllm_block_length` is
     resolved)."""
