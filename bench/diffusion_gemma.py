@@ -74,9 +74,9 @@ def _timed(fn):
     return out, time.perf_counter() - start
 
 
-def run(requests: int, max_new_tokens: int, canvas: int, steps: int, vocab: int | None = 16384, hidden: int = 256,
-        stop_entropy: float = 0.1, norm_scale: float = 4.0, prompt_len: int = 12) -> dict:
-    """The speed comparison (`vocab` None: the tiny tokenizer's own vocabulary)."""
+def run(requests: int, max_new_tokens: int, canvas: int, steps: int, vocab: int, hidden: int, stop_entropy: float,
+        norm_scale: float, prompt_len: int = 12) -> dict:
+    """The speed comparison (the defaults are the command line's, `main`)."""
     knobs = RenoiseKnobs(max_denoising_steps=steps, stability_threshold=0, stop_entropy=stop_entropy)
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = converging_checkpoint(Path(tmp) / "tiny", canvas, norm_scale=norm_scale, vocab_size=vocab,
