@@ -116,6 +116,16 @@ def test_batched_requests_equal_transformers(engine, oracle):
     assert len({s for ref in oracle.values() for s in ref["steps"]}) > 1
 
 
+def test_flex_attention_gives_the_same_requests_transformers_tokens(ckpt, oracle):
+    """attention_backend='flex' (eager FlexAttention on the CPU): 15 of the requests above, one batch."""
+    engine = _engine(ckpt, attention_backend="flex")
+    assert engine.executor.runner.backend.name == "flex"
+    results = run(engine, {f"{seed}-{length}": (ref["prompt"], params(max_new_tokens=40, random_seed=seed))
+                           for (seed, length), ref in oracle.items()})
+    for (seed, length), ref in oracle.items():
+        _check(results[f"{seed}-{length}"], ref, 40)
+
+
 @pytest.mark.parametrize("size", [1, 4, 16])
 def test_batch_invariance(engine, oracle, size):
     """A seeded request alone, with 3 others and with 15 others (other prompts, seeds, lengths)."""

@@ -34,11 +34,14 @@ def reference(gemma_reference):
     return gemma_reference
 
 
-@pytest.fixture(scope="module")
-def runner(ckpt):
+@pytest.fixture(scope="module", params=["torch", "flex"])
+def runner(ckpt, request):
+    """A runner on each attention backend (flex eager on the CPU), each checked against transformers."""
     config = EngineConfig(device="cpu", kv_block_size=PAGE, num_kv_blocks=1024, max_batch_size=4,
-                          max_prefill_token_num=256)
-    return ModelRunner(load_model_spec(ckpt), config)
+                          max_prefill_token_num=256, attention_backend=request.param)
+    runner = ModelRunner(load_model_spec(ckpt), config)
+    assert runner.backend.name == request.param
+    return runner
 
 
 class Driver:
@@ -83,11 +86,12 @@ class Driver:
         return out
 
 
-def test_flex_attention_refused_by_name(ckpt):
-    """The canvas pass has no flex or flash kernel yet: asking for one is refused, naming the field
-    (flash on a machine without it is refused by the backend selection already)."""
-    config = EngineConfig(device="cpu", kv_block_size=PAGE, num_kv_blocks=64, attention_backend="flex")
-    with pytest.raises(ValueError, match="attention_backend='flex'"):
+def test_flash_attention_refused_by_name(ckpt):
+    """No flash kernel takes a canvas pass or head_dim 32 beside 16: asking for one is refused at engine
+    start, naming the field and what to use instead."""
+    config = EngineConfig(device="cpu", kv_block_size=PAGE, num_kv_blocks=64, attention_backend="flash")
+    with pytest.raises(ValueError, match=r"attention_backend='flash' cannot run a diffusion_gemma model.*"
+                                         r"head_dim \[16, 32\].*'flex', 'torch' or 'auto'"):
         ModelRunner(load_model_spec(ckpt), config)
 
 

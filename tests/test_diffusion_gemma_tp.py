@@ -32,9 +32,9 @@ def build(path: str, tp: TPContext) -> DiffusionGemmaNetwork:
     return net
 
 
-def scenario(net: DiffusionGemmaNetwork) -> list[torch.Tensor]:
+def scenario(net: DiffusionGemmaNetwork, backend: str = "torch") -> list[torch.Tensor]:
     """Two prompts (9 and 40 tokens) prefilled together, a canvas each (one self-conditioned on the
-    other's first canvas logits), a commit beside a canvas: every pass's logits."""
+    other's first canvas logits), a commit beside a canvas: every pass's logits, attended by `backend`."""
     gemma = net.gemma
     pools = {SLIDING: 64, FULL: 64}
     caches = net.kv_layout(PAGE, net.tp.size).allocate(pools, torch.float32, torch.device("cpu"))
@@ -43,6 +43,7 @@ def scenario(net: DiffusionGemmaNetwork) -> list[torch.Tensor]:
     length = [0, 0]
     gen = torch.Generator().manual_seed(0)
     out: list[torch.Tensor] = []
+    attention = net.attention_backend(net.spec, backend, torch.device("cpu"))
 
     def forward(work):
         passes, ids, positions = [], [], []
@@ -55,7 +56,7 @@ def scenario(net: DiffusionGemmaNetwork) -> list[torch.Tensor]:
             positions += range(length[s], length[s] + len(tokens))
         with torch.inference_mode():
             hidden = net(torch.tensor(ids), torch.tensor(positions), caches,
-                         GemmaAttentionMeta(passes, PAGE, gemma.sliding_window, torch.device("cpu")))
+                         GemmaAttentionMeta(passes, PAGE, gemma.sliding_window, torch.device("cpu"), attention))
             logits = net.logits(hidden)
         for s, kind, tokens, _ in work:
             if kind == ENCODE:
@@ -75,17 +76,19 @@ def scenario(net: DiffusionGemmaNetwork) -> list[torch.Tensor]:
     return out
 
 
-def _rank(rank: int, path: str, port: int, result: str) -> None:
+def _rank(rank: int, path: str, port: int, result: str, backend: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
-        logits = scenario(build(path, TPContext(rank=rank, size=2)))
+        logits = scenario(build(path, TPContext(rank=rank, size=2)), backend)
         if rank == 0:
             torch.save(logits, result)
     finally:
         dist.destroy_process_group()
 
 
-def test_tp2_equals_tp1(tmp_path):
+@pytest.mark.parametrize("backend", ["torch", "flex"])
+def test_tp2_equals_tp1(tmp_path, backend):
+    """tp=2 on each attention backend (flex: eager FlexAttention) against tp=1 on the torch reference."""
     from engine.model.families.diffusion_gemma.tiny import write_tiny_diffusion_gemma
 
     path = str(write_tiny_diffusion_gemma(tmp_path / "tiny", num_global_key_value_heads=2))
@@ -93,7 +96,7 @@ def test_tp2_equals_tp1(tmp_path):
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     result = str(tmp_path / "tp2.pt")
-    mp.spawn(_rank, args=(path, port, result), nprocs=2, join=True)
+    mp.spawn(_rank, args=(path, port, result, backend), nprocs=2, join=True)
     tp1 = scenario(build(path, TPContext()))
     tp2 = torch.load(result)
     assert len(tp1) == len(tp2) == 4

@@ -22,11 +22,9 @@ class LayerGroupPasses:
     """The pools, caches and kept self-conditioning of one rank serving a layer-group network."""
 
     def __init__(self, model: torch.nn.Module, config: EngineConfig, device: torch.device, dtype: torch.dtype,
-                 tp_size: int, max_len: int):
-        if config.attention_backend in ("flash", "flex"):
-            raise ValueError(f"attention_backend={config.attention_backend!r}: a {model.spec.model_type} model's "
-                             "encoder and canvas passes run on the torch reference attention only; "
-                             "use attention_backend='torch' or 'auto'")
+                 tp_size: int, max_len: int, attention: object):
+        """`attention`: the network's own backend for its passes (`network.attention_backend`)."""
+        self.attention = attention
         self.layout = model.kv_layout(config.kv_block_size, tp_size)
         self.device, self.dtype, self.page_size, self.tp_size = device, dtype, config.kv_block_size, tp_size
         n = config.num_kv_blocks
@@ -55,7 +53,7 @@ class LayerGroupPasses:
         soft = [self.conditioning.get(k) if k is not None else None for k in keys]
         starts = [kv - q for kv, q in zip(batch.kv_lens, batch.q_lens, strict=True)]
         meta = model.pass_metadata(batch.pass_kinds, starts, batch.q_lens, batch.group_page_tables, soft,
-                                   self.page_size, self.device)
+                                   self.page_size, self.device, self.attention)
         ids = torch.tensor(batch.input_ids, dtype=torch.long, device=self.device)
         positions = torch.tensor(batch.positions, dtype=torch.long, device=self.device)
         hidden = model(ids, positions, kv_caches, meta)

@@ -1,10 +1,9 @@
 """The model runner: owns one model shard and its KV cache, turns a ForwardBatch into logits.
 
 `ForwardBatch` and `ForwardOutput` (engine.worker.forward_batch) are plain data so the same batch
-can be sent to every tensor-parallel worker. Only rows whose logits are used reach the LM head: `sample_rows`
-(positions to sample or unmask) return full logits rows; `score_rows` (input-token scoring) are
-projected in chunks of `logprobs_chunk_rows` and reduced to (value, top-k) right away, so scoring
-never holds (tokens x vocab) logits.
+can be sent to every tensor-parallel worker. Only rows whose logits are used reach the LM head:
+`sample_rows` (positions to sample or unmask) return full logits rows; `score_rows` (input-token
+scoring) are projected in chunks of `logprobs_chunk_rows` and reduced to (value, top-k) right away.
 
 Between rollouts an RL trainer changes what the runner holds: weight updates arrive in two phases
 (`stage_weights` checks and copies this rank's slices aside, `commit_weights` swaps them in,
@@ -121,14 +120,16 @@ class ModelRunner:
         self.spec, self.config = spec, config
         self.device = resolve_device(config)
         self.dtype = resolve_dtype(config, self.device, spec)
-        self.backend = make_attention_backend(config.attention_backend, self.device, self.dtype,
-                                              config.kv_block_size, spec.head_dim)
-        self.dllm_block_length = None
-        self.tp = tp or TPContext()
+        network = spec.family.network  # a network of layer groups brings its own backend for its passes
+        self.backend = (network.attention_backend(spec, config.attention_backend, self.device)
+                        if hasattr(network, "attention_backend") else
+                        make_attention_backend(config.attention_backend, self.device, self.dtype,
+                                               config.kv_block_size, spec.head_dim))
+        self.dllm_block_length, self.tp = None, tp or TPContext()
         self.model: PreNormDecoderLM | None = self._prepare(build_model(spec, self.device, self.dtype, tp))
         # a network whose layers form groups of their own K/V geometry sizes and runs them itself
         self.layer_groups = (LayerGroupPasses(self.model, config, self.device, self.dtype, self.tp.size,
-                                              config.max_model_len or spec.max_position_embeddings)
+                                              config.max_model_len or spec.max_position_embeddings, self.backend)
                              if hasattr(self.model, "kv_layout") else None)
         self.num_pages = (max(self.layer_groups.pools.values()) if self.layer_groups
                           else num_kv_pages(spec, config, self.device, self.dtype))

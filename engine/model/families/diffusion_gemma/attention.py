@@ -1,4 +1,5 @@
-"""DiffusionGemma's attention over its paged K/V caches (the torch reference).
+"""DiffusionGemma's attention over its paged K/V caches: the passes of a forward, what every backend
+shares (the K/V write of encoder passes, the committed keys each pass reads), and the torch reference.
 
 A forward holds passes of two kinds, one per sequence, contiguous in the flat batch:
 - **encode** (prompt prefill, a chunk of it, or the commit of a finished canvas): causal; a sliding
@@ -8,12 +9,15 @@ A forward holds passes of two kinds, one per sequence, contiguous in the flat ba
   nothing: the canvas's own K/V never leave the forward.
 
 Each layer group (sliding, full) has its own caches and page tables; a sliding group's table may hold
-freed pages (`FREED`) before the window, which are never read.
+freed pages (`FREED`) before the window, which are never read. A backend (`GemmaTorchAttention` here,
+`flex_attention.GemmaFlexAttention`) derives what it needs once per forward and group in `prepare`
+and attends every layer of the group with it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -37,13 +41,37 @@ class GemmaPass:
 
 
 @dataclass
+class GroupPlan:
+    """One layer group's share of a forward, the same for all its layers."""
+
+    committed: list[list[int]]  # per pass: the cache slots of the committed keys it reads, in position order
+    committed_from: list[int]  # per pass: the position of its first committed key
+    rows: list[int]  # per pass: its first row in the flat batch
+    write_rows: torch.Tensor  # rows of encoder passes, whose K/V go to the cache...
+    write_slots: torch.Tensor  # ...at these slots
+    window: int | None  # the group's sliding window (None: full attention)
+    backend: dict = field(default_factory=dict)  # what the backend derived from the rest
+
+
+class GemmaAttentionBackend(Protocol):
+    name: str
+
+    def prepare(self, meta: GemmaAttentionMeta, plan: GroupPlan) -> None:
+        """Derive, into `plan.backend`, what every layer of the group reuses in this forward."""
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+               v_cache: torch.Tensor, meta: GemmaAttentionMeta, plan: GroupPlan) -> torch.Tensor:
+        """q [T, H, D], this forward's k/v [T, KVH, D] (encoder passes' already in the cache) -> [T, H, D]."""
+
+
+@dataclass
 class GemmaAttentionMeta:
     passes: list[GemmaPass]
     page_size: int
     sliding_window: int
     device: torch.device
-    # derived by `prepare`: per group, per pass (key slots of committed keys, mask or None), write slots
-    groups: dict[str, dict] = field(default_factory=dict)
+    backend: GemmaAttentionBackend | None = None  # None: the torch reference
+    groups: dict[str, GroupPlan] = field(default_factory=dict)  # filled by `prepare`
 
     def committed_range(self, p: GemmaPass, kind: str) -> tuple[int, int]:
         """Positions [lo, hi) of committed keys pass `p` reads in a `kind` layer."""
@@ -51,35 +79,26 @@ class GemmaAttentionMeta:
         return lo, p.start
 
     def prepare(self) -> None:
-        """Key slots, masks and write slots of every pass, once per forward for all layers of a group."""
+        """Every group's plan, once per forward for all layers of the group."""
+        self.backend = self.backend or GemmaTorchAttention()
         for kind in (SLIDING, FULL):
-            per_pass, write_rows, write_slots, row = [], [], [], 0
+            committed, committed_from, rows, write_rows, write_slots, row = [], [], [], [], [], 0
             for p in self.passes:
                 lo, hi = self.committed_range(p, kind)
                 table = p.page_tables[kind]
-                slots = [_slot(table, pos, self.page_size) for pos in range(lo, hi)]
-                per_pass.append((row, torch.tensor(slots, dtype=torch.long, device=self.device),
-                                 self._mask(p, kind, lo)))
+                committed.append([_slot(table, pos, self.page_size) for pos in range(lo, hi)])
+                committed_from.append(lo)
+                rows.append(row)
                 if p.kind == ENCODE:
                     write_rows += range(row, row + p.q_len)
                     write_slots += [_slot(table, p.start + i, self.page_size) for i in range(p.q_len)]
                 row += p.q_len
-            self.groups[kind] = {
-                "passes": per_pass,
-                "write_rows": torch.tensor(write_rows, dtype=torch.long, device=self.device),
-                "write_slots": torch.tensor(write_slots, dtype=torch.long, device=self.device),
-            }
-
-    def _mask(self, p: GemmaPass, kind: str, lo: int) -> torch.Tensor | None:
-        if p.kind == CANVAS:
-            return None
-        q = torch.arange(p.start, p.start + p.q_len, device=self.device)[:, None]
-        k = torch.cat([torch.arange(lo, p.start, device=self.device),
-                       torch.arange(p.start, p.start + p.q_len, device=self.device)])[None, :]
-        visible = k <= q
-        if kind == SLIDING:
-            visible &= k > q - self.sliding_window
-        return visible
+            plan = GroupPlan(committed, committed_from, rows,
+                             torch.tensor(write_rows, dtype=torch.long, device=self.device),
+                             torch.tensor(write_slots, dtype=torch.long, device=self.device),
+                             self.sliding_window if kind == SLIDING else None)
+            self.backend.prepare(self, plan)
+            self.groups[kind] = plan
 
 
 def _slot(table: list[int], pos: int, page_size: int) -> int:
@@ -93,18 +112,48 @@ def gemma_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
                     v_cache: torch.Tensor, meta: GemmaAttentionMeta, kind: str) -> torch.Tensor:
     """q [T, H, D], k/v [T, KVH, D], caches [pages, page_size, KVH, D] -> [T, H, D]; scaling 1.0.
     Encode passes' K/V are written first; canvas passes' only attend."""
-    group = meta.groups[kind]
+    plan = meta.groups[kind]
     kvh, d = k_cache.shape[-2:]
-    flat_k, flat_v = k_cache.view(-1, kvh, d), v_cache.view(-1, kvh, d)
-    if len(group["write_rows"]):
-        flat_k.index_copy_(0, group["write_slots"], k.index_select(0, group["write_rows"]))
-        flat_v.index_copy_(0, group["write_slots"], v.index_select(0, group["write_rows"]))
-    out = torch.empty_like(q)
-    for p, (row, slots, mask) in zip(meta.passes, group["passes"], strict=True):
-        rows = slice(row, row + p.q_len)
-        keys = torch.cat([flat_k.index_select(0, slots), k[rows]])
-        values = torch.cat([flat_v.index_select(0, slots), v[rows]])
-        out[rows] = F.scaled_dot_product_attention(
-            q[rows].transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
-            attn_mask=mask, scale=1.0, enable_gqa=True)[0].transpose(0, 1)
-    return out
+    if len(plan.write_rows):
+        k_cache.view(-1, kvh, d).index_copy_(0, plan.write_slots, k.index_select(0, plan.write_rows))
+        v_cache.view(-1, kvh, d).index_copy_(0, plan.write_slots, v.index_select(0, plan.write_rows))
+    return meta.backend.attend(q, k, v, k_cache, v_cache, meta, plan)
+
+
+class GemmaTorchAttention:
+    """The reference: per pass, its committed keys gathered beside its own, one SDPA call."""
+
+    name = "torch"
+
+    def prepare(self, meta: GemmaAttentionMeta, plan: GroupPlan) -> None:
+        plan.backend["torch"] = [
+            (torch.tensor(slots, dtype=torch.long, device=meta.device), self._mask(p, lo, plan.window, meta.device))
+            for p, slots, lo in zip(meta.passes, plan.committed, plan.committed_from, strict=True)]
+
+    @staticmethod
+    def _mask(p: GemmaPass, lo: int, window: int | None, device: torch.device) -> torch.Tensor | None:
+        if p.kind == CANVAS:
+            return None
+        q = torch.arange(p.start, p.start + p.q_len, device=device)[:, None]
+        k = torch.cat([torch.arange(lo, p.start, device=device),
+                       torch.arange(p.start, p.start + p.q_len, device=device)])[None, :]
+        visible = k <= q
+        if window is not None:
+            visible &= k > q - window
+        return visible
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+               v_cache: torch.Tensor, meta: GemmaAttentionMeta, plan: GroupPlan) -> torch.Tensor:
+        if "torch" not in plan.backend:  # a backend that handed over to this one mid-forward
+            self.prepare(meta, plan)
+        kvh, d = k_cache.shape[-2:]
+        flat_k, flat_v = k_cache.view(-1, kvh, d), v_cache.view(-1, kvh, d)
+        out = torch.empty_like(q)
+        for p, row, (slots, mask) in zip(meta.passes, plan.rows, plan.backend["torch"], strict=True):
+            rows = slice(row, row + p.q_len)
+            keys = torch.cat([flat_k.index_select(0, slots), k[rows]])
+            values = torch.cat([flat_v.index_select(0, slots), v[rows]])
+            out[rows] = F.scaled_dot_product_attention(
+                q[rows].transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
+                attn_mask=mask, scale=1.0, enable_gqa=True)[0].transpose(0, 1)
+        return out

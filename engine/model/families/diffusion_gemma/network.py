@@ -16,11 +16,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.errors import CheckpointError
-from engine.model.families.diffusion_gemma.attention import CANVAS, GemmaAttentionMeta, GemmaPass, gemma_attention
+from engine.model.families.diffusion_gemma.attention import (
+    CANVAS,
+    GemmaAttentionBackend,
+    GemmaAttentionMeta,
+    GemmaPass,
+    GemmaTorchAttention,
+    gemma_attention,
+)
 from engine.model.families.diffusion_gemma.config import GemmaSpec, LayerGeometry
+from engine.model.families.diffusion_gemma.flex_attention import GemmaFlexAttention
 from engine.model.families.diffusion_gemma.kv_layout import KVLayout
 from engine.model.families.diffusion_gemma.parallel import ExpertDownSplit, GateUpSplit
 from engine.model.layers.parallel import TPContext, column_parallel, row_parallel
+from ops.attention import flex_unmet
 
 ENCODER = "model.encoder.language_model."
 
@@ -269,13 +278,32 @@ class DiffusionGemmaNetwork(nn.Module):
         """The page geometry of the two layer groups (the runner sizes and allocates the caches by it)."""
         return KVLayout(self.gemma, page_size, tp_size)
 
+    @staticmethod
+    def attention_backend(spec, name: str, device: torch.device) -> GemmaAttentionBackend:
+        """The backend for `EngineConfig.attention_backend` (chosen before the weights load): `torch` (the
+        reference) and `auto` the torch reference; `flex` FlexAttention (compiled where it can serve,
+        eager elsewhere). `flash` is refused: no installed flash kernel takes a canvas pass
+        (bidirectional among its queries, over committed keys it does not write) or the full layers'
+        head size."""
+        gemma = spec if isinstance(spec, GemmaSpec) else spec.extra
+        if name == "flash":
+            head_dims = sorted({geo.head_dim for geo in gemma.layers})
+            raise ValueError("attention_backend='flash' cannot run a diffusion_gemma model: its canvas pass "
+                             "attends bidirectionally over keys it does not write, and its layers have "
+                             f"head_dim {head_dims}, which no flash kernel here takes; use attention_backend="
+                             "'flex', 'torch' or 'auto'")
+        if name == "flex":
+            return GemmaFlexAttention(compiled=not flex_unmet(device), dynamic=True)
+        return GemmaTorchAttention()
+
     def pass_metadata(self, kinds: list[str], starts: list[int], q_lens: list[int],
                       page_tables: dict[str, list[list[int]]], soft: list[torch.Tensor | None], page_size: int,
-                      device: torch.device) -> GemmaAttentionMeta:
-        """The attention metadata of one forward of encoder / canvas passes (one per sequence)."""
+                      device: torch.device, backend: GemmaAttentionBackend | None = None) -> GemmaAttentionMeta:
+        """The attention metadata of one forward of encoder / canvas passes (one per sequence); `backend`
+        None: the torch reference."""
         passes = [GemmaPass(kind, start, n, {g: tables[s] for g, tables in page_tables.items()}, soft[s])
                   for s, (kind, start, n) in enumerate(zip(kinds, starts, q_lens, strict=True))]
-        return GemmaAttentionMeta(passes, page_size, self.gemma.sliding_window, device)
+        return GemmaAttentionMeta(passes, page_size, self.gemma.sliding_window, device, backend)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         weight = self.model.decoder.embed_tokens.weight
@@ -289,8 +317,8 @@ class DiffusionGemmaNetwork(nn.Module):
         return (probs @ weight) * torch.tensor(self.gemma.hidden_size**0.5).to(weight.dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, ...]],
-                meta: GemmaAttentionMeta, backend: object = None) -> torch.Tensor:
-        """`backend` is unused: the family attends through its own paged attention."""
+                meta: GemmaAttentionMeta) -> torch.Tensor:
+        """Final hidden states of every fed row; attention through `meta.backend`."""
         decoder = self.model.decoder
         h = self.embed(input_ids)
         row = 0
