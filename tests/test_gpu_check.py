@@ -141,6 +141,27 @@ def test_trajectory_part_at_toy_size(tmp_path):
     assert out["max_abs_diff_scored_vs_logged"] < 1e-4
 
 
+def test_diffusion_gemma_part_at_toy_size(tmp_path):
+    """The part on a tiny DiffusionGemma (weights drawn as the part draws them), each backend serving
+    every request to the end; and the release config it writes loads as the release's shape."""
+    pytest.importorskip("transformers.models.diffusion_gemma")
+    from bench.gpu_check.diffusion_gemma import diffusion_gemma, write_release_config
+    from engine.model.families.diffusion_gemma.tiny import write_tiny_diffusion_gemma
+
+    release = load_model_spec(write_release_config(tmp_path))
+    assert (release.vocab_size, release.num_hidden_layers, release.extra.canvas_length) == (262144, 30, 256)
+    path = write_tiny_diffusion_gemma(tmp_path / "tiny")
+    out = diffusion_gemma(path, "cpu", "float32", EngineChoice(overrides={"dllm_max_denoising_steps": 4}),
+                          concurrency=(1, 3), max_new_tokens=20)
+    for backend in ("torch", "flex"):
+        assert out[backend]["ran_as"] == backend
+        for n in (1, 3):
+            run = out[backend][str(n)]
+            assert run["finished"] == run["requests"] == n and run["tokens_per_s"] > 0
+            assert run["steps_per_request"] == [8]  # two canvases of 16 for 20 tokens, 4 steps each
+    assert out["same_tokens_on_every_backend"] == out["compared_requests"] == 3
+
+
 # ---- the part loop and the command line ------------------------------------------------------------------------
 def test_part_loop_reports_errors_and_skips_a_part_whose_cap_no_longer_fits(capsys):
     part = cli.PartLoop({"ok", "fails", "capped"}, budget=30)

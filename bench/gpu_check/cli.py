@@ -16,6 +16,7 @@ import torch
 from bench.gpu_check.agreement import check_seeded_sampling, compare_greedy, write_tiny_pair
 from bench.gpu_check.attention import backends_to_compare, compare_attention
 from bench.gpu_check.batch_invariance import batch_invariance
+from bench.gpu_check.diffusion_gemma import diffusion_gemma, write_release_config
 from bench.gpu_check.engine_choice import EngineChoice, parse_override
 from bench.gpu_check.machine import machine_report
 from bench.gpu_check.random_weights import write_config_only
@@ -24,11 +25,14 @@ from bench.gpu_check.throughput import shape_throughput, throughput, write_sdar
 from bench.gpu_check.trajectory import trajectory_scoring
 
 PARTS = ("machine", "flash", "greedy", "seeded_sampling", "throughput", "float32_reference", "sdar_4b",
-         "batch_invariance", "trajectory_scoring")
-MODEL_PARTS = {"throughput", "float32_reference", "sdar_4b", "batch_invariance", "trajectory_scoring"}
+         "batch_invariance", "trajectory_scoring", "diffusion_gemma")
+MODEL_PARTS = {"throughput", "float32_reference", "sdar_4b", "batch_invariance", "trajectory_scoring",
+               "diffusion_gemma"}
 # One command on the borrowed machine may run 600 s: the parts' budget leaves room for the final report.
 BUDGET_SECONDS = 560.0
 TRAJECTORY_CAP_SECONDS = 90.0  # 64 x 256 rollouts and their scoring on the SDAR-1.7B shape, with the engine's build
+# DiffusionGemma's release shape on two backends: builds, warm-ups (a compile) and 45 s runs at 1 and 32
+DIFFUSION_GEMMA_CAP_SECONDS = 330.0
 
 
 class PartLoop:
@@ -109,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
         part("trajectory_scoring", lambda: trajectory_scoring(write_config_only(Path(tmp), SDAR_1_7B), "cuda",
                                                               "bfloat16", choice=choice),
              cap=TRAJECTORY_CAP_SECONDS)
+        part("diffusion_gemma", lambda: diffusion_gemma(write_release_config(Path(tmp)), "cuda", "bfloat16", choice,
+                                                        max_seconds=45.0), cap=DIFFUSION_GEMMA_CAP_SECONDS)
     part.report["seconds"] = time.perf_counter() - part.t0
     print(json.dumps(part.report, indent=2))
     return 0

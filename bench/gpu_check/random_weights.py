@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
@@ -50,13 +50,15 @@ def fill_random(model: PreNormDecoderLM, spec: ModelSpec, seed: int, std: float 
 
 
 @contextmanager
-def weights_on_device(seed: int = 1) -> Iterator[None]:
-    """Model runners built inside this block draw their weights on their device instead of loading them."""
+def weights_on_device(seed: int = 1, fill: Callable[[torch.nn.Module, ModelSpec, int], None] = fill_random,
+                      ) -> Iterator[None]:
+    """Model runners built inside this block draw their weights on their device (by `fill`) instead of
+    loading them."""
     load = model_runner.build_model
 
     def build(spec: ModelSpec, device: torch.device, dtype: torch.dtype, tp: TPContext | None) -> PreNormDecoderLM:
         model = model_runner.allocate_model(spec, device, dtype, tp)
-        fill_random(model, spec, seed)
+        fill(model, spec, seed)
         return model
 
     model_runner.build_model = build
