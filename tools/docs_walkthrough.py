@@ -205,7 +205,7 @@ SPECS: list[Spec] = [
     Spec("README.md", "install -e '.[trace]'", "server", "README's first command", ready="health",
          name="readme"),
     Spec("README.md", "-e '.[test]' && RAY_AUTH_MODE=disabled .venv/bin/python -m pytest -q", "long",
-         "the whole suite: about 34 min of pytest on 2 busy cores (--long runs it); the install before it "
+         "the whole suite: about 29 min of pytest on 2 busy cores (--long runs it); the install before it "
          "runs here, and the fast tier below", cut=" && RAY_AUTH_MODE=disabled .venv/bin/python -m pytest -q",
          timeout=3000,
          check=_pytest_passed),
