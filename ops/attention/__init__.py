@@ -31,10 +31,10 @@ skips `plan` (tests, benchmarks) gets it done inside `prepare`, at the cost of e
 
 from ops.attention.base import AttentionBackend, AttentionMetadata, StepPlan, planned, write_kv
 from ops.attention.flash import FlashAttention, usable_flash_kernel
-from ops.attention.flex import FLEX_TILE, FlexAttention, flex_unmet
+from ops.attention.flex import FLEX_TILE, FlexAttention, flex_attention_fn, flex_unmet
 from ops.attention.selection import make_attention_backend
 from ops.attention.torch_reference import TorchAttention, sdpa_gqa
 
 __all__ = ["FLEX_TILE", "AttentionBackend", "AttentionMetadata", "FlashAttention", "FlexAttention", "StepPlan",
-           "TorchAttention", "flex_unmet", "make_attention_backend", "planned", "sdpa_gqa", "usable_flash_kernel",
-           "write_kv"]
+           "TorchAttention", "flex_attention_fn", "flex_unmet", "make_attention_backend", "planned", "sdpa_gqa",
+           "usable_flash_kernel", "write_kv"]

@@ -36,13 +36,8 @@ class FlexAttention(AttentionBackend):
     plans_from_page_tables = True
 
     def __init__(self, compiled: bool, dynamic: bool = False):
-        """`dynamic` (for serving): the query count and the BlockMask's width change every step, so one
-        symbolic-shape compile instead of a recompile per new shape (past dynamo's recompile limit it
-        would fall back to eager, which materialises query x cache scores). torch 2.13's CPU kernel
-        fails to build with symbolic shapes, so the CPU test compiles static shapes."""
         self.compiled = compiled
-        self.fn: Callable[..., torch.Tensor] = (torch.compile(flex_attention, fullgraph=True, dynamic=dynamic)
-                                                 if compiled else flex_attention)
+        self.fn = flex_attention_fn(compiled, dynamic)
         self.fallback: TorchAttention | None = None  # serves instead once the compiled kernel failed
 
     def plan(self, q_lens: list[int], kv_lens: list[int], page_tables: list[list[int]], page_size: int,
@@ -140,6 +135,15 @@ class FlexAttention(AttentionBackend):
         return self.fallback.attend(q, k_cache, v_cache, meta, scale)
 
 
+
+
+def flex_attention_fn(compiled: bool, dynamic: bool) -> Callable[..., torch.Tensor]:
+    """`flex_attention`, compiled (whole graph) or eager. `dynamic` (for serving): the query count and
+    the BlockMask's width change every step, so one symbolic-shape compile instead of a recompile per
+    new shape (past dynamo's recompile limit it would fall back to eager, which materialises query x
+    key scores). torch 2.13's CPU kernel fails to build with symbolic shapes, so the CPU tests compile
+    static shapes."""
+    return torch.compile(flex_attention, fullgraph=True, dynamic=dynamic) if compiled else flex_attention
 
 
 def flex_unmet(device: torch.device) -> list[str]:

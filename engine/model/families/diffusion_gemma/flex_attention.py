@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import BlockMask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask
 
 from engine.model.families.diffusion_gemma.attention import (
     CANVAS,
@@ -29,7 +29,7 @@ from engine.model.families.diffusion_gemma.attention import (
     GemmaTorchAttention,
     GroupPlan,
 )
-from ops.attention import FLEX_TILE
+from ops.attention import FLEX_TILE, flex_attention_fn
 
 log = logging.getLogger(__name__)
 
@@ -61,19 +61,16 @@ def plan_flex(meta: GemmaAttentionMeta, plan: GroupPlan) -> dict[str, list[int] 
     committed_at = [0]
     for slots in plan.committed:
         committed_at.append(committed_at[-1] + len(slots))
-    blocks: list[list[int]] = []
-    for t in range(tiles):
-        lo, hi = t * FLEX_TILE, min(num_rows, (t + 1) * FLEX_TILE)
-        tile: set[int] = set()
-        for s, (p, row) in enumerate(zip(meta.passes, plan.rows, strict=True)):
-            if row >= hi or row + p.q_len <= lo:
-                continue
-            own_end = row + p.q_len if p.kind == CANVAS else min(row + p.q_len, hi)
+    tile_blocks: list[set[int]] = [set() for _ in range(tiles)]
+    for s, (p, row) in enumerate(zip(meta.passes, plan.rows, strict=True)):
+        for t in range(row // FLEX_TILE, (row + p.q_len - 1) // FLEX_TILE + 1):
+            tile_end = min(row + p.q_len, (t + 1) * FLEX_TILE)
+            own_end = row + p.q_len if p.kind == CANVAS else tile_end
             for start, end in ((committed_at[s], committed_at[s + 1]),
                                (num_committed + row, num_committed + own_end)):
                 if end > start:
-                    tile.update(range(start // KEY_BLOCK, (end - 1) // KEY_BLOCK + 1))
-        blocks.append(sorted(tile))
+                    tile_blocks[t].update(range(start // KEY_BLOCK, (end - 1) // KEY_BLOCK + 1))
+    blocks = [sorted(b) for b in tile_blocks]
     width = max(len(b) for b in blocks)
     pad_rows, pad_keys = tiles * FLEX_TILE - num_rows, num_keys - len(key_pass)
     return {"slots": [slot for slots in plan.committed for slot in slots],
@@ -88,11 +85,9 @@ class GemmaFlexAttention:
     """FlexAttention over each pass's committed keys and the forward's own K/V (see the module)."""
 
     def __init__(self, compiled: bool, dynamic: bool = False):
-        """`dynamic` (serving): one symbolic-shape compile instead of one per batch shape. torch 2.13's
-        CPU kernel fails to build with symbolic shapes, so the CPU test compiles static shapes."""
+        """`dynamic`: as `ops.attention.flex_attention_fn`'s (serving compiles symbolic shapes)."""
         self.compiled, self.name = compiled, "flex"
-        self.fn: Callable[..., torch.Tensor] = (torch.compile(flex_attention, fullgraph=True, dynamic=dynamic)
-                                                 if compiled else flex_attention)
+        self.fn = flex_attention_fn(compiled, dynamic)
         self.fallback: GemmaTorchAttention | None = None  # serves instead once the compiled kernel failed
 
     def prepare(self, meta: GemmaAttentionMeta, plan: GroupPlan) -> None:
