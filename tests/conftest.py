@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 from ray_env import QUIET, SERVE_ENGINE, set_test_ray_environment
+from worker_groups import GROUPS_DIR
 
 set_test_ray_environment()
 
@@ -38,13 +39,43 @@ def tier_of(item: pytest.Item) -> str:
     return "serve" if "serve_cluster" in fixtures else "engine"
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def worker_group(item: pytest.Item) -> str:
+    """The unit one xdist worker runs (tests/worker_groups.py): the whole `serve` tier, else the module."""
+    return "serve_cluster" if item.get_closest_marker("serve") else item.nodeid.split("::", 1)[0]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         marked = [t for t in TIERS if t != "system" and item.get_closest_marker(t)]
         if marked:
             raise pytest.UsageError(f"{item.nodeid}: the `{marked[0]}` tier is derived from the fixtures a "
                                     "test uses (tests/conftest.py); mark only `system` by hand")
         item.add_marker(tier_of(item))
+    if hasattr(config, "workerinput"):  # an xdist worker: tell the controller's scheduler the groups
+        from worker_groups import write_groups
+
+        write_groups(config.workerinput, {item.nodeid: worker_group(item) for item in items})
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node) -> None:
+    """Each xdist worker learns where to write its groups: one folder per run, made by the controller."""
+    node.workerinput[GROUPS_DIR] = str(_groups_dir(node.config))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    from worker_groups import WorkerGroupScheduling
+
+    return WorkerGroupScheduling(config, log, _groups_dir(config))
+
+
+def _groups_dir(config: pytest.Config) -> Path:
+    if not hasattr(config, "_blockserve_groups_dir"):
+        import tempfile
+
+        config._blockserve_groups_dir = Path(tempfile.mkdtemp(prefix="blockserve-worker-groups-"))
+    return config._blockserve_groups_dir
 
 
 @pytest.fixture(autouse=True)

@@ -1,0 +1,43 @@
+"""How pytest-xdist shares the suite among its workers: every `serve` test on one worker (the session's
+one Ray cluster, and its pool of applications, stay in one process however many workers run), any other
+test with the rest of its module (a module-scoped fixture -- a scenario run once, an engine a module
+shares -- is built once).
+
+xdist's own `--dist loadgroup` would do this from `xdist_group` marks, but it tags node ids through an
+attribute pytest 9 no longer reads. So each worker writes the group of every test it collected to a file
+(`write_groups`), and the controller's scheduler (`WorkerGroupScheduling`) reads it: the controller
+never collects, and all it receives from the workers are node ids."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from xdist.scheduler import LoadScopeScheduling
+
+GROUPS_DIR = "blockserve_worker_groups"  # the workerinput key: the folder the workers' group files go to
+
+
+def write_groups(workerinput: dict, groups: dict[str, str]) -> None:
+    """A worker's {node id: group}, written whole before the worker reports its collection."""
+    path = Path(workerinput[GROUPS_DIR]) / f"{workerinput['workerid']}.json"
+    partial = path.with_suffix(".partial")
+    partial.write_text(json.dumps(groups))
+    os.replace(partial, path)
+
+
+class WorkerGroupScheduling(LoadScopeScheduling):
+    """LoadScopeScheduling whose scopes are the groups the workers wrote (all workers collect the same
+    tests, which xdist checks, so any one worker's file is the whole map). The largest group -- the
+    `serve` tier -- is handed out first."""
+
+    def __init__(self, config, log, groups_dir: Path):
+        super().__init__(config, log)
+        self.groups_dir = groups_dir
+        self._groups: dict[str, str] | None = None
+
+    def _split_scope(self, nodeid: str) -> str:
+        if self._groups is None:
+            self._groups = json.loads(min(self.groups_dir.glob("*.json")).read_text())
+        return self._groups[nodeid]
