@@ -50,7 +50,8 @@ class EngineConfig(EngineKnobs):
         256, ge=1, description="rows per LM-head chunk when scoring: bounds logits memory"
     )
     attention_backend: Literal["auto", "torch", "flash", "flex"] = Field(
-        "auto", description="auto = the fastest that can run here: flash, then compiled flex (CUDA), then torch; "
+        "auto", description="auto = flash where a flash kernel can run, else torch (flex only when asked: "
+        "faster at high concurrency on a GPU, but seeded sampling differs between batched and alone); "
         "a diffusion_gemma model: torch (flex when asked, flash refused)"
     )
     cuda_graphs: bool = Field(

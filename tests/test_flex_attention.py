@@ -15,9 +15,11 @@ import warnings
 
 import pytest
 import torch
+from torch.nn.attention.flex_attention import BlockMask
 
 from engine import EngineConfig, GenerationConfig, pipeline
 from ops.attention import FLEX_TILE, AttentionBackend, AttentionMetadata, FlexAttention, TorchAttention
+from ops.attention.flex import triton_tiles
 
 PAGE, HEADS, KV_HEADS, DIM = 16, 4, 2, 8
 NUM_PAGES = 40
@@ -143,6 +145,23 @@ def test_a_missing_page_changes_the_compiled_result():
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     broken, _ = attend(DropsLastPage(compiled=True), batch)
     assert not torch.allclose(broken, want, atol=1e-2)
+
+
+def test_the_triton_tiles_divide_the_masks_blocks():
+    """Inductor refuses a BlockMask whose blocks its Triton tiles do not divide (seen on an H200 with
+    torch 2.11: 'Q and KV block size must be divisible by BLOCK_M and BLOCK_N'), and its decoding kernel
+    found no configuration for these masks: the compiled call names tiles that divide both the paged
+    backend's mask and DiffusionGemma's, and the main kernel."""
+    batch = make_batch(DLLM_BATCHES["mixed"], 4)
+    _, meta = attend(FlexAttention(compiled=False), batch)
+    for mask in (meta.extra["block_mask"], BlockMask.from_kv_blocks(torch.ones(1, 1, 1, dtype=torch.int32),
+                                                                    torch.zeros(1, 1, 1, 1, dtype=torch.int32),
+                                                                    BLOCK_SIZE=(128, 256))):
+        q_block, kv_block = mask.BLOCK_SIZE
+        tiles = triton_tiles(mask)
+        assert q_block % tiles["BLOCK_M"] == 0 and kv_block % tiles["BLOCK_N"] == 0
+        assert 16 <= tiles["BLOCK_M"] <= 64 and 16 <= tiles["BLOCK_N"] <= 64  # Triton's dot needs 16
+        assert tiles["FORCE_USE_FLEX_ATTENTION"] is True
 
 
 def test_a_compiled_kernel_that_fails_hands_over_to_the_torch_backend(caplog):

@@ -23,6 +23,7 @@ from bench.models import TOY_SHAPE, BenchShape
 from bench.trajectory_scoring import Rollouts
 from bench.workloads import Traffic
 from engine.model.checkpoint import load_model_spec
+from engine.model.source import check_checkpoint
 from engine.worker import runner
 from ops.attention import FlashAttention, FlexAttention
 
@@ -148,7 +149,9 @@ def test_diffusion_gemma_part_at_toy_size(tmp_path):
     from bench.gpu_check.diffusion_gemma import diffusion_gemma, write_release_config
     from engine.model.families.diffusion_gemma.tiny import write_tiny_diffusion_gemma
 
-    release = load_model_spec(write_release_config(tmp_path))
+    release_dir = write_release_config(tmp_path)
+    check_checkpoint(release_dir)  # what the engine checks before it draws the weights
+    release = load_model_spec(release_dir)
     assert (release.vocab_size, release.num_hidden_layers, release.extra.canvas_length) == (262144, 30, 256)
     path = write_tiny_diffusion_gemma(tmp_path / "tiny")
     out = diffusion_gemma(path, "cpu", "float32", EngineChoice(overrides={"dllm_max_denoising_steps": 4}),

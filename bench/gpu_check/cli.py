@@ -77,6 +77,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--set", action="append", type=parse_override, default=[], metavar="FIELD=VALUE",
                         help="an EngineConfig field for every model part, applied last; VALUE is read as JSON, "
                              "else as a string (repeatable; e.g. --set enable_torch_compile=true)")
+    parser.add_argument("--throughput-seconds", type=float, default=240.0, metavar="S",
+                        help="the throughput part starts no new concurrency after S seconds (default 240)")
+    parser.add_argument("--diffusion-gemma-seconds", type=float, default=45.0, metavar="S",
+                        help="each DiffusionGemma run (one backend, one concurrency) stops after S seconds "
+                             "(default 45)")
     return parser.parse_args(argv)
 
 
@@ -103,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
         if part.selected & {"throughput", "float32_reference"}:
             path = write_sdar(Path(tmp), SDAR_1_7B)
             part("throughput", lambda: throughput(path, SDAR_1_7B, "cuda", "bfloat16", [1, 32, 128], TRAFFIC,
-                                                  hf_requests=4, choice=choice))
+                                                  hf_requests=4, max_seconds=args.throughput_seconds,
+                                                  choice=choice))
             part("float32_reference", lambda: throughput(path, SDAR_1_7B, "cuda", "float32", [1], TRAFFIC,
                                                          hf_requests=4, max_seconds=60, choice=choice))
         part("sdar_4b", lambda: shape_throughput(write_config_only(Path(tmp), SDAR_4B), SDAR_4B, "cuda", "bfloat16",
@@ -114,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
                                                               "bfloat16", choice=choice),
              cap=TRAJECTORY_CAP_SECONDS)
         part("diffusion_gemma", lambda: diffusion_gemma(write_release_config(Path(tmp)), "cuda", "bfloat16", choice,
-                                                        max_seconds=45.0), cap=DIFFUSION_GEMMA_CAP_SECONDS)
+                                                        max_seconds=args.diffusion_gemma_seconds),
+             cap=DIFFUSION_GEMMA_CAP_SECONDS)
     part.report["seconds"] = time.perf_counter() - part.t0
     print(json.dumps(part.report, indent=2))
     return 0

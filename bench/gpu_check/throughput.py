@@ -4,6 +4,7 @@ concurrency, weights drawn on the device)."""
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -17,6 +18,7 @@ from bench.gpu_check.model_engine import bench_engine
 from bench.gpu_check.random_weights import weights_on_device
 from bench.gpu_check.settings import BLOCK, STRATEGY, THRESHOLD
 from bench.models import DLLM_LOGIT_SCALE, BenchShape, mask_id_of, stop_ids_of
+from bench.progress import log
 from bench.workloads import Traffic
 from configs import GenerationConfig
 from tools.tiny_checkpoint import write_tiny_checkpoint
@@ -44,6 +46,7 @@ def throughput(path: Path, shape: BenchShape, device: str, dtype: str, concurren
             continue
         n = max(c, min(2 * c, traffic.num_requests)) if c > 1 else min(4, traffic.num_requests)
         run, result["engine"][str(c)] = serve_and_break_down(engine, prompts[:n], params[:n], shape, c)
+        log(f"throughput at {c} concurrent:", json.dumps(result["engine"][str(c)]))
         if not first_outputs:
             first_outputs = [o.token_ids for o in run.outputs]
     c = max(concurrency)

@@ -142,8 +142,27 @@ def flex_attention_fn(compiled: bool, dynamic: bool) -> Callable[..., torch.Tens
     the BlockMask's width change every step, so one symbolic-shape compile instead of a recompile per
     new shape (past dynamo's recompile limit it would fall back to eager, which materialises query x
     key scores). torch 2.13's CPU kernel fails to build with symbolic shapes, so the CPU tests compile
-    static shapes."""
-    return torch.compile(flex_attention, fullgraph=True, dynamic=dynamic) if compiled else flex_attention
+    static shapes. On CUDA the compiled call carries `triton_tiles` of its BlockMask."""
+    if not compiled:
+        return flex_attention
+    kernel = torch.compile(flex_attention, fullgraph=True, dynamic=dynamic)
+
+    def compiled_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, block_mask: BlockMask,
+                      **kwargs: object) -> torch.Tensor:
+        options = triton_tiles(block_mask) if q.is_cuda else None
+        return kernel(q, k, v, block_mask=block_mask, kernel_options=options, **kwargs)
+
+    return compiled_flex
+
+
+def triton_tiles(block_mask: BlockMask) -> dict[str, object]:
+    """The Triton kernel's tile sizes for a BlockMask of small blocks (16 query rows x one 16-slot page
+    here). Inductor's default tiles (64-128) must divide the mask's blocks, so without these it refuses
+    the mask ("Q and KV block size must be divisible by BLOCK_M and BLOCK_N"). And the main kernel
+    always: for short queries inductor would pick its split-KV decoding kernel, which found no valid
+    configuration for these masks (torch 2.11, H200)."""
+    q_block, kv_block = block_mask.BLOCK_SIZE
+    return {"BLOCK_M": min(q_block, 64), "BLOCK_N": min(kv_block, 64), "FORCE_USE_FLEX_ATTENTION": True}
 
 
 def flex_unmet(device: torch.device) -> list[str]:

@@ -18,8 +18,12 @@ def make_attention_backend(name: str, device: torch.device, dtype: torch.dtype, 
                            head_dim: int) -> AttentionBackend:
     """The backend for `EngineConfig.attention_backend`: `torch` always; `flash` when an installed
     kernel can run these settings, `flex` on any device (compiled where it can serve, eager
-    elsewhere), else a ValueError naming every unmet condition; `auto` the fastest that can run --
-    flash, then compiled flex, then torch -- logging which and why."""
+    elsewhere), else a ValueError naming every unmet condition; `auto` flash where it can run, else
+    torch, logging which and why.
+
+    `auto` never picks flex: on an H200 (torch 2.11, bfloat16) compiled flex gave seeded sampled
+    requests other tokens in a batch than alone, where the torch backend gave the same, and it was
+    slower than torch at 1 and 32 concurrent (faster at 128); docs/gpu.md has the figures."""
     if name == "torch":
         return TorchAttention()
     if name == "flex":
@@ -31,10 +35,6 @@ def make_attention_backend(name: str, device: torch.device, dtype: torch.dtype, 
     if kernel is not None:
         log.info("attention backend: flash (%s, key lengths by %s)", kernel.source, kernel.key_lengths)
         return FlashAttention(kernel)
-    flex_reasons = flex_unmet(device)
-    if not flex_reasons:
-        log.info("attention backend: flex, compiled (flash not used: %s)", "; ".join(unmet))
-        return FlexAttention(compiled=True, dynamic=True)
-    log.info("attention backend: torch (flash not used: %s; flex not used: %s)", "; ".join(unmet),
-             "; ".join(flex_reasons))
+    log.info("attention backend: torch (flash not used: %s; flex only when asked for: "
+             "attention_backend='flex')", "; ".join(unmet))
     return TorchAttention()
