@@ -4,10 +4,10 @@ Routing is exactly Hugging Face's `Qwen3MoeSparseMoeBlock`: router logits `x @ g
 float32, the top `num_experts_per_tok` probabilities (renormalised to sum 1 when `norm_topk_prob`),
 cast back to the activation dtype; a token's output is the weighted sum of its experts' outputs.
 
-Only routed work is computed: the (token, expert) pairs are sorted by expert id, each active expert
-runs one GEMM pair over exactly its rows, and the weighted rows are scattered back with one
-`index_add_` in expert order (the order Hugging Face adds them in). An expert no token picked costs
-nothing.
+Only routed work is computed: the (token, expert) pairs are sorted by expert id, every expert's
+GEMM pair runs over exactly its rows (one grouped GEMM per projection, `ops.grouped_gemm`), and the
+weighted rows are scattered back with one `index_add_` in expert order (the order Hugging Face adds
+them in). An expert no token picked costs nothing.
 
 Tensor parallelism splits every expert's intermediate dimension: rank r holds rows
 `[r*I/tp, (r+1)*I/tp)` of each expert's gate/up projection and the same columns of its down
@@ -31,11 +31,11 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from engine.model.layers.parallel import ColumnSplit, RowSplit, Split, TPContext
 from engine.model.spec import MoESpec
 from ops.fused import EAGER, Elementwise
+from ops.grouped_gemm import grouped_linear
 
 
 class StackedExperts(Split):
@@ -113,17 +113,10 @@ class SparseMoeBlock(nn.Module):
         flat = experts.flatten()
         order = torch.argsort(flat, stable=True)
         token_of = order // self.top_k
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        rows = x[token_of]
-        out_rows = torch.empty_like(rows)
+        ends = torch.bincount(flat, minlength=self.num_experts).cumsum(0).to(torch.int32)
         start_time = time.perf_counter() if self.stats.timed else 0.0
-        start = 0
-        for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            gate, up = F.linear(rows[start : start + n], self.w13[e]).split(self.inter, dim=-1)
-            out_rows[start : start + n] = F.linear(self.ops.silu_and_mul(gate, up), self.w2[e])
-            start += n
+        gate, up = grouped_linear(x[token_of], self.w13, ends).split(self.inter, dim=-1)
+        out_rows = grouped_linear(self.ops.silu_and_mul(gate, up), self.w2, ends)
         if self.stats.timed:
             self.stats.expert_seconds += time.perf_counter() - start_time
         self.stats.routed_rows += len(flat)

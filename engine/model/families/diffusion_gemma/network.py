@@ -30,6 +30,7 @@ from engine.model.families.diffusion_gemma.kv_layout import KVLayout
 from engine.model.families.diffusion_gemma.parallel import ExpertDownSplit, GateUpSplit
 from engine.model.layers.parallel import TPContext, column_parallel, row_parallel
 from ops.attention import flex_unmet
+from ops.grouped_gemm import grouped_linear
 
 ENCODER = "model.encoder.language_model."
 
@@ -147,18 +148,12 @@ class GemmaExperts(nn.Module):
     def forward(self, x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         t, k = index.shape
         flat = index.reshape(-1)
-        pair_out = x.new_zeros(t * k, x.shape[-1])
         # the (token, slot) pairs grouped by expert, each group in pair order (a stable sort)
         order = torch.sort(flat, stable=True).indices
-        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()
-        start = 0
-        for expert, count in enumerate(counts):
-            if not count:
-                continue
-            pairs = order[start: start + count]
-            start += count
-            gate, up = F.linear(x[pairs // k], self.gate_up_proj[expert]).chunk(2, dim=-1)
-            pair_out[pairs] = F.linear(F.gelu(gate, approximate="tanh") * up, self.down_proj[expert])
+        ends = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).cumsum(0).to(torch.int32)
+        gate, up = grouped_linear(x[order // k], self.gate_up_proj, ends).chunk(2, dim=-1)
+        pair_out = x.new_empty(t * k, x.shape[-1])
+        pair_out[order] = grouped_linear(F.gelu(gate, approximate="tanh") * up, self.down_proj, ends)
         weighted = pair_out * weights.reshape(-1, 1).to(pair_out.dtype)
         return self.tp.all_reduce(weighted.float().view(t, k, -1).sum(dim=1)).to(x.dtype)
 
