@@ -74,8 +74,10 @@ def test_divergence_gap_is_read_from_the_second_run_at_the_first_differing_token
     assert agreement._first_divergence_gap(SimpleNamespace(token_ids=[5]), second) == 0.0
 
 
-def test_seeded_sampling_part(tiny):
-    assert agreement.check_seeded_sampling(tiny["dllm"], "cpu", "float32", requests=4)["ok"]
+@pytest.mark.parametrize("attention", ["torch", "flex"])
+def test_seeded_sampling_part(tiny, attention):
+    result = agreement.check_seeded_sampling(tiny["dllm"], "cpu", "float32", requests=4, attention=attention)
+    assert result["ok"] and result["attention_backend"] == attention
 
 
 def test_throughput_part_against_the_sdar_loop(tmp_path):
@@ -163,6 +165,8 @@ def test_diffusion_gemma_part_at_toy_size(tmp_path):
             assert run["finished"] == run["requests"] == n and run["tokens_per_s"] > 0
             assert run["steps_per_request"] == [8]  # two canvases of 16 for 20 tokens, 4 steps each
     assert out["same_tokens_on_every_backend"] == out["compared_requests"] == 3
+    cut = diffusion_gemma(path, "cpu", "float32", concurrency=(2,), max_new_tokens=20, max_seconds=0)
+    assert cut["torch"]["2"]["finished"] == 0 and cut["compared_requests"] == 0  # no token lists compared
 
 
 # ---- the part loop and the command line ------------------------------------------------------------------------

@@ -22,9 +22,11 @@ def write_tiny_pair(root: Path) -> dict[str, Path]:
 
 
 def _serve(path: Path, config: EngineConfig, prompts: list[list[int]], params: list[GenerationConfig],
-           concurrency: int) -> list:
+           concurrency: int) -> tuple[list, str]:
+    """The outputs, and the attention backend that served them (a compiled kernel that failed: torch)."""
     engine = LLMEngine(str(path), config)
-    return run_engine(engine, prompts, params, BenchShape(), concurrency).outputs
+    outputs = run_engine(engine, prompts, params, BenchShape(), concurrency).outputs
+    return outputs, engine.executor.runner.backend.name
 
 
 def _tiny_prompts(n: int, seed: int) -> list[list[int]]:
@@ -44,7 +46,7 @@ def compare_greedy(paths: dict[str, Path], device: str, dtypes: tuple[str, str] 
     out = {}
     for name, path in paths.items():
         runs = [_serve(path, EngineConfig(device=device, dtype=dt, kv_block_size=PAGE, num_kv_blocks=256,
-                                          dllm_block_length=BLOCK), prompts, params, 8) for dt in dtypes]
+                                          dllm_block_length=BLOCK), prompts, params, 8)[0] for dt in dtypes]
         tokens = sum(a.token_ids == b.token_ids for a, b in zip(*runs))
         step_maps = sum(a.step_map == b.step_map for a, b in zip(*runs))
         gaps = [_first_divergence_gap(a, b) for a, b in zip(*runs) if a.token_ids != b.token_ids]
@@ -66,13 +68,16 @@ def _first_divergence_gap(first, second) -> float | None:
     return None if theirs is None else row[second.token_ids[i]] - theirs
 
 
-def check_seeded_sampling(path: Path, device: str, dtype: str, requests: int = 12) -> dict:
-    """The same seeded requests, once all together and once one at a time: identical outputs."""
+def check_seeded_sampling(path: Path, device: str, dtype: str, requests: int = 12, attention: str = "auto") -> dict:
+    """The same seeded requests, once all together and once one at a time: identical outputs, on the
+    attention backend `attention` (the result names the one that served)."""
     prompts = _tiny_prompts(requests, seed=4)
     params = [GenerationConfig(max_new_tokens=20, do_sample=True, temperature=0.9, top_p=0.95, random_seed=100 + i)
               for i in range(requests)]
-    config = EngineConfig(device=device, dtype=dtype, kv_block_size=PAGE, num_kv_blocks=256, dllm_block_length=BLOCK)
-    together = _serve(path, config, prompts, params, requests)
-    alone = _serve(path, config, prompts, params, 1)
+    config = EngineConfig(device=device, dtype=dtype, kv_block_size=PAGE, num_kv_blocks=256, dllm_block_length=BLOCK,
+                          attention_backend=attention)
+    together, backend = _serve(path, config, prompts, params, requests)
+    alone, _ = _serve(path, config, prompts, params, 1)
     same = sum(a.token_ids == b.token_ids and a.step_map == b.step_map for a, b in zip(together, alone))
-    return {"requests": requests, "same_together_and_alone": same / requests, "ok": same == requests}
+    return {"attention_backend": backend, "requests": requests, "same_together_and_alone": same / requests,
+            "ok": same == requests}

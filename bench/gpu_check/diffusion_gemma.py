@@ -81,7 +81,7 @@ def _serve(engine: LLMEngine, n: int, max_new_tokens: int, max_seconds: float) -
              "ms_per_forward": round(1000 * elapsed / max(forwards, 1), 2),
              "tokens_per_s": round(tokens / elapsed, 1) if elapsed else None,
              "steps_per_request": sorted({r.num_steps for r in done})},
-            [r.token_ids for r in responses])
+            [r.token_ids if r.finish_reason in ("length", "stop") else [] for r in responses])
 
 
 def diffusion_gemma(path: Path, device: str, dtype: str, choice: EngineChoice | None = None,
@@ -123,8 +123,8 @@ def diffusion_gemma(path: Path, device: str, dtype: str, choice: EngineChoice | 
         if device == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
-    if len(tokens) > 1:
-        runs = list(tokens.values())
-        out["same_tokens_on_every_backend"] = sum(len(set(map(tuple, same))) == 1 for same in zip(*runs, strict=True))
-        out["compared_requests"] = len(runs[0])
+    if len(tokens) > 1:  # requests finished on every backend (one cut by `max_seconds` has no tokens to compare)
+        compared = [same for same in zip(*tokens.values(), strict=True) if all(same)]
+        out["same_tokens_on_every_backend"] = sum(len(set(map(tuple, same))) == 1 for same in compared)
+        out["compared_requests"] = len(compared)
     return out
