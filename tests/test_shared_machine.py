@@ -53,13 +53,15 @@ def _blockserve(args: list[str], env: dict[str, str], timeout: float = 120) -> t
     return out, time.monotonic() - started
 
 
-def _ready_line(server: subprocess.Popen, timeout: float) -> str:
-    """The line `blockserve serve` prints once the application answers (bounded wait)."""
+def _ready_line(server: subprocess.Popen, timeout: float, stderr: Path) -> str:
+    """The line `blockserve serve` prints once the application answers (bounded wait); a server that
+    ends first fails the test with the end of what it wrote to `stderr`."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if select.select([server.stdout], [], [], 1)[0]:
             line = server.stdout.readline()
-            assert line, f"blockserve serve ended (status {server.wait()}) without serving"
+            assert line, (f"blockserve serve ended (status {server.wait()}) without serving; its stderr ends:\n"
+                          + "\n".join(stderr.read_text(errors="replace").splitlines()[-30:]))
             if "ready at" in line:
                 return line
     raise AssertionError(f"blockserve serve did not answer within {timeout:g}s")
@@ -71,11 +73,13 @@ def test_blockserve_serve_listens_on_loopback_only_and_refuses_a_taken_port(tmp_
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_AUTH_MODE": "disabled"}
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
-    server = subprocess.Popen([str(BLOCKSERVE), "serve", "models/sdar-tiny", "--port", str(port), "--tp", "2",
-                               "--num-cpus", "0.5"],
-                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    stderr = tmp_path / "server.err"
+    with stderr.open("w") as err:
+        server = subprocess.Popen([str(BLOCKSERVE), "serve", "models/sdar-tiny", "--port", str(port), "--tp", "2",
+                                   "--num-cpus", "0.5"],
+                                  cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=err, text=True)
     try:
-        ready = _ready_line(server, timeout=300)
+        ready = _ready_line(server, timeout=300, stderr=stderr)
         address = re.search(r"RAY_ADDRESS=(\S+) ", ready).group(1)
         assert address.startswith("127.0.0.1:"), ready
         assert httpx.get(url + "/health", timeout=30).status_code == 200
