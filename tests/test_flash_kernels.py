@@ -397,13 +397,14 @@ def test_without_a_flash_kernel_auto_is_torch_and_flex_is_compiled_when_asked_fo
     monkeypatch.setattr(flash_kernel, "TORCH_KERNEL", None)
     monkeypatch.setattr(attention.selection, "flex_unmet", lambda device: [])
     monkeypatch.setattr(attention.flex, "flex_attention", lambda *a, **k: None)  # nothing to compile here
-    monkeypatch.setattr(torch, "compile", lambda fn, **options: ("compiled", fn))
+    compiled = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **options: compiled.append(fn) or ("compiled", fn))
     with caplog.at_level(logging.INFO, logger="ops.attention"):
         assert isinstance(make_attention_backend("auto", CUDA, torch.bfloat16, 16, 128), TorchAttention)
     assert "attention backend: torch (flash not used: no flash kernel installed" in caplog.text
-    assert "flex only when asked for" in caplog.text
+    assert "flex only when asked for" in caplog.text and not compiled
     backend = make_attention_backend("flex", CUDA, torch.bfloat16, 16, 128)
-    assert isinstance(backend, FlexAttention) and backend.compiled
+    assert isinstance(backend, FlexAttention) and backend.compiled and compiled == [attention.flex.flex_attention]
 
 
 def test_on_the_cpu_auto_is_torch_and_flex_is_eager(monkeypatch, caplog):
