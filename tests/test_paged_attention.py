@@ -208,10 +208,11 @@ def test_forward_writes_new_kv_into_the_cache_and_nothing_else():
 
 
 @pytest.mark.parametrize("mix, block_length", [(MIXES[1], None), (MIXES_DLLM[0], 4)])
-def test_repeated_kv_heads_instead_of_enable_gqa_give_the_same_result(monkeypatch, mix, block_length):
-    """The path that repeats K/V heads instead of passing `enable_gqa`: torch < 2.5 has no `enable_gqa`
-    (the vllm-flash-attn 2.6 wheel pins torch 2.4), and on CUDA a masked GQA call would leave SDPA
-    only cuDNN or math, so the reference backend repeats the heads there too."""
+def test_query_heads_folded_instead_of_enable_gqa_give_the_same_result(monkeypatch, mix, block_length):
+    """The path that folds each K/V head's query heads into one head's rows instead of passing
+    `enable_gqa` (`sdpa_heads_folded`): torch < 2.5 has no `enable_gqa` (the vllm-flash-attn 2.6 wheel
+    pins torch 2.4), and on CUDA a masked GQA call would leave SDPA only cuDNN or math, so the reference
+    backend folds the heads there too. SDPA sees as many query heads as K/V heads."""
     sdpa = F.scaled_dot_product_attention
 
     def sdpa_torch_2_4(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None):

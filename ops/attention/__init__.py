@@ -33,8 +33,8 @@ from ops.attention.base import AttentionBackend, AttentionMetadata, StepPlan, pl
 from ops.attention.flash import FlashAttention, usable_flash_kernel
 from ops.attention.flex import FLEX_TILE, FlexAttention, flex_attention_fn, flex_unmet
 from ops.attention.selection import make_attention_backend
-from ops.attention.torch_reference import TorchAttention, sdpa_gqa
+from ops.attention.torch_reference import TorchAttention, sdpa_heads_folded
 
 __all__ = ["FLEX_TILE", "AttentionBackend", "AttentionMetadata", "FlashAttention", "FlexAttention", "StepPlan",
-           "TorchAttention", "flex_attention_fn", "flex_unmet", "make_attention_backend", "planned", "sdpa_gqa",
-           "usable_flash_kernel", "write_kv"]
+           "TorchAttention", "flex_attention_fn", "flex_unmet", "make_attention_backend", "planned",
+           "sdpa_heads_folded", "usable_flash_kernel", "write_kv"]

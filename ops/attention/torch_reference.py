@@ -16,8 +16,8 @@ SDPA_HAS_GQA = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= 
 # plan per distinct shape, and a serving batch's key length changes every step: on an H200 in bfloat16
 # (where SDPA prefers cuDNN) each call spent ~1.7 ms of CPU building one, 60 % of the engine's CPU
 # time, which made one request at a time 2.5x slower in bfloat16 than in float32. Flash takes no mask
-# and memory-efficient refuses unequal query / K-V head counts, so on CUDA the K/V heads are repeated
-# and memory-efficient runs (math where it declines).
+# and memory-efficient refuses unequal query / K-V head counts, so on CUDA a K/V head's query heads go
+# in as one head's rows (`sdpa_heads_folded`) and memory-efficient runs (math where it declines).
 CUDA_SDPA_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
@@ -76,7 +76,7 @@ class TorchAttention(AttentionBackend):
             "padded_row": None if min(q_list) == max_q else padded_row,
             "key_slots": key_slots.reshape(-1),  # index_select on a flat index: ~8x faster than 2-D indexing
             "mask": mask[:, None],
-            "masks": {},  # additive float mask per dtype, made once per forward, not once per layer
+            "masks": {},  # SDPA's mask per (dtype, query heads per K/V head), made once per forward (_additive_mask)
             "shape": (num_seqs, max_q, max_kv),
         }
 
@@ -126,27 +126,50 @@ def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bucke
     slots = bucket["key_slots"]
     keys = k_cache.view(-1, kvh, d).index_select(0, slots).view(num_seqs, max_kv, kvh, d)
     values = v_cache.view(-1, kvh, d).index_select(0, slots).view(num_seqs, max_kv, kvh, d)
-    mask = bucket["masks"].get(q.dtype)
-    if mask is None:  # SDPA would turn a bool mask into this in every layer
-        mask = torch.zeros(bucket["mask"].shape, dtype=q.dtype, device=q.device)
-        mask.masked_fill_(~bucket["mask"], float("-inf"))
-        bucket["masks"][q.dtype] = mask
     padded_row = bucket["padded_row"]
     if padded_row is None:
         qp = q.reshape(num_seqs, max_q, heads, d)
     else:
         qp = q.new_zeros(num_seqs * max_q, heads, d).index_copy_(0, padded_row, q).view(num_seqs, max_q, heads, d)
-    out = sdpa_gqa(qp.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), mask, scale)
+    q, k, v = qp.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2)
+    if SDPA_HAS_GQA and not q.is_cuda:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=_additive_mask(bucket, q.dtype, 1), scale=scale,
+                                             enable_gqa=True)
+    else:
+        out = sdpa_heads_folded(q, k, v, _additive_mask(bucket, q.dtype, heads // kvh), scale)
     out = out.transpose(1, 2).reshape(num_seqs * max_q, heads, d)
     return out if padded_row is None else out.index_select(0, padded_row)
 
 
-def sdpa_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """SDPA with grouped K/V heads: q [S, H, Q, D], k/v [S, KVH, K, D]; query head h reads K/V head
-    h // (H // KVH), as FlashAttention and Hugging Face group them."""
-    if SDPA_HAS_GQA and not q.is_cuda:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-    group = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+def _additive_mask(bucket: dict, dtype: torch.dtype, group: int) -> torch.Tensor:
+    """The bucket's mask as SDPA takes it, made once per forward and kept for every layer: additive (SDPA
+    would convert a bool mask in every call), its rows tiled `group` times for `sdpa_heads_folded`, and
+    on CUDA its rows' stride a multiple of 16 elements (the memory-efficient kernel copies a mask whose
+    strides are not aligned, in every call)."""
+    mask = bucket["masks"].get((dtype, group))
+    if mask is None:
+        visible = bucket["mask"]  # [S, 1, Q, K] bool
+        num_seqs, _, max_q, max_kv = visible.shape
+        aligned = -(-max_kv // 16) * 16 if visible.is_cuda else max_kv
+        mask = torch.zeros(num_seqs, 1, group, max_q, aligned, dtype=dtype, device=visible.device)[..., :max_kv]
+        mask.masked_fill_(~visible[:, :, None], float("-inf"))
+        mask = mask.view(num_seqs, 1, group * max_q, max_kv)
+        bucket["masks"][(dtype, group)] = mask
+    return mask
+
+
+def sdpa_heads_folded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                      scale: float) -> torch.Tensor:
+    """SDPA with grouped K/V heads, no K/V copied: q [S, H, Q, D], k/v [S, KVH, K, D], `mask` [S, 1, G*Q, K]
+    with G = H // KVH (the Q-row mask tiled G times) -> [S, H, Q, D]. Query head h reads K/V head h // G,
+    as FlashAttention and Hugging Face group them: the G query heads of one K/V head go in as that head's
+    G*Q query rows (row g*Q + i is query i of head kvh*G + g), so each K/V head is read in place instead of
+    repeated G times (on an H200 the repeat was the largest part of the step's device time). Each row's
+    result is the same SDPA row either way. On CUDA the memory-efficient kernel runs (math where it
+    declines): cuDNN builds a plan per shape and a serving batch's shape changes every step."""
+    num_seqs, heads, q_len, d = q.shape
+    kvh = k.shape[1]
+    folded = q.reshape(num_seqs, kvh, heads // kvh * q_len, d)
     with sdpa_kernel(CUDA_SDPA_BACKENDS) if q.is_cuda else nullcontext():
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        out = F.scaled_dot_product_attention(folded, k, v, attn_mask=mask, scale=scale)
+    return out.reshape(num_seqs, heads, q_len, d)  # a copy only where the kernel wrote another layout
