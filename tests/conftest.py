@@ -11,9 +11,7 @@ Tiers (pytest markers, assigned here, never by hand except `system`):
 
 from __future__ import annotations
 
-import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from ports import free_port
 from ray_env import QUIET, SERVE_ENGINE, set_test_ray_environment
 from worker_groups import GROUPS_DIR
 
@@ -105,28 +104,6 @@ class ServedApp:
     url: str  # base URL including the route prefix
     model: str  # checkpoint path
     engine: dict
-
-
-# Ray's workers take ports 10002-19999 by default, and ports from the kernel's ephemeral range go to
-# every outgoing connection and port-0 listener (a Ray cluster opens dozens while it starts): a free
-# port from either can be taken between the test picking it and its server binding it.
-_PORTS_FROM = 20000
-
-
-def _free_port() -> int:
-    """A free loopback TCP port between Ray's worker ports and the kernel's ephemeral range."""
-    ephemeral = Path("/proc/sys/net/ipv4/ip_local_port_range")
-    below = int(ephemeral.read_text().split()[0]) if ephemeral.is_file() else 32768
-    rng = random.Random()  # seeded from the OS: xdist workers draw different ports
-    for _ in range(500):
-        port = rng.randrange(_PORTS_FROM, below)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError(f"no free TCP port on 127.0.0.1 between {_PORTS_FROM} and {below}")
 
 
 def stop_process(proc: subprocess.Popen, timeout: float = 60) -> None:
@@ -215,7 +192,7 @@ def serve_cluster():
 
     # always a cluster of our own (never one another process started on this machine), on loopback
     ctx = start_local_ray(num_cpus=16, include_dashboard=False, configure_logging=True, logging_level="warning")
-    port = _free_port()
+    port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config=QUIET)
     yield ServeCluster(url=f"http://127.0.0.1:{port}", address=ctx.address_info["address"])
     serve.shutdown()

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import sys
 import tempfile
 import time
@@ -29,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from ports import free_port
 from ray_env import QUIET, SERVE_ENGINE, set_test_ray_environment
 
 set_test_ray_environment()
@@ -37,12 +37,6 @@ PROMPTS = ["Hello world", "Question: what is 7 * 8? Answer:", "Once upon a time"
 # Fast node-failure detection: the GCS declares a silent node dead after ~3 s instead of ~30 s.
 SYSTEM_CONFIG = {"health_check_initial_delay_ms": 0, "health_check_period_ms": 1000,
                  "health_check_failure_threshold": 3}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _deploy(url: str, apps: dict[str, dict[str, Any]]) -> dict[str, str]:
@@ -264,7 +258,7 @@ def main() -> int:
     nodes = {n["NodeID"]: "head" for n in ray.nodes()}
     for name, h in handles.items():
         nodes[h.node_id] = name
-    port = _free_port()
+    port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port, "location": "HeadOnly"}, logging_config=QUIET)
     url = f"http://127.0.0.1:{port}"
     report: dict[str, Any] = {}

@@ -13,7 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-from conftest import _free_port, stop_process, wait_healthy
+from conftest import stop_process, wait_healthy
+from ports import free_port
 
 from configs import EngineConfig
 from configs.reference import reference
@@ -72,7 +73,7 @@ def test_blockserve_serve_scores_over_http_on_the_cluster_ray_address_names():
     server = None
     try:
         address = next(line for line in head.stdout if line.startswith("ADDRESS ")).split()[1]
-        port = _free_port()
+        port = free_port()
         server = subprocess.Popen([str(BLOCKSERVE), "serve", "models/qwen3-tiny", "--logprobs-mode", "raw_logprobs",
                                    "--port", str(port), "--num-kv-blocks", "128"], cwd=ROOT,
                                   env={**env, "RAY_ADDRESS": address}, stdout=subprocess.DEVNULL,

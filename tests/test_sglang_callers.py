@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ import time
 import httpx
 import pytest
 from conftest import engine_totals, sse_events
+from ports import free_port
 
 TIMEOUT = 120
 PROMPT = [40, 41, 42, 43, 44, 45, 46]
@@ -260,19 +260,13 @@ def test_verl_adapter_memory_and_cache_calls(served_apps):
     _same(_reference(url), want)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.system  # sglang-router in a process of its own
 def test_sglang_router_in_front_returns_what_the_app_returns(served_apps, tmp_path):
     """sglang-router (the package trainers put in front of SGLang servers) registers the app as its
     worker and forwards /generate with its own extra fields; the answers equal the app's own."""
     pytest.importorskip("sglang_router")
     app = served_apps["qwen3"]  # two engine replicas behind one ingress
-    port = _free_port()
+    port = free_port()
     log = (tmp_path / "router.log").open("w")
     router = subprocess.Popen([sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
                                "--port", str(port), "--worker-urls", app.url, "--policy", "round_robin",

@@ -27,6 +27,7 @@ import threading
 from pathlib import Path
 
 import pytest
+from ports import free_port
 
 from engine import EngineConfig, GenerationConfig, Response, pipeline
 from engine.async_engine import AsyncEngine
@@ -77,12 +78,6 @@ def bucket_metadata(path: str, bad: str = "") -> tuple[list[str], list[str], lis
         dtypes.append("float64" if name.endswith(WIDE) else "float32")
         shapes.append([shape[0] + (name == bad), *shape[1:]])
     return names, dtypes, shapes
-
-
-def free_port() -> int:
-    from conftest import _free_port
-
-    return _free_port()
 
 
 def start_trainer(port: int, world: int, path: str, group: str, bad: str = "") -> subprocess.Popen:

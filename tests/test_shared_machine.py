@@ -17,7 +17,8 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
-from conftest import _free_port, engine_totals, stop_process, wait_idle
+from conftest import engine_totals, stop_process, wait_idle
+from ports import free_port
 from test_cli import BLOCKSERVE
 
 from engine.errors import CheckpointError
@@ -71,7 +72,7 @@ def _ready_line(server: subprocess.Popen, timeout: float, stderr: Path) -> str:
 def test_blockserve_serve_listens_on_loopback_only_and_refuses_a_taken_port(tmp_path):
     """At tp=2, so the tensor-parallel group's TCP store and gloo pairs are among the sockets."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_AUTH_MODE": "disabled"}
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     stderr = tmp_path / "server.err"
     with stderr.open("w") as err:
@@ -113,7 +114,7 @@ def test_a_wrong_model_path_exits_at_once_naming_it(model, says, tmp_path):
     ray_dir = tmp_path / "ray"
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {
         "RAY_AUTH_MODE": "disabled", "HF_HUB_OFFLINE": "1", "RAY_TMPDIR": str(ray_dir)}
-    out, seconds = _blockserve([model, "--port", str(_free_port())], env)
+    out, seconds = _blockserve([model, "--port", str(free_port())], env)
     print(f"{model}: status {out.returncode} after {seconds:.1f}s: {out.stderr.strip()}")
     lines = out.stderr.strip().splitlines()
     assert out.returncode != 0 and len(lines) == 1, out.stderr

@@ -17,7 +17,8 @@ import httpx
 import psutil
 import pytest
 import yaml
-from conftest import _free_port, stop_process, wait_healthy
+from conftest import stop_process, wait_healthy
+from ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -122,7 +123,7 @@ def test_the_controller_callback_refuses_a_port_held_outside_the_cluster(monkeyp
 
 @pytest.mark.system  # three servers of their own, each starting its own Ray cluster
 def test_a_second_server_on_a_taken_port_is_refused_and_takes_none_of_its_traffic(tmp_path):
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     first = subprocess.Popen([str(BIN / "serve"), "run", str(_on_port("serve_config.yaml", port, tmp_path))],
                              cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

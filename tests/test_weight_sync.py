@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from ports import free_port
 
 from engine import EngineConfig, GenerationConfig, Response, pipeline
 from engine.async_engine import AsyncEngine
@@ -61,12 +62,6 @@ def start_trainer(port: int, world: int, path: str, group: str, bad: str = "") -
     return subprocess.Popen([sys.executable, "-c", TRAINER, str(port), str(world), path, group, bad or "-"],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             cwd=Path(__file__).resolve().parents[1])
-
-
-def free_port() -> int:
-    from conftest import _free_port
-
-    return _free_port()
 
 
 @pytest.fixture(scope="module")
