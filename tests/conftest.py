@@ -11,6 +11,7 @@ Tiers (pytest markers, assigned here, never by hand except `system`):
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -20,11 +21,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+import torch
 from ports import free_port
 from ray_env import QUIET, SERVE_ENGINE, set_test_ray_environment
 from worker_groups import GROUPS_DIR
 
 set_test_ray_environment()
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # torch may have been imported before the variable was set
 
 TIERS = ("engine", "serve", "system")
 SYSTEM_FIXTURES = {"browser", "blockserve_cli"}  # a browser, or `blockserve serve` in a process of its own

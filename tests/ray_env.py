@@ -18,6 +18,11 @@ def set_test_ray_environment() -> None:
     """Settings the Ray processes read at start; call before starting a cluster. Values already in the
     environment win."""
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    # One torch (OpenMP) thread per process: the suite runs several pytest workers, Ray replicas and
+    # server processes on a machine of few cores, and OpenMP threads that spin while they wait for a core
+    # burn it. On 2 cores beside a busy job, three engine-tier modules took 171 s with torch's default
+    # thread count and 62 s with one thread per process.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     for name, value in LOOPBACK_ENV.items():  # every port of the tests' clusters on 127.0.0.1 (read at `import ray`)
         os.environ.setdefault(name, value)
     # Ray starts its workers at nice 15, so any busy normal-priority process on a shared machine starves
