@@ -20,8 +20,8 @@ def set_test_ray_environment() -> None:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     # One torch (OpenMP) thread per process: the suite runs several pytest workers, Ray replicas and
     # server processes on a machine of few cores, and OpenMP threads that spin while they wait for a core
-    # burn it. On 2 cores beside a busy job, three engine-tier modules took 171 s with torch's default
-    # thread count and 62 s with one thread per process.
+    # burn it. On 2 cores beside a busy job, the engine tier took 618 s with two threads per process
+    # and 274 s with one (2026-12-04).
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     for name, value in LOOPBACK_ENV.items():  # every port of the tests' clusters on 127.0.0.1 (read at `import ray`)
         os.environ.setdefault(name, value)
