@@ -24,7 +24,7 @@ import pytest
 import torch
 from ports import free_port
 from ray_env import QUIET, SERVE_ENGINE, set_test_ray_environment
-from worker_groups import GROUPS_DIR
+from worker_groups import CLUSTER_GROUPS, GROUPS_DIR
 
 set_test_ray_environment()
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # torch may have been imported before the variable was set
@@ -43,8 +43,21 @@ def tier_of(item: pytest.Item) -> str:
 
 
 def worker_group(item: pytest.Item) -> str:
-    """The unit one xdist worker runs (tests/worker_groups.py): the whole `serve` tier, else the module."""
-    return "serve_cluster" if item.get_closest_marker("serve") else item.nodeid.split("::", 1)[0]
+    """The unit one xdist worker runs (tests/worker_groups.py): one of CLUSTER_GROUPS for a test that
+    reaches the session's cluster, else its module.
+
+    A cluster is per worker process, so whatever shares applications must share a worker: every test
+    that uses the pool (`serve_pool`: the applications several modules share) runs on one worker, and
+    the tests that reach the cluster only to deploy applications of their own run on another, with a
+    cluster of its own. That splits the suite's longest chain in two without deploying anything
+    twice; a `system` test that uses the cluster goes with its group too, not with its module."""
+    fixtures = set(getattr(item, "fixturenames", ()))
+    pool_group, own_apps_group = CLUSTER_GROUPS
+    if "serve_pool" in fixtures:
+        return pool_group
+    if "serve_cluster" in fixtures:
+        return own_apps_group
+    return item.nodeid.split("::", 1)[0]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

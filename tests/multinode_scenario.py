@@ -1,16 +1,17 @@
 """Multi-node drills on one machine (run by tests/test_multinode.py in its own process, since the test
-session already has a Ray cluster): a `ray.cluster_utils.Cluster` of a head and four worker nodes,
-each with logical CPUs and custom resources that force where replicas go. Prints one JSON object.
+session already has a Ray cluster): a `ray.cluster_utils.Cluster` of a head and two worker nodes (a
+third joins during the node loss), each with logical CPUs and custom resources that force where replicas
+go. Prints one JSON object.
 
-- spread: two EngineServer replicas pinned to nodes A and B (resource `spread`), a one-replica
-  reference app on the head; the outputs of both replicas must equal the reference's.
+- spread: two EngineServer replicas pinned to nodes A and B (resource `spread`); the outputs of both
+  must equal those of another application's replicas (the `loss` app's).
 - tp: a tp=2 group whose bundles need resource `tp` (one unit on A, one on B): STRICT_PACK is refused
   at build time with the missing resources named; PACK places rank 0 and rank 1 on different nodes.
-- loss: two replicas on nodes C and D (resource `loss`; node E joins with a spare unit); streams in
+- loss: two replicas on nodes A and B (resource `loss`; node E joins with a spare unit); streams in
   flight on both, generation paused in place (so what the loss hits is known whenever it lands), then
-  node C is removed without warning and generation continues. The ingress is where the app's default
+  node A is removed without warning and generation continues. The ingress is where the app's default
   puts it, on the head node. Every request is answered (lost = 0);
-  the ones C held end with an explicit error, all others complete; new requests succeed once Serve
+  the ones A held end with an explicit error, all others complete; new requests succeed once Serve
   replaced the replica on E.
 - unschedulable: an app whose engine replica needs a resource that exists (so it passes the build-time
   check) but that another actor holds: Serve cannot place the replica, and HTTP requests get 503 with
@@ -73,13 +74,13 @@ def _generate(url: str, prompt: str) -> dict[str, Any]:
 def apps(ckpt: str) -> dict[str, dict[str, Any]]:
     """The applications the spread, tp and loss parts measure, deployed together before them."""
     return {
-        # spread: a one-replica reference on the head, two replicas on A and B
-        "ref": {"model": ckpt, "engine": ENGINE, "ray_actor_options": {"num_cpus": 1, "resources": {"head": 0.01}}},
+        # spread: two replicas on A and B
         "spread": {"model": ckpt, "engine": ENGINE, "num_replicas": 2,
                    "ray_actor_options": {"num_cpus": 1, "resources": {"spread": 1}}},
         # tp: a tp=2 group whose bundles need `tp` (one unit on A, one on B): PACK spans the two
         "tp_pack": tp_args(ckpt) | {"placement_strategy": "PACK"},
-        # loss: two replicas on C and D
+        # loss: two replicas on A and B (once spread's and tp's applications are gone), the spread
+        # part's reference meanwhile
         "loss": {"model": ckpt, "engine": ENGINE, "num_replicas": 2, "request_router": "power_of_two",
                  "ray_actor_options": {"num_cpus": 1, "resources": {"loss": 1}},
                  "health_check_period_s": 1.0, "health_check_timeout_s": 5.0},
@@ -105,11 +106,10 @@ def tp_strict(url: str, ckpt: str) -> str | None:
 def spread(urls: dict[str, str], nodes: dict[str, str]) -> dict[str, Any]:
     from ray import serve
 
-    expected = [_generate(urls["ref"], p)["output_ids"] for p in PROMPTS]
+    expected = [_generate(urls["loss"], p)["output_ids"] for p in PROMPTS]
     got = [_generate(urls["spread"], p)["output_ids"] for p in PROMPTS]  # distinct prefixes: spread over both
     stats = serve.get_app_handle("spread").engine_stats.remote().result()
     placed = sorted(nodes[n] for n in _replica_nodes("spread").values())
-    serve.delete("ref")
     serve.delete("spread")
     return {"identical": got == expected, "replica_nodes": placed,
             "tokens_per_replica": sorted(s["generated_tokens"] for s in stats)}
@@ -158,7 +158,7 @@ def _held_once_all_admitted(handle, ended: dict[int, float], total: int) -> dict
 
 
 def loss(app: str, nodes: dict[str, str], cluster, victim) -> dict[str, Any]:
-    """Replicas on C and D (running); node E joins with a spare `loss` unit for the replacement."""
+    """Replicas on A and B (running); node E joins with a spare `loss` unit for the replacement."""
     from ray import serve
 
     placed = {rid: nodes[n] for rid, n in _replica_nodes("loss").items()}
@@ -195,10 +195,10 @@ def loss(app: str, nodes: dict[str, str], cluster, victim) -> dict[str, Any]:
 
     result = asyncio.run(drill())
     deadline, recovered = time.monotonic() + 120, False
-    while time.monotonic() < deadline:  # until Serve replaced C's replica (C's actor may still read ALIVE)
+    while time.monotonic() < deadline:  # until Serve replaced A's replica (A's actor may still read ALIVE)
         r = httpx.post(app + "/generate", json={"prompt": "after", "max_tokens": 8}, timeout=60)
         after = [nodes.get(n, "?") for n in _replica_nodes("loss").values()]
-        if r.status_code == 200 and len(after) == 2 and "C" not in after:
+        if r.status_code == 200 and len(after) == 2 and "A" not in after:
             recovered = all(_generate(app, p).get("output_ids") for p in PROMPTS)
             break
         time.sleep(1)
@@ -249,10 +249,11 @@ def main() -> int:
 
     from tools.tiny_checkpoint import DLLM_TEST_LOGIT_SCALE, write_tiny_checkpoint
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 4, "resources": {"head": 1},
-                                                            "_system_config": SYSTEM_CONFIG})
-    names = {"A": {"spread": 1, "tp": 1, "busy": 1}, "B": {"spread": 1, "tp": 1}, "C": {"loss": 1}, "D": {"loss": 1}}
-    handles = {name: cluster.add_node(num_cpus=3, resources=res) for name, res in names.items()}
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 4, "_system_config": SYSTEM_CONFIG})
+    # each of A and B holds a spread replica, a tp bundle and a loss replica at once (a CPU each), and A
+    # the `busy` unit the unschedulable part's holder takes
+    names = {"A": {"spread": 1, "tp": 1, "loss": 1, "busy": 1}, "B": {"spread": 1, "tp": 1, "loss": 1}}
+    handles = {name: cluster.add_node(num_cpus=4, resources=res) for name, res in names.items()}
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, logging_level="warning", log_to_driver=False)
     nodes = {n["NodeID"]: "head" for n in ray.nodes()}
@@ -271,7 +272,7 @@ def main() -> int:
             report["deploy_seconds"] = round(time.monotonic() - started, 1)
             for part, run in (("spread", lambda: spread(urls, nodes)), ("tp", lambda: tp(urls, nodes, strict_error)),
                               ("unschedulable", lambda: unschedulable(url, ckpt)),
-                              ("loss", lambda: loss(urls["loss"], nodes, cluster, handles["C"]))):
+                              ("loss", lambda: loss(urls["loss"], nodes, cluster, handles["A"]))):
                 started = time.monotonic()
                 report[part] = run()
                 report[part]["seconds"] = round(time.monotonic() - started, 1)

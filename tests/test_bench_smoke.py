@@ -69,14 +69,6 @@ def test_every_plan_fits_its_bench_model(mode):
     assert p.traffic.prompt_len[1] + p.traffic.max_new_tokens[1] + 4 <= longest  # + a DLLM block
 
 
-def test_bench_docs_flag_appends_to_the_file_it_names(tmp_path):
-    """`--docs FILE` writes the results there (every part's own checks: the as-typed test below)."""
-    docs = tmp_path / "benchmarks.md"
-    r = _run_module("bench", "--toy", "--only", "memory", "--docs", str(docs))
-    assert r["mode"] == "toy" and r["memory"]["rows_agree"]
-    assert "`python -m bench --toy`" in docs.read_text()
-
-
 def test_bench_serve_part(serve_cluster, tmp_path):
     paths = write_bench_models(tmp_path, TOY_SHAPE)
     r = bench_serve(paths["sdar"], plan("toy"), base_url=serve_cluster.url)
@@ -164,13 +156,15 @@ def _work_tree_state() -> tuple[list[str], bytes]:
 
 
 @pytest.mark.system  # its own Ray Serve cluster, in a process of its own
-def test_bench_toy_as_typed_from_the_repository_root_prints_and_leaves_the_tree_clean():
-    """`python -m bench --toy` exactly as a user types it (every part, its own Ray Serve cluster on loopback
-    included): exit 0, the JSON on stdout, and not a file of the work tree changed without `--record`."""
+def test_bench_toy_as_typed_from_the_repository_root_prints_and_leaves_the_tree_clean(tmp_path):
+    """`python -m bench --toy` as a user types it from the repository root (every part, its own Ray Serve
+    cluster on loopback included), with `--docs FILE`: exit 0, the JSON on stdout, the results appended
+    to FILE, and not a file of the work tree changed (only `--record` writes docs/benchmarks.md)."""
     before = _work_tree_state()
+    docs = tmp_path / "benchmarks.md"
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_ADDRESS")}
-    proc = subprocess.run([sys.executable, "-m", "bench", "--toy"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=900, env={**env, "RAY_AUTH_MODE": "disabled"})
+    proc = subprocess.run([sys.executable, "-m", "bench", "--toy", "--docs", str(docs)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=900, env={**env, "RAY_AUTH_MODE": "disabled"})
     assert proc.returncode == 0, proc.stderr[-4000:]
     r = json.loads(proc.stdout)
     assert r["mode"] == "toy" and {"memory", "dllm", "ar", "scoring", "serve", "moe"} <= set(r)
@@ -180,6 +174,7 @@ def test_bench_toy_as_typed_from_the_repository_root_prints_and_leaves_the_tree_
     assert r["scoring"]["max_abs_diff_vs_hf"] < 1e-4
     assert r["moe"]["outputs_identical_on_hf_sample"]
     assert r["serve"]["http"]["errors"] == 0 and r["serve"]["match_rate"] == 1.0, r["serve"]
+    assert "`python -m bench --toy`" in docs.read_text()
     assert _work_tree_state() == before
 
 

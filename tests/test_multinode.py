@@ -42,14 +42,14 @@ def test_tp_group_strict_pack_refused_with_missing_resources_pack_spans_nodes(re
 def test_node_loss_fails_its_requests_explicitly_and_the_rest_succeed(report):
     loss = report["loss"]
     print("node loss:", loss)
-    assert loss["replica_nodes_before"] == ["C", "D"]
+    assert loss["replica_nodes_before"] == ["A", "B"]
     assert loss["ingress_nodes"] == ["head"]  # by default: a lost worker node takes only engine replicas
     assert loss["lost"] == 0  # every request answered: a result or an explicit error
     held = loss["held_at_kill"]  # generation was paused in place: no request finished between count and kill
-    assert held.get("C", 0) > 0 and held.get("D", 0) > 0, held
-    assert loss["failed"] == held["C"]  # the lost node's requests: explicit errors, every one of them
-    assert loss["ok"] == loss["requests"] - held["C"]  # all others complete: D's, and those done before the pause
-    assert loss["new_requests_ok"] and loss["replica_nodes_after"] == ["D", "E"]
+    assert held.get("A", 0) > 0 and held.get("B", 0) > 0, held
+    assert loss["failed"] == held["A"]  # the lost node's requests: explicit errors, every one of them
+    assert loss["ok"] == loss["requests"] - held["A"]  # all others complete: B's, and those done before the pause
+    assert loss["new_requests_ok"] and loss["replica_nodes_after"] == ["B", "E"]
 
 
 def test_unschedulable_replica_gets_503_at_once(report):

@@ -1,7 +1,8 @@
-"""How pytest-xdist shares the suite among its workers: every `serve` test on one worker (the session's
-one Ray cluster, and its pool of applications, stay in one process however many workers run), any other
-test with the rest of its module (a module-scoped fixture -- a scenario run once, an engine a module
-shares -- is built once).
+"""How pytest-xdist shares the suite among its workers: the tests that reach a session's Ray cluster in
+two groups (those using the pool of shared applications, and those deploying only their own), each
+whole on one worker, whose cluster and applications stay in that process; any other test with the rest
+of its module (a module-scoped fixture -- a scenario run once, an engine a module shares -- is built
+once). conftest.worker_group names each test's group.
 
 xdist's own `--dist loadgroup` would do this from `xdist_group` marks, but it tags node ids through an
 attribute pytest 9 no longer reads. So each worker writes the group of every test it collected to a file
@@ -17,6 +18,7 @@ from pathlib import Path
 from xdist.scheduler import LoadScopeScheduling
 
 GROUPS_DIR = "blockserve_worker_groups"  # the workerinput key: the folder the workers' group files go to
+CLUSTER_GROUPS = ("serve_pool", "serve_cluster")  # the groups that start a cluster: handed out first
 
 
 def write_groups(workerinput: dict, groups: dict[str, str]) -> None:
@@ -29,13 +31,22 @@ def write_groups(workerinput: dict, groups: dict[str, str]) -> None:
 
 class WorkerGroupScheduling(LoadScopeScheduling):
     """LoadScopeScheduling whose scopes are the groups the workers wrote (all workers collect the same
-    tests, which xdist checks, so any one worker's file is the whole map). The largest group -- the
-    `serve` tier -- is handed out first."""
+    tests, which xdist checks, so any one worker's file is the whole map). The cluster groups are handed
+    out first, one a worker, then the rest largest first: the cluster groups are the longest chains,
+    and two on one worker would run one after the other."""
 
     def __init__(self, config, log, groups_dir: Path):
         super().__init__(config, log)
         self.groups_dir = groups_dir
         self._groups: dict[str, str] | None = None
+        self._cluster_groups_first = False
+
+    def _assign_work_unit(self, node) -> None:
+        if not self._cluster_groups_first:
+            for scope in reversed([s for s in CLUSTER_GROUPS if s in self.workqueue]):
+                self.workqueue.move_to_end(scope, last=False)
+            self._cluster_groups_first = True
+        super()._assign_work_unit(node)
 
     def _split_scope(self, nodeid: str) -> str:
         if self._groups is None:
