@@ -70,7 +70,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if hasattr(config, "workerinput"):  # an xdist worker: tell the controller's scheduler the groups
         from worker_groups import write_groups
 
-        write_groups(config.workerinput, {item.nodeid: worker_group(item) for item in items})
+        groups = {item.nodeid: worker_group(item) for item in items}
+        system = {groups[item.nodeid] for item in items if item.get_closest_marker("system")}
+        write_groups(config.workerinput, groups, [*CLUSTER_GROUPS, *sorted(system - set(CLUSTER_GROUPS))])
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """On an xdist worker a cluster group runs whole and in a row (tests/worker_groups.py): after its last
+    test the worker's cluster, with the applications on it, is stopped at once rather than when the
+    session ends, so that its idle Serve processes take no CPU from the groups the worker runs next.
+    (A later test asking for `serve_cluster` would start a new one.)"""
+    group = worker_group(item)
+    if (hasattr(item.config, "workerinput") and group in CLUSTER_GROUPS
+            and (nextitem is None or worker_group(nextitem) != group)):
+        for fixturedef in item.session._fixturemanager.getfixturedefs("serve_cluster", item) or ():
+            fixturedef.finish(item._request)  # its dependents (the pool, module fixtures) first
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
+import logging
 import subprocess
 import sys
 import time
@@ -351,12 +352,16 @@ def test_sglang_bench_serving_against_the_app(served_apps, tmp_path):
     assert engine_totals("qwen3")["generated_tokens"] - before == (num + 1) * out
 
 
-def test_areal_sglang_backend_against_the_app(served_apps):
+def test_areal_sglang_backend_against_the_app(served_apps, monkeypatch):
     """AReaL's own client code (areal 1.0.4, areal/engine/sglang_remote.py `SGLangBackend`, and the
     sender its RemoteInfEngine uses, areal/infra/utils/http.py `arequest_with_retry`): its generation
     requests (image_data None and []) parse to the greedy answer, its disk update succeeds, and its
     group request (master_port a string) is read field by field (here refused for its world size: this
     app has one replica)."""
+    # areal's getLogger swaps in a new logging root and manager on every call; afterwards
+    # logging.getLogger would hand this process's later tests loggers that caplog never sees
+    monkeypatch.setattr(logging.Logger, "manager", logging.Logger.manager)
+    monkeypatch.setattr(logging.Logger, "root", logging.Logger.root)
     remote = pytest.importorskip("areal.engine.sglang_remote", reason="areal is not installed (pip install "
                                  "--no-deps areal==1.0.4, then its client's imports; see docs/rl.md)")
     from areal.api.alloc_mode import ModelAllocation
