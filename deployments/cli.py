@@ -60,8 +60,9 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="blockserve", description="blockserve: serve block-diffusion "
-                                     "(SDAR, LLaDA2, Fast-dLLM v2) and autoregressive (Qwen3) models on Ray Serve.")
+    parser = argparse.ArgumentParser(prog="blockserve", description="blockserve: serve diffusion (SDAR, LLaDA2, "
+                                     "Fast-dLLM v2, DiffusionGemma) and autoregressive (Qwen3, Qwen3-MoE) "
+                                     "models on Ray Serve.")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="serve a model over HTTP (blocks until Ctrl-C)")
     serve.add_argument("model", nargs="?", help="checkpoint directory or Hugging Face model id (or in --config)")

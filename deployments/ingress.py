@@ -48,7 +48,8 @@ REQUEST_MODELS = (GenerateRequest, NativeGenerateRequest, CompletionRequest, Cha
 # every route endpoint and handler must be importable by reference: methods of the mixins above
 # and module-level functions.
 app = FastAPI(title="blockserve", version="0.1.0", docs_url=None, redoc_url=None, openapi_url="/openapi.json",
-              description="Block-diffusion (SDAR, LLaDA2, Fast-dLLM v2) and autoregressive (Qwen3) inference: "
+              description="Diffusion (SDAR, LLaDA2, Fast-dLLM v2, DiffusionGemma) and autoregressive "
+                          "(Qwen3, Qwen3-MoE) inference: "
                           "SGLang-style /generate, OpenAI completions "
                           "and chat. Errors: `{\"error\": {\"message\", \"type\", \"param\"}}`.")
 for _mixin in ROUTE_MIXINS:

@@ -87,7 +87,7 @@ class CanvasLogits:
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.hidden.shape[0], self.model.gemma.vocab_size
+        return self.hidden.shape[0], self.model.spec.vocab_size
 
     @torch.inference_mode()
     def __getitem__(self, rows: slice) -> torch.Tensor:
