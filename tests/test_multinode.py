@@ -1,12 +1,17 @@
 """Multi-node placement, replica spread and node loss on a real multi-node Ray cluster on this machine.
 The scenario (tests/multinode_scenario.py) starts its own `ray.cluster_utils.Cluster`, so it runs in
-a subprocess: this session's own Ray cluster stays untouched."""
+a subprocess: this session's own Ray cluster stays untouched. The subprocess gets a Ray temp directory
+of its own: `Cluster` marks its head as this machine's current cluster (`ray_current_cluster` in
+Ray's temp directory), and any `ray.init()` or `serve run` without an address joins the marked
+cluster, so a `serve run` that another test started at the same time deployed into this one."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -17,8 +22,9 @@ pytestmark = pytest.mark.system  # a multi-node cluster of its own
 
 @pytest.fixture(scope="module")
 def report() -> dict:
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "multinode_scenario.py")], cwd=ROOT,
-                          capture_output=True, text=True, timeout=480)
+    with tempfile.TemporaryDirectory(prefix="bs-multinode-", ignore_cleanup_errors=True) as ray_tmp:
+        proc = subprocess.run([sys.executable, str(ROOT / "tests" / "multinode_scenario.py")], cwd=ROOT,
+                              env=os.environ | {"RAY_TMPDIR": ray_tmp}, capture_output=True, text=True, timeout=480)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     assert proc.returncode == 0 and lines, proc.stderr[-4000:]
     return json.loads(lines[-1])

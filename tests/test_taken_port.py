@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -28,12 +29,14 @@ SECOND_CONFIGS = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "configs").glo
                         if "applications" in yaml.safe_load(p.read_text()))
 
 
-def _env() -> dict[str, str]:
+def _env(ray_tmp: str) -> dict[str, str]:
     """The environment of a shell that typed the docs' commands: none of the Serve settings this test
-    session's own cluster put into os.environ, no cluster to attach to."""
+    session's own cluster put into os.environ, and no cluster to attach to. Without an address `serve
+    run` joins the cluster marked as this machine's current one in Ray's temp directory (a `ray start`,
+    or another test's `ray.cluster_utils.Cluster`), so its servers get a temp directory of their own."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("RAY_ADDRESS", "SERVE_SOCKET_REUSE_PORT_ENABLED", "RAY_SERVE_CONTROLLER_CALLBACK_IMPORT_PATH")}
-    return {**env, "RAY_AUTH_MODE": "disabled", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    return {**env, "RAY_AUTH_MODE": "disabled", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_TMPDIR": ray_tmp}
 
 
 def _on_port(config: str, port: int, tmp_path: Path) -> Path:
@@ -76,12 +79,13 @@ class Prober(threading.Thread):
                 time.sleep(0.01 if len(self.answers) < MIN_PROBES else 0.1)
 
 
-def _second(argv: list[str], url: str, port: int, timeout: float = 300) -> tuple[subprocess.CompletedProcess, Prober]:
+def _second(argv: list[str], env: dict[str, str], url: str, port: int,
+            timeout: float = 300) -> tuple[subprocess.CompletedProcess, Prober]:
     """Run a second server on the first one's port to its end while probing the first."""
     prober = Prober(url, port)
     prober.start()
     try:
-        done = subprocess.run(argv, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
+        done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     finally:
         prober.done.set()
         prober.join(timeout=300)
@@ -121,19 +125,28 @@ def test_the_controller_callback_refuses_a_port_held_outside_the_cluster(monkeyp
     assert PortInUseError.named_in("ray.exceptions.ActorDiedError: out of memory") is None
 
 
+@pytest.fixture
+def ray_tmp():
+    """A Ray temp directory for the servers this test starts, short enough for Ray's socket paths."""
+    with tempfile.TemporaryDirectory(prefix="bs-ray-", ignore_cleanup_errors=True) as path:
+        yield path
+
+
 @pytest.mark.system  # three servers of their own, each starting its own Ray cluster
-def test_a_second_server_on_a_taken_port_is_refused_and_takes_none_of_its_traffic(tmp_path):
+def test_a_second_server_on_a_taken_port_is_refused_and_takes_none_of_its_traffic(tmp_path, ray_tmp):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
+    env = _env(ray_tmp)
     first = subprocess.Popen([str(BIN / "serve"), "run", str(_on_port("serve_config.yaml", port, tmp_path))],
-                             cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                             cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         wait_healthy(first, url, "the first server")
         (proxy,) = _listening_pids(port)
         taken = f"port {port} on 127.0.0.1 is already in use"
 
         # blockserve serve: refused before it starts a cluster, in one line
-        done, prober = _second([str(BIN / "blockserve"), "serve", "models/sdar-tiny", "--port", str(port)], url, port)
+        done, prober = _second([str(BIN / "blockserve"), "serve", "models/sdar-tiny", "--port", str(port)], env, url,
+                               port)
         assert done.returncode != 0
         assert done.stderr.strip().splitlines() == [done.stderr.strip()] and done.stderr.startswith(
             f"blockserve serve: {taken}"), done.stderr[-4000:]
@@ -145,7 +158,7 @@ def test_a_second_server_on_a_taken_port_is_refused_and_takes_none_of_its_traffi
         for name in SECOND_CONFIGS:
             config = _on_port(name, port, tmp_path)
             host = yaml.safe_load(config.read_text())["http_options"]["host"]
-            done, prober = _second([str(BIN / "serve"), "run", str(config)], url, port)
+            done, prober = _second([str(BIN / "serve"), "run", str(config)], env, url, port)
             assert done.returncode != 0, name
             last = done.stderr.strip().splitlines()[-1]
             assert f"port {port} on {host} is already in use" in last, (name, done.stderr[-4000:])
