@@ -49,14 +49,16 @@ class EngineConfig(EngineKnobs):
     logprobs_chunk_rows: int = Field(
         256, ge=1, description="rows per LM-head chunk when scoring: bounds logits memory"
     )
-    attention_backend: Literal["auto", "torch", "flash", "flex"] = Field(
+    attention_backend: Literal["auto", "torch", "flash", "flex", "triton"] = Field(
         "auto", description="auto = flash where a flash kernel can run, else torch (flex only when asked: "
-        "faster at high concurrency on a GPU, but seeded sampling differs between batched and alone); "
-        "a diffusion_gemma model: torch (flex when asked, flash refused)"
+        "faster at high concurrency on a GPU, but seeded sampling differs between batched and alone; triton, "
+        "the project's own paged kernel and the one CUDA graphs replay, only when asked until a GPU run has "
+        "checked it); a diffusion_gemma model: torch (flex or triton when asked, flash refused)"
     )
     cuda_graphs: bool = Field(
-        True, description="replay CUDA graphs for denoising and decode steps (CUDA, one GPU, the flash attention "
-        "backend; prefill chunks and scoring run eagerly)"
+        True, description="replay a CUDA graph for every step up to 8192 tokens, keyed by its padded token count "
+        "(CUDA, one GPU, the triton attention backend); a capture that fails switches them off, logged and "
+        "reported by /get_server_info"
     )
     enable_torch_compile: bool = Field(
         False, description="compile the model's elementwise work (RMSNorm, rotary embedding, SiLU gate, residual "

@@ -19,6 +19,15 @@ log = logging.getLogger(__name__)
 _failed_on: set[str] = set()  # device types whose grouped kernel raised once: the loop serves from then on
 
 
+def group_ends(groups: torch.Tensor, num_groups: int) -> torch.Tensor:
+    """The cumulative row count per group (int32 [num_groups], what `grouped_linear` takes) of rows whose
+    group ids are `groups`: `bincount(...).cumsum(0)` without its host sync (CUDA's bincount reads the
+    largest id back to size its output, which a CUDA graph capture refuses). Integer counts: identical."""
+    counts = torch.zeros(num_groups, dtype=torch.int64, device=groups.device)
+    counts.scatter_add_(0, groups.reshape(-1).long(), torch.ones_like(groups.reshape(-1), dtype=torch.int64))
+    return counts.cumsum(0).to(torch.int32)
+
+
 def grouped_linear(rows: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
     """`rows` [N, in] sorted by group, group g being `rows[ends[g-1]:ends[g]]`, each through its own
     `weight[g]` ([G, out, in], as `F.linear` takes it) -> [N, out]. `ends` is int32 [G], cumulative.

@@ -12,7 +12,13 @@ Tiers (pytest markers, assigned here, never by hand except `system`):
 from __future__ import annotations
 
 import os
-import signal
+
+# The Triton attention kernel runs here under Triton's interpreter, which Triton reads when it is first
+# imported: set before anything imports it (torch does lazily), and inherited by every process the
+# suite starts. Nothing else in the suite runs Triton (inductor compiles C++ on the CPU).
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import signal  # noqa: E402
 import subprocess
 import sys
 import time

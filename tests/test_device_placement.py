@@ -50,7 +50,9 @@ from ops.attention import (
     FlashAttention,
     FlexAttention,
     TorchAttention,
+    TritonAttention,
     make_attention_backend,
+    triton_paged,
     write_kv,
 )
 
@@ -63,7 +65,7 @@ BATCHES = {
     "ar": ([(0, 21), (16, 8), (40, 1), (3, 1)], None),
     "dllm": ([(0, 32), (28, 8), (40, 4), (16, 4)], 4),
 }
-BACKENDS = ["torch", "flash-bundled", "flash-wheel", "flex"]
+BACKENDS = ["torch", "flash-bundled", "flash-wheel", "flex", "triton"]
 
 
 _FAKE_CUDA_GUARD = r"""
@@ -136,10 +138,25 @@ def backend_for(name: str, monkeypatch, head_dim: int = DIM):
         # an earlier test into a tensor read back with .item(): fake tensors have no value to read
         torch._dynamo.reset()
         return FlexAttention(compiled=False)
+    if name == "triton":  # the kernel launch through a substitute: fake tensors hold no data to run on
+        monkeypatch.setattr(triton_paged, "run_paged_attention", triton_launch_substitute)
+        return TritonAttention(query_group=HEADS // KV_HEADS)
     monkeypatch.setattr(flash_kernel, "INSTALLED", KERNELS[name.removeprefix("flash-")])
     backend = make_attention_backend("flash", CUDA, BF16, PAGE, head_dim)
     assert isinstance(backend, FlashAttention)
     return backend
+
+
+def triton_launch_substitute(q, k_cache, v_cache, page_tables, positions, tiles, scale, mode, dllm_block=1,
+                             window=0):
+    """What the Triton kernel's launch needs of its arguments, checked: every tensor on q's device,
+    the metadata int64 and the tile arrays of one length (the grid); an output like q."""
+    tensors = [k_cache, v_cache, page_tables, positions, *tiles.values()]
+    if any(t.device != q.device for t in tensors):
+        raise RuntimeError(f"the Triton kernel's arguments are on several devices: {[t.device for t in tensors]}")
+    assert all(t.dtype == torch.long for t in (page_tables, positions, *tiles.values()))
+    assert len({t.shape for t in tiles.values()}) == 1 and k_cache.dtype == q.dtype
+    return torch.empty_like(q)
 
 
 def batch_lists(shapes: list[tuple[int, int]]) -> dict:

@@ -73,10 +73,13 @@ def params(**kwargs) -> GenerationConfig:
 
 @pytest.fixture(scope="module")
 def oracle(ckpt, engine):
+    return transformers_oracle(ckpt, engine.spec.vocab_size)
+
+
+def transformers_oracle(ckpt, vocab: int) -> dict:
     """transformers' 3-canvas output per (seed, prompt length): tokens, settle steps, last-step logits
     per canvas, canvases' step counts. Shorter max_new_tokens take its first canvases (the same draws)."""
     model = load_reference(ckpt)
-    vocab = engine.spec.vocab_size
     out = {}
     for length in PROMPT_LENGTHS:
         prompt = torch.randint(0, vocab, (length,), generator=torch.Generator().manual_seed(100 + length)).tolist()
@@ -126,17 +129,22 @@ def test_flex_attention_gives_the_same_requests_transformers_tokens(ckpt, oracle
         _check(results[f"{seed}-{length}"], ref, 40)
 
 
-@pytest.mark.parametrize("size", [1, 4, 16])
-def test_batch_invariance(engine, oracle, size):
-    """A seeded request alone, with 3 others and with 15 others (other prompts, seeds, lengths)."""
+def probe_among_others(oracle, size: int) -> dict[str, tuple[list[int], GenerationConfig]]:
+    """A seeded request, alone or with size - 1 others (other prompts, seeds, lengths)."""
     seed, length = 3, 9
-    ref = oracle[seed, length]
-    requests = {"probe": (ref["prompt"], params(max_new_tokens=40, random_seed=seed))}
+    requests = {"probe": (oracle[seed, length]["prompt"], params(max_new_tokens=40, random_seed=seed))}
     others = [k for k in oracle if k != (seed, length)]
     for i in range(size - 1):
         s, n = others[i % len(others)]
         requests[f"other{i}"] = (oracle[s, n]["prompt"], params(max_new_tokens=16 * (1 + i % 3), random_seed=1000 + i))
-    _check(run(engine, requests)["probe"], ref, 40)
+    return requests
+
+
+@pytest.mark.parametrize("size", [1, 4, 16])
+def test_batch_invariance(engine, oracle, size):
+    """A seeded request alone, with 3 others and with 15 others (other prompts, seeds, lengths)."""
+    _check(run(engine, probe_among_others(oracle, size))["probe"], oracle[3, 9], 40)
+
 
 
 @pytest.mark.parametrize("raw", [False, True])

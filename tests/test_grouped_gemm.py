@@ -62,3 +62,16 @@ def test_a_failing_grouped_kernel_hands_over_to_the_loop(monkeypatch, caplog):
     caplog.clear()
     assert torch.equal(grouped_linear(rows, weight, ends), per_group(rows, weight, ends))
     assert not caplog.text  # said once; the loop serves from then on
+
+
+@pytest.mark.parametrize("num_groups", [1, 7, 64])
+def test_group_ends_equal_bincount_without_a_host_sync(num_groups):
+    """The routed experts' group boundaries, counted by `scatter_add_` (a CUDA graph can capture it; CUDA's
+    `bincount` reads its largest id back to the host first): the same integers as `bincount`, empty
+    groups and all."""
+    g = torch.Generator().manual_seed(num_groups)
+    for shape in [(1, 1), (5, 2), (40, 8)]:
+        ids = torch.randint(0, max(1, num_groups // 2), shape, generator=g)  # some groups stay empty
+        expected = torch.bincount(ids.flatten(), minlength=num_groups).cumsum(0).to(torch.int32)
+        ends = grouped_gemm.group_ends(ids, num_groups)
+        assert ends.dtype == torch.int32 and torch.equal(ends, expected)

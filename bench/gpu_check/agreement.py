@@ -12,7 +12,12 @@ from bench.measure import run_engine
 from bench.models import BenchShape
 from configs import EngineConfig, GenerationConfig
 from engine.core.llm_engine import LLMEngine
+from ops.attention import triton_unmet
 from tools.tiny_checkpoint import DLLM_TEST_LOGIT_SCALE, write_tiny_checkpoint
+
+# The backends the seeded_sampling part serves on: flex runs everywhere (compiled where it can, else
+# eager); triton where Triton can launch on the device.
+SEEDED_BACKENDS = ("torch", "flex", "triton")
 
 
 def write_tiny_pair(root: Path) -> dict[str, Path]:
@@ -81,3 +86,27 @@ def check_seeded_sampling(path: Path, device: str, dtype: str, requests: int = 1
     same = sum(a.token_ids == b.token_ids and a.step_map == b.step_map for a, b in zip(together, alone))
     return {"attention_backend": backend, "requests": requests, "same_together_and_alone": same / requests,
             "ok": same == requests}
+
+
+def backend_unmet(backend: str, device: str) -> list[str]:
+    """Why `backend` cannot serve on `device` (empty: it can)."""
+    return triton_unmet(torch.device(device)) if backend == "triton" else []
+
+
+def seeded_sampling_part(paths: dict[str, Path], device: str, dtype: str,
+                         backends: tuple[str, ...] = SEEDED_BACKENDS, requests: int = 12) -> dict:
+    """Part 3: `check_seeded_sampling` per checkpoint and backend; a backend that cannot run here is
+    reported skipped, with why, and one that raises reports its error beside the others' results."""
+    out: dict = {}
+    for name, path in paths.items():
+        out[name] = {}
+        for backend in backends:
+            unmet = backend_unmet(backend, device)
+            if unmet:
+                out[name][backend] = {"skipped": "; ".join(unmet)}
+                continue
+            try:
+                out[name][backend] = check_seeded_sampling(path, device, dtype, requests=requests, attention=backend)
+            except Exception as exc:  # noqa: BLE001 -- a new backend's failure must not hide the others'
+                out[name][backend] = {"error": f"{type(exc).__name__}: {exc}"}
+    return out

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
-from bench.gpu_check.agreement import check_seeded_sampling, compare_greedy, write_tiny_pair
-from bench.gpu_check.attention import backends_to_compare, compare_attention
+from bench.gpu_check.agreement import compare_greedy, seeded_sampling_part, write_tiny_pair
+from bench.gpu_check.attention import flash_part
 from bench.gpu_check.batch_invariance import batch_invariance
 from bench.gpu_check.diffusion_gemma import diffusion_gemma, write_release_config
 from bench.gpu_check.engine_choice import EngineChoice, parse_override
@@ -35,13 +35,19 @@ TRAJECTORY_CAP_SECONDS = 90.0  # 64 x 256 rollouts and their scoring on the SDAR
 DIFFUSION_GEMMA_CAP_SECONDS = 330.0
 
 
+def write_json(path: Path, value: dict) -> None:
+    """`value` as indented JSON at `path`, its folder made if missing."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(value, indent=2) + "\n")
+
+
 class PartLoop:
     """Runs the selected parts: each prints its JSON line as soon as it finishes (a later part's crash or
-    timeout keeps the earlier ones) and is recorded in `report`; a part that raises reports its error and
-    the others still run."""
+    timeout keeps the earlier ones), and with an `out_dir` writes it to `out_dir/<part>.json` too, and is
+    recorded in `report`; a part that raises reports its error and the others still run."""
 
-    def __init__(self, selected: set[str], budget: float = BUDGET_SECONDS):
-        self.selected, self.budget = selected, budget
+    def __init__(self, selected: set[str], budget: float = BUDGET_SECONDS, out_dir: Path | None = None):
+        self.selected, self.budget, self.out_dir = selected, budget, out_dir
         self.report: dict = {}
         self.t0 = time.perf_counter()
 
@@ -62,6 +68,16 @@ class PartLoop:
                 self.report[name] = {"error": f"{type(exc).__name__}: {exc}"}
         self.report[name]["part_seconds"] = time.perf_counter() - started
         print(json.dumps({name: self.report[name]}), flush=True)
+        if self.out_dir is not None:
+            write_json(self.out_dir / f"{name}.json", self.report[name])
+
+    def finish(self) -> dict:
+        """The whole report, with the check's seconds: printed, and written to `out_dir/report.json`."""
+        self.report["seconds"] = time.perf_counter() - self.t0
+        print(json.dumps(self.report, indent=2))
+        if self.out_dir is not None:
+            write_json(self.out_dir / "report.json", self.report)
+        return self.report
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -69,7 +85,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                      description=sys.modules[__package__].__doc__.splitlines()[0])
     parser.add_argument("--skip-throughput", action="store_true", help="leave out the large-model parts")
     parser.add_argument("--only", nargs="+", choices=PARTS, help="run these parts alone")
-    parser.add_argument("--attention", default="auto", choices=["auto", "torch", "flash", "flex"],
+    parser.add_argument("--attention", default="auto", choices=["auto", "torch", "flash", "flex", "triton"],
                         help="the model parts' attention backend")
     parser.add_argument("--kv-block-size", type=int, default=PAGE,
                         help="the model parts' KV page size (torch's own flash kernel needs 256)")
@@ -82,6 +98,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--diffusion-gemma-seconds", type=float, default=45.0, metavar="S",
                         help="each DiffusionGemma run (one backend, one concurrency) stops after S seconds "
                              "(default 45)")
+    parser.add_argument("--out", type=Path, metavar="DIR",
+                        help="also write each part's JSON to DIR/<part>.json as it finishes and the whole report "
+                             "to DIR/report.json (DIR is made if missing)")
     return parser.parse_args(argv)
 
 
@@ -89,25 +108,22 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     choice = EngineChoice(args.attention, args.kv_block_size, not args.no_cuda_graphs, dict(args.set))
     if not torch.cuda.is_available():
-        print(json.dumps({"skipped": "no CUDA device: the GPU check runs only where torch.cuda.is_available()",
-                          "machine": machine_report()}))
+        skipped = {"skipped": "no CUDA device: the GPU check runs only where torch.cuda.is_available()",
+                   "machine": machine_report()}
+        print(json.dumps(skipped))
+        if args.out is not None:
+            write_json(args.out / "report.json", skipped)
         return 0
-    part = PartLoop(set(args.only or PARTS) - (MODEL_PARTS if args.skip_throughput else set()))
+    part = PartLoop(set(args.only or PARTS) - (MODEL_PARTS if args.skip_throughput else set()), out_dir=args.out)
+    part.report["card"] = torch.cuda.get_device_name()
     part.report["engine_choice"] = asdict(choice)
-    cuda = torch.device("cuda")
     part("machine", machine_report)
-    part("flash", lambda: {name: compare_attention(backend, cuda, torch.bfloat16,
-                                                   page=256 if name.startswith("flash:torch") else PAGE)
-                           for name, backend in backends_to_compare().items()}
-         or {"skipped": "no fast attention backend on this machine"})
+    part("flash", lambda: flash_part(torch.device("cuda"), torch.bfloat16))
     with tempfile.TemporaryDirectory() as tmp:
         tiny = write_tiny_pair(Path(tmp))
         part("greedy", lambda: compare_greedy(tiny, "cuda"))
         # every backend that can serve seeded requests here: compiled flex was not batch-invariant on an H200
-        part("seeded_sampling", lambda: {name: {backend: check_seeded_sampling(path, "cuda", "bfloat16",
-                                                                               attention=backend)
-                                                for backend in ("torch", "flex")}
-                                         for name, path in tiny.items()})
+        part("seeded_sampling", lambda: seeded_sampling_part(tiny, "cuda", "bfloat16"))
         if part.selected & {"throughput", "float32_reference"}:
             path = write_sdar(Path(tmp), SDAR_1_7B)
             part("throughput", lambda: throughput(path, SDAR_1_7B, "cuda", "bfloat16", [1, 32, 128], TRAFFIC,
@@ -125,6 +141,5 @@ def main(argv: list[str] | None = None) -> int:
         part("diffusion_gemma", lambda: diffusion_gemma(write_release_config(Path(tmp)), "cuda", "bfloat16", choice,
                                                         max_seconds=args.diffusion_gemma_seconds),
              cap=DIFFUSION_GEMMA_CAP_SECONDS)
-    part.report["seconds"] = time.perf_counter() - part.t0
-    print(json.dumps(part.report, indent=2))
+    part.finish()
     return 0

@@ -10,6 +10,7 @@ import shutil
 import torch
 
 from ops.attention import flex_unmet
+from ops.attention.triton_backend import triton_unmet
 from ops.flash_kernel import INSTALLED, TORCH_KERNEL
 
 
@@ -33,5 +34,6 @@ def machine_report() -> dict:
             "torch_varlen_module": importlib.util.find_spec("torch.nn.attention.varlen") is not None,
             "flex_attention": True,
             "flex_compiled_unmet": flex_unmet(torch.device("cuda" if cuda else "cpu")),
+            "triton_unmet": triton_unmet(torch.device("cuda" if cuda else "cpu")),
         },
     }

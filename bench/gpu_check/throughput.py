@@ -51,6 +51,7 @@ def throughput(path: Path, shape: BenchShape, device: str, dtype: str, concurren
             first_outputs = [o.token_ids for o in run.outputs]
     c = max(concurrency)
     result["profile"] = profile_steps(engine, prompts[:c], params[:c], steps=profile_at_most)
+    with_launches(result["engine"][str(c)], result["profile"])
     del engine
 
     try:
@@ -97,4 +98,11 @@ def shape_throughput(path: Path, shape: BenchShape, device: str, dtype: str, con
     _, out = serve_and_break_down(engine, prompts[:concurrency], params[:concurrency], shape, concurrency)
     out["attention_backend"] = engine.executor.runner.backend.name
     out["profile"] = profile_steps(engine, prompts[:concurrency], params[:concurrency], steps=profile_steps_at_most)
-    return out
+    return with_launches(out, out["profile"])
+
+
+def with_launches(run: dict, profile: dict) -> dict:
+    """`run` (one concurrency's figures) with the launches per step its profile counted, unless it was skipped."""
+    if "skipped" not in run:
+        run["kernel_launches_per_step"] = profile["kernel_launches_per_step"]
+    return run

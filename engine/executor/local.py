@@ -42,7 +42,7 @@ class LocalExecutor:
         return [getattr(self.runner, method)(*args)]
 
     def describe(self) -> dict[str, Any]:
-        return {"executor": "local"}
+        return {"executor": "local", **self.runner.describe()}
 
     def shutdown(self) -> None:
         pass

@@ -161,7 +161,8 @@ class RayTPExecutor:
         return self.shard.runner.kv_groups  # every rank sizes its pools alike
 
     def describe(self) -> dict[str, Any]:
-        return {"executor": "ray_tp", "tp_workers": len(self.workers), "tp_worker_names": list(self.worker_names),
+        return {"executor": "ray_tp", **self.shard.runner.describe(), "tp_workers": len(self.workers),
+                "tp_worker_names": list(self.worker_names),
                 "tp_namespace": ray.get_runtime_context().namespace,
                 "tp_backend": dist.get_backend() if dist.is_initialized() else None}
 

@@ -32,15 +32,15 @@ from configs import EngineConfig
 from engine.errors import WeightUpdateError
 from engine.model.checkpoint import ModelSpec, iter_weights
 from engine.model.families import build_network
-from engine.model.layers.decoder import PreNormDecoderLM
+from engine.model.interfaces import Network, checks_loaded, fixes_block_length, has_layer_groups
 from engine.model.layers.parallel import TPContext
 from engine.model.loading import load_weights
-from engine.worker.cuda_graphs import StepGraphs, cuda_capture, graph_entries, pad_batch
+from engine.worker.cuda_graphs import StepGraphs, cuda_capture
 from engine.worker.forward_batch import ForwardBatch, ForwardOutput
 from engine.worker.kv_sizing import num_kv_pages
 from engine.worker.layer_groups import LayerGroupPasses
 from engine.worker.logits_processing import filter_for_sampling, penalize_
-from engine.worker.step_upload import StepUploader
+from engine.worker.step_upload import GraphPadding, StepUploader, upload_step
 from engine.worker.update_group import init_custom_process_group
 from engine.worker.weight_sources import DiskWeights, WeightSource
 from engine.worker.weight_staging import install_weights, local_weights, shape_template, stage_weights
@@ -70,19 +70,19 @@ def resolve_dtype(config: EngineConfig, device: torch.device, spec: ModelSpec | 
 MEMORY_TAGS = ("weights", "kv_cache")  # what a runner can free and restore
 
 
-def allocate_model(spec: ModelSpec, device: torch.device, dtype: torch.dtype, tp: TPContext | None) -> PreNormDecoderLM:
+def allocate_model(spec: ModelSpec, device: torch.device, dtype: torch.dtype, tp: TPContext | None) -> Network:
     """The model shard built on the meta device (no random init) and allocated once, unfilled."""
     with torch.device("meta"):
         model = build_network(spec, tp)
     return model.materialize(device, dtype).eval()
 
 
-def build_model(spec: ModelSpec, device: torch.device, dtype: torch.dtype, tp: TPContext | None) -> PreNormDecoderLM:
+def build_model(spec: ModelSpec, device: torch.device, dtype: torch.dtype, tp: TPContext | None) -> Network:
     """The model shard in `dtype` on `device`, filled with this rank's slices read from the
     memory-mapped safetensors files of the checkpoint."""
     model = allocate_model(spec, device, dtype, tp)
     load_weights(model, iter_weights(spec.path))
-    if hasattr(model, "check_loaded"):  # checks across tensors a family makes once all are in
+    if checks_loaded(model):  # checks across tensors a family makes once all are in
         model.check_loaded()
     return model
 
@@ -122,20 +122,22 @@ class ModelRunner:
         self.dtype = resolve_dtype(config, self.device, spec)
         network = spec.family.network  # a network of layer groups brings its own backend for its passes
         self.backend = (network.attention_backend(spec, config.attention_backend, self.device)
-                        if hasattr(network, "attention_backend") else
+                        if has_layer_groups(network) else
                         make_attention_backend(config.attention_backend, self.device, self.dtype,
-                                               config.kv_block_size, spec.head_dim))
+                                               config.kv_block_size, spec.head_dim,
+                                               spec.num_attention_heads // spec.num_key_value_heads))
         self.dllm_block_length, self.tp = None, tp or TPContext()
-        self.model: PreNormDecoderLM | None = self._prepare(build_model(spec, self.device, self.dtype, tp))
+        self.model: Network | None = self._prepare(build_model(spec, self.device, self.dtype, tp))
         # a network whose layers form groups of their own K/V geometry sizes and runs them itself
         self.layer_groups = (LayerGroupPasses(self.model, config, self.device, self.dtype, self.tp.size,
                                               config.max_model_len or spec.max_position_embeddings, self.backend)
-                             if hasattr(self.model, "kv_layout") else None)
+                             if has_layer_groups(network) else None)
         self.num_pages = (max(self.layer_groups.pools.values()) if self.layer_groups
                           else num_kv_pages(spec, config, self.device, self.dtype))
         #: per layer group (pages, sliding window) when the network's groups keep their own pools
         self.kv_groups = self.layer_groups.groups if self.layer_groups else None
         self.graphs = self._step_graphs()
+        self.graph_failure: str | None = None  # why graphs were switched off after a failed capture
         self.null_page = self.num_pages  # past the pages the engine hands out; allocated when graphs run
         self.kv_caches = self._allocate_kv()
         self.num_forwards = 0
@@ -145,19 +147,39 @@ class ModelRunner:
         self._origin: str | None = spec.path  # the checkpoint the live weights equal; None once changed
         self._backup: dict[str, torch.Tensor] | Path | None = None  # released weights no checkpoint holds
 
+    def _graphs_unmet(self) -> list[str]:
+        """Why this runner's steps cannot replay CUDA graphs (empty: they can)."""
+        unmet = []
+        if not self.config.cuda_graphs:
+            unmet.append("cuda_graphs is false")
+        if self.device.type != "cuda":
+            unmet.append(f"the device is {self.device.type}, not CUDA")
+        if self.tp.size != 1:
+            unmet.append(f"tensor parallelism (tp={self.tp.size}) runs eagerly")
+        if not self.backend.graph_safe:
+            unmet.append(f"the {self.backend.name} attention backend is not graph-safe (attention_backend='triton' is)")
+        return unmet
+
     def _step_graphs(self) -> StepGraphs | None:
-        """CUDA graphs for denoising and decode steps where they run (engine.worker.cuda_graphs): switched
-        on, on CUDA, on one GPU, with the flash backend."""
-        if not (self.config.cuda_graphs and self.device.type == "cuda" and self.tp.size == 1
-                and self.backend.name == "flash"):
+        """CUDA graphs for every step (engine.worker.cuda_graphs) where they run: switched on, on CUDA, on
+        one GPU, with a graph-safe attention backend (`triton`)."""
+        if self._graphs_unmet():
             return None
         # the longest sequence the cache is sized for (a DLLM block may run past max_model_len)
         longest = (self.config.max_model_len or self.spec.max_position_embeddings) + 64
-        # up to two DLLM blocks per sequence: a commit fused with the next block's first step
-        return StepGraphs(2 * self.config.max_batch_size, -(-longest // self.config.kv_block_size), longest,
+        return StepGraphs(self.config.max_batch_size + 1, -(-longest // self.config.kv_block_size),
                           cuda_capture(torch.cuda.graph_pool_handle()))
 
-    def _prepare(self, model: PreNormDecoderLM) -> PreNormDecoderLM:
+    def describe(self) -> dict[str, object]:
+        """How this runner's forwards run, for the engine's stats and /get_server_info: its attention
+        backend, and whether CUDA graphs replay (graphs captured, replays so far) or why not."""
+        if self.graphs is not None:
+            graphs = {"state": "on", "captured": self.graphs.captures, "replays": self.graphs.replays}
+        else:
+            graphs = {"state": "off", "why": self.graph_failure or "; ".join(self._graphs_unmet())}
+        return {"attention_backend": self.backend.name, "cuda_graphs": graphs}
+
+    def _prepare(self, model: Network) -> Network:
         """A loaded model ready to serve: on CPU every linear on oneDNN packed weights; with
         `enable_torch_compile` its elementwise work compiled into fused kernels (ops.fused)."""
         if self.device.type == "cpu":
@@ -252,7 +274,7 @@ class ModelRunner:
         save_file(weights, str(path))
         return path
 
-    def _restore_weights(self) -> PreNormDecoderLM:
+    def _restore_weights(self) -> Network:
         if self._backup is None:
             spec = dataclasses.replace(self.spec, path=self._origin)
             return build_model(spec, self.device, self.dtype, self.tp)
@@ -266,9 +288,8 @@ class ModelRunner:
     def set_dllm_block_length(self, block_length: int | None) -> None:
         """The engine's block length, before anything runs; a network that fixes it (LLaDA2.2's block
         routing: `check_block_length`) refuses another one here."""
-        check = getattr(self.model, "check_block_length", None)
-        if check is not None:
-            check(block_length)
+        if fixes_block_length(self.model):
+            self.model.check_block_length(block_length)
         self.dllm_block_length = block_length
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
@@ -278,41 +299,18 @@ class ModelRunner:
     def execute(self, batch: ForwardBatch) -> ForwardOutput:
         """One forward. Its metadata -- the batch's lists and the attention backend's plan -- goes to the
         device in one copy and the attention metadata is prepared before the model runs, so nothing in
-        `model.forward` waits on the host. A denoising or decode step replays a CUDA graph where graphs
-        run, padded to the graph's number of entries (engine.worker.cuda_graphs)."""
+        `model.forward` waits on the host. Where graphs run, the step is padded to its token bucket and
+        replays that bucket's CUDA graph (engine.worker.cuda_graphs)."""
         if batch.pass_kinds:  # encoder / canvas passes of a layer-group network
             self.num_forwards += 1
             return self.layer_groups.execute(self.model, self.kv_caches, batch)
-        page_size = self.config.kv_block_size
-        key = self._graph_key(batch)  # (entries, rows per entry) of the graph it replays, or None
-        fed = batch
-        if key is not None:
-            fed = pad_batch(batch, key[0] - sum(batch.q_lens) // key[1], key[1], self.null_page, page_size)
-        tables = fed.page_tables
-        plan = self.backend.plan(fed.q_lens, fed.kv_lens, tables, page_size, self.dllm_block_length)
-        width = self.graphs.table_width if key else max(len(t) for t in tables)
-        # a graph's page tables: a row per entry (every sequence has one or more), a fixed shape
-        table_rows = tables + [[]] * ((key[0] if key else 0) - len(tables))
-        step = self.uploader.upload({
-            "input_ids": fed.input_ids, "positions": fed.positions, "slot_mapping": fed.slot_mapping,
-            "page_tables": [p for t in table_rows for p in t + [0] * (width - len(t))],
-            "sample_rows": batch.sample_rows, **{f"plan.{name}": values for name, values in plan.arrays.items()},
-        }, self.device)
-        meta = AttentionMetadata(
-            q_lens=fed.q_lens,
-            kv_lens=fed.kv_lens,
-            positions=step["positions"],
-            slot_mapping=step["slot_mapping"],
-            page_tables=step["page_tables"].view(len(table_rows), width),
-            page_size=page_size,
-            dllm_block_length=self.dllm_block_length,
-            page_table_lists=tables,
-            plan=plan,
-            planned={name: step[f"plan.{name}"] for name in plan.arrays},
-        )
+        bucket = self._graph_bucket(batch)  # the token bucket of the graph it replays, or None
+        padding = None if bucket is None else GraphPadding(bucket, self.graphs.max_seqs, self.null_page)
+        step, meta = upload_step(batch, self.backend, self.uploader, self.device, self.config.kv_block_size,
+                                 self.dllm_block_length, padding)
         if batch.kv_copy_src:
             self._copy_kv(batch.kv_copy_src, batch.kv_copy_dst)
-        hidden = self._graph_forward(key, step, meta) if key else self._forward(step, meta)
+        hidden = self._forward(step, meta) if bucket is None else self._graph_forward(bucket, step, meta)
         self.num_forwards += 1
         logits = self.model.logits(hidden[step["sample_rows"]])
         out = ForwardOutput(logits=logits)
@@ -326,25 +324,21 @@ class ModelRunner:
         self.backend.prepare(meta)
         return self.model(step["input_ids"], meta.positions, self.kv_caches, meta, self.backend)
 
-    def _graph_key(self, batch: ForwardBatch) -> tuple[int, int] | None:
-        """(entries bucket, rows per entry) when `batch` replays a CUDA graph, else None."""
-        if self.graphs is None or max(len(t) for t in batch.page_tables) > self.graphs.table_width:
+    def _graph_bucket(self, batch: ForwardBatch) -> int | None:
+        """The token bucket whose CUDA graph `batch` replays, or None (no graphs, or a step too large)."""
+        if self.graphs is None:
             return None
-        shape = graph_entries(batch, self.dllm_block_length)
-        if shape is None or shape[1] > self.config.kv_block_size:  # a dummy's rows must fit the null page
-            return None
-        size = self.graphs.bucket(shape[0])
-        return (size, shape[1]) if size else None
+        return self.graphs.bucket(len(batch.input_ids), len(batch.q_lens), max(len(t) for t in batch.page_tables))
 
-    def _graph_forward(self, key: tuple[int, int], step: dict[str, torch.Tensor], meta: AttentionMetadata
-                       ) -> torch.Tensor:
-        """`_forward` through the step graphs; a capture that fails switches graphs off (logged) and the
-        step runs eagerly."""
-        inputs = {name: value for name, value in step.items() if name != "sample_rows"}
+    def _graph_forward(self, bucket: int, step: dict[str, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        """`_forward` through the step graphs; a capture that fails switches graphs off (logged, and kept in
+        `graph_failure` for /get_server_info) and the step runs eagerly."""
+        inputs = {name: value for name, value in step.items() if name not in ("sample_rows", "page_tables")}
         try:
-            return self.graphs.run(key, inputs, meta, self._forward, (self.model, self.kv_caches[0][0]))
+            return self.graphs.run(bucket, inputs, meta, self._forward, (self.model, self.kv_caches[0][0]))
         except RuntimeError as e:
-            log.warning("CUDA graphs switched off: capturing %s failed: %s", key, e)
+            self.graph_failure = f"capturing the graph of {bucket}-token steps failed: {e}"
+            log.warning("CUDA graphs switched off, every step runs eagerly: %s", self.graph_failure)
             self.graphs = None
             meta.extra = None
             return self._forward(step, meta)

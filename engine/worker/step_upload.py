@@ -1,7 +1,9 @@
 """A step's integer metadata onto the device in one copy.
 
-Every list a forward needs (token ids, positions, cache slots, page tables, rows to sample, the
-attention backend's planned arrays) is packed on the host into one int64 tensor and copied once.
+`upload_step` assembles what a forward reads from its `ForwardBatch` -- padded to a CUDA graph's
+token bucket where one replays -- with the attention backend's plan, and uploads it: every list a
+forward needs (token ids, positions, cache slots, page tables, rows to sample, the attention
+backend's planned arrays) is packed on the host into one int64 tensor and copied once.
 On CUDA the host side is a persistent pinned buffer and the copy is non-blocking into a persistent
 device buffer, so the host goes on to queue the forward while the copy runs; the arrays are views
 of that device buffer. Before the pinned buffer is written again, the host waits for the event
@@ -11,9 +13,55 @@ previous forward, which the overlap schedule may still be running).
 
 from __future__ import annotations
 
+from array import array
+from dataclasses import dataclass
 from itertools import chain
 
 import torch
+
+from engine.worker.cuda_graphs import pad_tokens
+from engine.worker.forward_batch import ForwardBatch
+from ops.attention import AttentionBackend, AttentionMetadata
+
+
+@dataclass(frozen=True)
+class GraphPadding:
+    """How a step that replays a CUDA graph is padded (engine.worker.cuda_graphs)."""
+
+    tokens: int  # the graph's token bucket: the rows the step is padded to
+    max_seqs: int  # the most sequences of a graphed step: the backend's tiles are padded for these
+    null_page: int  # the KV page the padding rows alone read and write
+
+
+def upload_step(batch: ForwardBatch, backend: AttentionBackend, uploader: StepUploader, device: torch.device,
+                page_size: int, block_length: int | None, padding: GraphPadding | None
+                ) -> tuple[dict[str, torch.Tensor], AttentionMetadata]:
+    """The step's arrays on `device` (token ids, positions, slots, page tables, rows to sample and the
+    backend's planned arrays, in one copy) and the attention metadata viewing them. Page tables travel
+    at the width the step uses, whatever `max_model_len` is."""
+    fed = batch if padding is None else pad_tokens(batch, padding.tokens, padding.null_page, page_size)
+    tables = fed.page_tables
+    pad_tiles = None if padding is None else backend.tiles_for(padding.tokens, padding.max_seqs)
+    plan = backend.plan(fed.q_lens, fed.kv_lens, tables, page_size, block_length, pad_tiles)
+    width = max(len(t) for t in tables)
+    step = uploader.upload({
+        "input_ids": fed.input_ids, "positions": fed.positions, "slot_mapping": fed.slot_mapping,
+        "page_tables": [p for t in tables for p in t + [0] * (width - len(t))],
+        "sample_rows": batch.sample_rows, **{f"plan.{name}": values for name, values in plan.arrays.items()},
+    }, device)
+    meta = AttentionMetadata(
+        q_lens=fed.q_lens,
+        kv_lens=fed.kv_lens,
+        positions=step["positions"],
+        slot_mapping=step["slot_mapping"],
+        page_tables=step["page_tables"].view(len(tables), width),
+        page_size=page_size,
+        dllm_block_length=block_length,
+        page_table_lists=tables,
+        plan=plan,
+        planned={name: step[f"plan.{name}"] for name in plan.arrays},
+    )
+    return step, meta
 
 
 class StepUploader:
@@ -27,12 +75,15 @@ class StepUploader:
     def upload(self, fields: dict[str, list[int]], device: torch.device) -> dict[str, torch.Tensor]:
         """`fields` as 1-D int64 tensors on `device`, in one host->device copy (none on the CPU)."""
         sizes = [len(values) for values in fields.values()]
-        packed = torch.tensor(list(chain.from_iterable(fields.values())), dtype=torch.long)
+        # array('q', ...) packs the ints at C speed; torch.tensor(list) took ~80 ns an element
+        values = array("q", chain.from_iterable(fields.values()))
+        if device.type != "cpu" and not torch.cuda.is_available():  # a fake CUDA device (tests): no pinned
+            self.uploads += 1  # memory, no events, and fake mode takes a tensor made from a list only
+            return dict(zip(fields, torch.tensor(values.tolist(), device=device).split(sizes), strict=True))
+        packed = torch.frombuffer(values, dtype=torch.long) if values else torch.empty(0, dtype=torch.long)
         if device.type == "cpu":
             return dict(zip(fields, packed.split(sizes), strict=True))
         self.uploads += 1
-        if not torch.cuda.is_available():  # a fake CUDA device (tests): no pinned memory, no events
-            return dict(zip(fields, packed.to(device).split(sizes), strict=True))
         n = packed.numel()
         if self._host is None or self._host.numel() < n or self._for != device:
             size = max(n, 2 * (0 if self._host is None else self._host.numel()), 4096)

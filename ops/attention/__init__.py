@@ -16,6 +16,11 @@ Backends:
   the paged cache through `block_table`. Block-causal attention is expressed without a custom mask:
   every DLLM block of queries becomes its own varlen entry that sees keys up to its block end,
   non-causally.
+* `TritonAttention` -- the project's own Triton kernel (`ops.attention.triton_paged`): one launch per
+  layer over (tiles of one sequence's query rows, K/V heads), the query heads of a K/V head packed in
+  one tile, K/V read through the page table in place; causal, block-causal, bidirectional and
+  sliding-window rows. Its grid is fixed by the step's padded token count, so CUDA graphs replay it
+  for any step. Tested on the CPU under Triton's interpreter.
 * `FlexAttention` -- `torch.nn.attention.flex_attention` over the whole cache in place, with a
   `BlockMask` built from the page tables (which pages each 16-query tile may read) and a mask that
   maps a physical key slot back to its position in the query's sequence. Native GQA, no gather.
@@ -34,7 +39,8 @@ from ops.attention.flash import FlashAttention, usable_flash_kernel
 from ops.attention.flex import FLEX_TILE, FlexAttention, flex_attention_fn, flex_unmet
 from ops.attention.selection import make_attention_backend
 from ops.attention.torch_reference import TorchAttention, sdpa_heads_folded
+from ops.attention.triton_backend import TritonAttention, triton_unmet
 
 __all__ = ["FLEX_TILE", "AttentionBackend", "AttentionMetadata", "FlashAttention", "FlexAttention", "StepPlan",
-           "TorchAttention", "flex_attention_fn", "flex_unmet", "make_attention_backend", "planned",
-           "sdpa_heads_folded", "usable_flash_kernel", "write_kv"]
+           "TorchAttention", "TritonAttention", "flex_attention_fn", "flex_unmet", "make_attention_backend", "planned",
+           "sdpa_heads_folded", "triton_unmet", "usable_flash_kernel", "write_kv"]

@@ -61,12 +61,20 @@ class AttentionBackend:
 
     name = "base"
     plans_from_page_tables = False  # whether `plan` reads the page tables
+    # Whether a CUDA graph may capture this backend's forwards: `prepare` makes no host->device copy and
+    # every launch is fixed by the step's padded token count once `plan` pads to `tiles_for` its tiles.
+    graph_safe = False
 
     def plan(self, q_lens: list[int], kv_lens: list[int], page_tables: list[list[int]], page_size: int,
-             block_length: int | None) -> StepPlan:
+             block_length: int | None, pad_tiles: int | None = None) -> StepPlan:
         """Host-side metadata of a forward from the batch's lists alone (as `AttentionMetadata`'s fields;
-        `page_tables` unpadded)."""
+        `page_tables` unpadded). A graph-safe backend pads its per-tile arrays to `pad_tiles` tiles."""
         return StepPlan()
+
+    def tiles_for(self, tokens: int, max_seqs: int) -> int:
+        """(Graph-safe backends) the tiles every step of `tokens` rows over at most `max_seqs` sequences
+        is padded to."""
+        raise NotImplementedError(f"the {self.name} backend is not graph-safe")
 
     def prepare(self, meta: AttentionMetadata) -> None:
         raise NotImplementedError
@@ -88,8 +96,6 @@ class AttentionBackend:
         """q: [T, H, D]; k, v: [T, KVH, D]; caches: [pages, page_size, KVH, D]. Returns [T, H, D]."""
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         return self.attend(q, k_cache, v_cache, meta, scale)
-
-
 
 
 def write_kv(

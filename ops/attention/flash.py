@@ -21,7 +21,7 @@ class FlashAttention(AttentionBackend):
         self.kernel = kernel
 
     def plan(self, q_lens: list[int], kv_lens: list[int], page_tables: list[list[int]], page_size: int,
-             block_length: int | None) -> StepPlan:
+             block_length: int | None, pad_tiles: int | None = None) -> StepPlan:
         b = block_length
         entry_q, k_lens, tables, causal = [], [], [], b is None
         for s, (q_len, kv_len) in enumerate(zip(q_lens, kv_lens, strict=True)):
@@ -55,8 +55,6 @@ class FlashAttention(AttentionBackend):
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                scale: float) -> torch.Tensor:
         return self.kernel.fn(q, k_cache, v_cache, softmax_scale=scale, **meta.extra)
-
-
 
 
 def usable_flash_kernel(device: torch.device, dtype: torch.dtype, page_size: int, head_dim: int

@@ -41,7 +41,7 @@ class FlexAttention(AttentionBackend):
         self.fallback: TorchAttention | None = None  # serves instead once the compiled kernel failed
 
     def plan(self, q_lens: list[int], kv_lens: list[int], page_tables: list[list[int]], page_size: int,
-             block_length: int | None) -> StepPlan:
+             block_length: int | None, pad_tiles: int | None = None) -> StepPlan:
         b, page, tables = block_length, page_size, page_tables
         q_seq: list[int] = []
         q_limit: list[int] = []

@@ -10,16 +10,21 @@ from ops.attention.base import AttentionBackend
 from ops.attention.flash import FlashAttention, usable_flash_kernel
 from ops.attention.flex import FlexAttention, flex_unmet
 from ops.attention.torch_reference import TorchAttention
+from ops.attention.triton_backend import TritonAttention, triton_unmet
 
 log = logging.getLogger(__name__)
 
 
 def make_attention_backend(name: str, device: torch.device, dtype: torch.dtype, page_size: int,
-                           head_dim: int) -> AttentionBackend:
+                           head_dim: int, query_group: int = 1) -> AttentionBackend:
     """The backend for `EngineConfig.attention_backend`: `torch` always; `flash` when an installed
     kernel can run these settings, `flex` on any device (compiled where it can serve, eager
-    elsewhere), else a ValueError naming every unmet condition; `auto` flash where it can run, else
-    torch, logging which and why.
+    elsewhere), `triton` on CUDA where Triton imports (`query_group`: query heads per K/V head), else a
+    ValueError naming every unmet condition; `auto` flash where it can run, else torch, logging which
+    and why.
+
+    `auto` does not pick triton yet: it has matched the torch backend on the CPU (under Triton's
+    interpreter) but not yet been run on a GPU; it is asked for by name until a device run agrees.
 
     `auto` never picks flex: on an H200 (torch 2.11, bfloat16) compiled flex gave seeded sampled
     requests other tokens in a batch than alone, where the torch backend gave the same, and it was
@@ -28,6 +33,12 @@ def make_attention_backend(name: str, device: torch.device, dtype: torch.dtype, 
         return TorchAttention()
     if name == "flex":
         return FlexAttention(compiled=not flex_unmet(device), dynamic=True)
+    if name == "triton":
+        unmet = triton_unmet(device)
+        if unmet:
+            raise ValueError("attention_backend='triton' cannot run: " + "; ".join(unmet)
+                             + ". Use attention_backend='torch' or 'auto'")
+        return TritonAttention(query_group)
     kernel, unmet = usable_flash_kernel(device, dtype, page_size, head_dim)
     if name == "flash" and kernel is None:
         raise ValueError("attention_backend='flash' cannot run: " + "; ".join(unmet)

@@ -35,7 +35,7 @@ from torch import nn
 from engine.model.layers.parallel import ColumnSplit, RowSplit, Split, TPContext
 from engine.model.spec import MoESpec
 from ops.fused import EAGER, Elementwise
-from ops.grouped_gemm import grouped_linear
+from ops.grouped_gemm import group_ends, grouped_linear
 
 
 class StackedExperts(Split):
@@ -62,7 +62,8 @@ class StackedExperts(Split):
 @dataclass
 class MoEStats:
     """Routed work done so far: (token, expert) rows through the expert GEMMs, tokens routed, and,
-    when `timed` is set (benchmarks), seconds spent in the expert GEMM loop."""
+    when `timed` is set (benchmarks), seconds spent in the expert GEMM loop. Counted by the host as
+    the forward runs, so a CUDA graph's replays add nothing (bench/moe.py measures eagerly)."""
 
     routed_rows: int = 0
     tokens: int = 0
@@ -113,7 +114,7 @@ class SparseMoeBlock(nn.Module):
         flat = experts.flatten()
         order = torch.argsort(flat, stable=True)
         token_of = order // self.top_k
-        ends = torch.bincount(flat, minlength=self.num_experts).cumsum(0).to(torch.int32)
+        ends = group_ends(flat, self.num_experts)
         start_time = time.perf_counter() if self.stats.timed else 0.0
         gate, up = grouped_linear(x[token_of], self.w13, ends).split(self.inter, dim=-1)
         out_rows = grouped_linear(self.ops.silu_and_mul(gate, up), self.w2, ends)

@@ -55,6 +55,7 @@ class GroupPlan:
 
 class GemmaAttentionBackend(Protocol):
     name: str
+    graph_safe: bool  # whether CUDA graphs may capture its passes (none may yet)
 
     def prepare(self, meta: GemmaAttentionMeta, plan: GroupPlan) -> None:
         """Derive, into `plan.backend`, what every layer of the group reuses in this forward."""
@@ -124,6 +125,7 @@ class GemmaTorchAttention:
     """The reference: per pass, its committed keys gathered beside its own, one SDPA call."""
 
     name = "torch"
+    graph_safe = False
 
     def prepare(self, meta: GemmaAttentionMeta, plan: GroupPlan) -> None:
         plan.backend["torch"] = [

@@ -84,6 +84,8 @@ def plan_flex(meta: GemmaAttentionMeta, plan: GroupPlan) -> dict[str, list[int] 
 class GemmaFlexAttention:
     """FlexAttention over each pass's committed keys and the forward's own K/V (see the module)."""
 
+    graph_safe = False
+
     def __init__(self, compiled: bool, dynamic: bool = False):
         """`dynamic`: as `ops.attention.flex_attention_fn`'s (serving compiles symbolic shapes)."""
         self.compiled, self.name = compiled, "flex"

@@ -28,9 +28,10 @@ from engine.model.families.diffusion_gemma.config import GemmaSpec, LayerGeometr
 from engine.model.families.diffusion_gemma.flex_attention import GemmaFlexAttention
 from engine.model.families.diffusion_gemma.kv_layout import KVLayout
 from engine.model.families.diffusion_gemma.parallel import ExpertDownSplit, GateUpSplit
+from engine.model.families.diffusion_gemma.triton_attention import GemmaTritonAttention
 from engine.model.layers.parallel import TPContext, column_parallel, row_parallel
-from ops.attention import flex_unmet
-from ops.grouped_gemm import grouped_linear
+from ops.attention import flex_unmet, triton_unmet
+from ops.grouped_gemm import group_ends, grouped_linear
 
 ENCODER = "model.encoder.language_model."
 
@@ -150,7 +151,7 @@ class GemmaExperts(nn.Module):
         flat = index.reshape(-1)
         # the (token, slot) pairs grouped by expert, each group in pair order (a stable sort)
         order = torch.sort(flat, stable=True).indices
-        ends = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).cumsum(0).to(torch.int32)
+        ends = group_ends(flat, self.gate_up_proj.shape[0])
         gate, up = grouped_linear(x[order // k], self.gate_up_proj, ends).chunk(2, dim=-1)
         pair_out = x.new_empty(t * k, x.shape[-1])
         pair_out[order] = grouped_linear(F.gelu(gate, approximate="tanh") * up, self.down_proj, ends)
@@ -224,6 +225,9 @@ class DiffusionGemmaNetwork(nn.Module):
 
     Built from a GemmaSpec, or from the engine's ModelSpec carrying one in `extra`."""
 
+    checks_loaded = True  # engine.model.interfaces: encoder and decoder tensors that must agree
+    has_layer_groups = True  # sliding and full layers in K/V pools of their own, run as encoder / canvas passes
+
     def __init__(self, spec, tp=None):
         super().__init__()
         gemma = spec if isinstance(spec, GemmaSpec) else spec.extra
@@ -277,7 +281,8 @@ class DiffusionGemmaNetwork(nn.Module):
     def attention_backend(spec, name: str, device: torch.device) -> GemmaAttentionBackend:
         """The backend for `EngineConfig.attention_backend` (chosen before the weights load): `torch` (the
         reference) and `auto` the torch reference; `flex` FlexAttention (compiled where it can serve,
-        eager elsewhere). `flash` is refused: no installed flash kernel takes a canvas pass
+        eager elsewhere); `triton` the project's paged kernel in its passes mode (CUDA; the CPU only under
+        Triton's interpreter). `flash` is refused: no installed flash kernel takes a canvas pass
         (bidirectional among its queries, over committed keys it does not write) or the full layers'
         head size."""
         gemma = spec if isinstance(spec, GemmaSpec) else spec.extra
@@ -289,6 +294,12 @@ class DiffusionGemmaNetwork(nn.Module):
                              "'flex', 'torch' or 'auto'")
         if name == "flex":
             return GemmaFlexAttention(compiled=not flex_unmet(device), dynamic=True)
+        if name == "triton":
+            unmet = triton_unmet(device)
+            if unmet:
+                raise ValueError("attention_backend='triton' cannot run: " + "; ".join(unmet)
+                                 + ". Use attention_backend='torch' or 'auto'")
+            return GemmaTritonAttention(gemma)
         return GemmaTorchAttention()
 
     def pass_metadata(self, kinds: list[str], starts: list[int], q_lens: list[int],

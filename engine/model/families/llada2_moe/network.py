@@ -123,6 +123,8 @@ class LLaDA2Backbone(nn.Module):
 class LLaDA2MoeModelLM(PreNormDecoderLM):
     """LLaDA2's layers under the shared pre-norm decoder's forward and logits."""
 
+    fixes_block_length = True  # engine.model.interfaces: a block-routed checkpoint decodes in its routing block
+
     @staticmethod
     def backbone(spec: ModelSpec, tp: TPContext, moe_stats: MoEStats) -> nn.Module:
         return LLaDA2Backbone(spec, tp, moe_stats)

@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# The GPU check as one prepared command for a borrowed GPU machine (one command may run 10 minutes; the
+# session has about 15 in all): four runs of `python -m bench.gpu_check`, in order, each under `timeout`
+# with its own cap, all of them within GPU_CHECK_TOTAL_S seconds (default 480: a run whose cap no longer
+# fits is cut to what is left, and skipped under MIN_RUN_S). A run that fails or times out does not stop
+# the next.
+#
+#   bench/gpu_check/device_run.sh [DIR]        DIR defaults to $OUT, else gpu-out; python is $PYTHON, else PATH's
+#
+# DIR/<run>/ holds the run's stdout.log, stderr.log, each part's JSON (--out) and report.json once it
+# finished; DIR/exit_codes.txt a line per run, `RUN EXIT_CODE SECONDS CAP_S` (124: timed out, `skipped`:
+# no time left). At the end `python -m bench.gpu_check.collect` gathers them into DIR/summary.json, and
+# the run folders are packed into DIR/runs.tar.gz (the device machine hands back at most 8 files; set
+# GPU_CHECK_KEEP_FOLDERS=1 to keep them unpacked). Exit status: 0 when every run exited 0, else 1.
+set -u
+
+dir=${1:-${OUT:-gpu-out}}
+py=${PYTHON:-python}
+total=${GPU_CHECK_TOTAL_S:-480}
+MIN_RUN_S=20
+KILL_AFTER_S=5  # SIGKILL this long after timeout's SIGTERM, counted in the budget
+
+mkdir -p "$dir" && dir=$(cd "$dir" && pwd) || exit 2
+cd "$(dirname "${BASH_SOURCE[0]}")/../.." || exit 2  # the repository root: `-m bench.gpu_check` resolves there
+: >"$dir/exit_codes.txt"
+status=0
+
+# run_part RUN CAP_S ARGS...: `python -m bench.gpu_check ARGS... --out DIR/RUN` under `timeout`
+run_part() {
+    local name=$1 cap=$2
+    shift 2
+    local left=$((total - SECONDS - KILL_AFTER_S)) start=$SECONDS code
+    ((cap > left)) && cap=$left
+    mkdir -p "$dir/$name"
+    if ((cap < MIN_RUN_S)); then
+        echo "$name skipped 0 $cap" >>"$dir/exit_codes.txt"
+        echo "gpu_check run $name ($*): skipped, ${left} s left of ${total} s" >&2
+        status=1
+        return
+    fi
+    echo "gpu_check run $name ($*): cap ${cap} s" >&2
+    timeout -k "$KILL_AFTER_S" "$cap" "$py" -m bench.gpu_check "$@" --out "$dir/$name" \
+        >"$dir/$name/stdout.log" 2>"$dir/$name/stderr.log"
+    code=$?
+    echo "$name $code $((SECONDS - start)) $cap" >>"$dir/exit_codes.txt"
+    echo "gpu_check run $name: exit $code after $((SECONDS - start)) s" >&2
+    ((code == 0)) || status=1
+}
+
+run_part a 90 --only machine flash
+run_part b 200 --only sdar_4b --attention triton
+run_part c 200 --only throughput --attention triton --throughput-seconds 120
+run_part d 60 --only seeded_sampling
+
+timeout 60 "$py" -m bench.gpu_check.collect "$dir" || status=1
+if [[ ${GPU_CHECK_KEEP_FOLDERS:-0} != 1 ]]; then
+    runs=(a b c d)
+    tar -czf "$dir/runs.tar.gz" -C "$dir" "${runs[@]}" && (cd "$dir" && rm -rf "${runs[@]}")
+fi
+exit "$status"
