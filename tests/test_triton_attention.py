@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from test_flex_attention import AR_BATCHES, DLLM_BATCHES  # the batch kinds every backend is checked on
 
 from ops.attention import AttentionMetadata, TorchAttention, TritonAttention, triton_unmet, write_kv
 from ops.attention.triton_paged import (
@@ -173,20 +174,6 @@ def tile_arrays(batch: Batch) -> dict[str, torch.Tensor]:
     return {name: torch.tensor(values, dtype=torch.long) for name, values in plan.items()}
 
 
-# (tokens already cached, tokens fed now) per sequence
-AR_BATCHES = {
-    "prefill": [(0, 40), (0, 7)],
-    "prefill_chunk_and_decode": [(16, 24), (37, 1), (5, 1), (0, 3)],
-    "decode": [(37, 1), (5, 1), (16, 1), (63, 1)],
-    "scoring_rows": [(0, 50), (10, 33)],
-}
-DLLM_BATCHES = {  # block length 4
-    "prefill_chunks": [(0, 32), (16, 16)],
-    "denoising_steps": [(32, 4), (20, 4), (0, 4)],
-    "commit_and_next_block": [(28, 8), (4, 8)],
-    "mixed": [(16, 16), (28, 8), (40, 4), (0, 4)],
-    "one_row_blocks": [(4, 1), (11, 1), (13, 2)],
-}
 BATCH_KINDS = ([(name, shapes, None) for name, shapes in AR_BATCHES.items()]
                + [(name, shapes, 4) for name, shapes in DLLM_BATCHES.items()]
                + [("one_row_blocks_b1", [(4, 1), (11, 1), (13, 2), (0, 3)], 1),  # block 1: each row its own block

@@ -39,8 +39,8 @@ from ops.attention.flash import FlashAttention, usable_flash_kernel
 from ops.attention.flex import FLEX_TILE, FlexAttention, flex_attention_fn, flex_unmet
 from ops.attention.selection import make_attention_backend
 from ops.attention.torch_reference import TorchAttention, sdpa_heads_folded
-from ops.attention.triton_backend import TritonAttention, triton_unmet
+from ops.attention.triton_backend import TritonAttention, require_triton, triton_unmet
 
 __all__ = ["FLEX_TILE", "AttentionBackend", "AttentionMetadata", "FlashAttention", "FlexAttention", "StepPlan",
            "TorchAttention", "TritonAttention", "flex_attention_fn", "flex_unmet", "make_attention_backend", "planned",
-           "sdpa_heads_folded", "triton_unmet", "usable_flash_kernel", "write_kv"]
+           "require_triton", "sdpa_heads_folded", "triton_unmet", "usable_flash_kernel", "write_kv"]

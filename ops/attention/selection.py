@@ -10,7 +10,7 @@ from ops.attention.base import AttentionBackend
 from ops.attention.flash import FlashAttention, usable_flash_kernel
 from ops.attention.flex import FlexAttention, flex_unmet
 from ops.attention.torch_reference import TorchAttention
-from ops.attention.triton_backend import TritonAttention, triton_unmet
+from ops.attention.triton_backend import TritonAttention, require_triton
 
 log = logging.getLogger(__name__)
 
@@ -34,10 +34,7 @@ def make_attention_backend(name: str, device: torch.device, dtype: torch.dtype, 
     if name == "flex":
         return FlexAttention(compiled=not flex_unmet(device), dynamic=True)
     if name == "triton":
-        unmet = triton_unmet(device)
-        if unmet:
-            raise ValueError("attention_backend='triton' cannot run: " + "; ".join(unmet)
-                             + ". Use attention_backend='torch' or 'auto'")
+        require_triton(device)
         return TritonAttention(query_group)
     kernel, unmet = usable_flash_kernel(device, dtype, page_size, head_dim)
     if name == "flash" and kernel is None:

@@ -25,6 +25,14 @@ def triton_unmet(device: torch.device) -> list[str]:
             "interpreter, TRITON_INTERPRET=1, which is for tests)"]
 
 
+def require_triton(device: torch.device) -> None:
+    """A ValueError naming why `attention_backend='triton'` cannot run on `device`, if it cannot."""
+    unmet = triton_unmet(device)
+    if unmet:
+        raise ValueError("attention_backend='triton' cannot run: " + "; ".join(unmet)
+                         + ". Use attention_backend='torch' or 'auto'")
+
+
 class TritonAttention(AttentionBackend):
     """Paged attention by the project's Triton kernel: K/V read through the page tables in place, the
     query heads of a K/V head packed into one tile, one launch per layer over a grid of (tiles, K/V

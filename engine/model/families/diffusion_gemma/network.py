@@ -30,7 +30,7 @@ from engine.model.families.diffusion_gemma.kv_layout import KVLayout
 from engine.model.families.diffusion_gemma.parallel import ExpertDownSplit, GateUpSplit
 from engine.model.families.diffusion_gemma.triton_attention import GemmaTritonAttention
 from engine.model.layers.parallel import TPContext, column_parallel, row_parallel
-from ops.attention import flex_unmet, triton_unmet
+from ops.attention import flex_unmet, require_triton
 from ops.grouped_gemm import group_ends, grouped_linear
 
 ENCODER = "model.encoder.language_model."
@@ -295,10 +295,7 @@ class DiffusionGemmaNetwork(nn.Module):
         if name == "flex":
             return GemmaFlexAttention(compiled=not flex_unmet(device), dynamic=True)
         if name == "triton":
-            unmet = triton_unmet(device)
-            if unmet:
-                raise ValueError("attention_backend='triton' cannot run: " + "; ".join(unmet)
-                                 + ". Use attention_backend='torch' or 'auto'")
+            require_triton(device)
             return GemmaTritonAttention(gemma)
         return GemmaTorchAttention()
 
