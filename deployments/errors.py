@@ -5,7 +5,7 @@ body against a request model with errors that name the offending field in the en
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
@@ -62,8 +62,11 @@ def _loc(loc: tuple) -> str:
     return out
 
 
-def validation_error(e: ValidationError, rename: Mapping[str, str] | None = None) -> ApiError:
-    """A pydantic error as an ApiError naming the (first) offending top-level field."""
+def validation_error(e: ValidationError, rename: Mapping[str, str] | None = None,
+                     nested: Collection[str] = ()) -> ApiError:
+    """A pydantic error as an ApiError naming the (first) offending top-level field, or for a field of
+    `nested` (an object of its own, e.g. SGLang's `sampling_params`) the path inside it
+    (`sampling_params.max_new_tokens`, `sampling_params[1].top_p`)."""
     rename = rename or {}
     errors = e.errors(include_url=False)
     first = next((err for err in errors if err.get("loc")), errors[0] if errors else None)
@@ -77,11 +80,15 @@ def validation_error(e: ValidationError, rename: Mapping[str, str] | None = None
     field = str(first["loc"][0])
     param = rename.get(field, field)
     mine = [err for err in errors if err.get("loc") and str(err["loc"][0]) == field]
+    inside = field in nested and [err for err in mine if _loc(err["loc"]) != field]
+    if inside:  # a wrong value inside the object: the union's other shapes (a list of them) do not fit either
+        mine = inside
     # A union reports one error per member; when some are not plain type mismatches, those matter.
     specific = [err for err in mine if not err["type"].endswith("_type")]
     msgs: list[str] = []
     unknown = [_loc((param, *err["loc"][1:])) for err in specific if err["type"] == "extra_forbidden"]
-    for err in specific or mine:
+    reported = specific or mine
+    for err in reported:
         where = _loc((param, *err["loc"][1:]))
         if err["type"] == "extra_forbidden":
             entry = f"unknown field {where!r}: not part of this endpoint's request schema"
@@ -94,6 +101,8 @@ def validation_error(e: ValidationError, rename: Mapping[str, str] | None = None
             msgs.append(entry)
     if unknown and len(unknown) == len(specific):  # only unknown names, maybe inside the field: name them
         param = unknown[0]
+    elif inside:
+        param = _loc((param, *reported[0]["loc"][1:]))
     return ApiError(" or ".join(msgs[:4]), param)
 
 
@@ -144,8 +153,9 @@ def _unencodable(value: Any, path: str, depth: int = 0) -> str | None:
     return None
 
 
-def parse(model: type[BaseModel], body: Any) -> Any:
-    """Validate a decoded JSON body (or a handle's dict) against a request model, or ApiError."""
+def parse(model: type[BaseModel], body: Any, nested: Collection[str] = ()) -> Any:
+    """Validate a decoded JSON body (or a handle's dict) against a request model, or ApiError (naming
+    the path inside the fields of `nested`: `validation_error`)."""
     if not isinstance(body, dict):
         raise ApiError(f"the request body must be a JSON object, got {type(body).__name__}")
     bad = _unencodable(body, "")
@@ -155,4 +165,4 @@ def parse(model: type[BaseModel], body: Any) -> Any:
     try:
         return model.model_validate(body)
     except ValidationError as e:
-        raise validation_error(e) from None
+        raise validation_error(e, nested=nested) from None

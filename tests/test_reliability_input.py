@@ -96,15 +96,15 @@ CASES = [
     ("sdar", "/generate", {"input_ids": [1, 2, 3], "max_tokens": 0, "return_logprob": True}, 400,
      "max_tokens", ["AR", "scoring"]),  # scoring a DLLM without logprob_start_len: max_tokens is the problem
     # ---- SGLang's native body ---------------------------------------------------------------------
-    ("sdar", "/generate", {"text": "hi", "sampling_params": {"max_new_tokens": -1}}, 400, "sampling_params",
-     ["max_new_tokens"]),
+    ("sdar", "/generate", {"text": "hi", "sampling_params": {"max_new_tokens": -1}}, 400,
+     "sampling_params.max_new_tokens", ["max_new_tokens"]),
     ("sdar", "/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 10**6}}, 400,
      "sampling_params.max_new_tokens", ["max_model_len"]),
     ("sdar", "/generate", {"text": ["a", "b"], "sampling_params": [{}]}, 400, "sampling_params", ["2 prompts"]),
     ("sdar", "/generate", {"text": "hi", "input_ids": [1, 2]}, 400, "input_ids", ["not both"]),
     ("sdar", "/generate", {"text": "hi", "sampling_params": {"frequency_penalty": 0.5}}, 400,
      "sampling_params.frequency_penalty", ["repetition_penalty"]),
-    ("sdar", "/generate", {"text": "hi", "sampling_params": {"n": 0}}, 400, "sampling_params", ["n"]),
+    ("sdar", "/generate", {"text": "hi", "sampling_params": {"n": 0}}, 400, "sampling_params.n", ["n"]),
     ("qwen3", "/generate", {"input_ids": [1, 2, 3], "max_tokens": 0, "return_logprob": True,
                             "logprob_start_len": 2}, 400, "logprob_start_len", []),  # nothing left to score
     ("qwen3", "/generate", {"input_ids": [1, 2, 3], "max_tokens": 0, "return_logprob": True,

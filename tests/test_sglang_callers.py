@@ -201,6 +201,11 @@ def test_server_and_model_info(served_apps):
         assert info["model_path"] == app.model and info["tp_size"] == 1 and info["dp_size"] == 2
         assert info["context_length"] == app.engine["max_model_len"] and info["max_total_num_tokens"] > 0
         assert info["incremental_streaming_output"] is False and "weight_version" in info
+        # per replica: how its forwards run, and why CUDA graphs do not replay here
+        assert [s["model_type"] for s in info["internal_states"]] == ["qwen3", "qwen3"]
+        for state in info["internal_states"]:
+            assert state["attention_backend"] == "torch" and state["cuda_graphs"]["state"] == "off"
+            assert "the device is cpu, not CUDA" in state["cuda_graphs"]["why"]
         _slime_discovers(info)
     for path in ("/model_info", "/get_model_info"):
         info = httpx.get(app.url + path, timeout=TIMEOUT).json()

@@ -14,7 +14,10 @@ The YAML file holds SGLang's keys: `threshold`, `edit_threshold`, `max_post_edit
 `sampler_config.entropy_bound`, `temperature_schedule.t_min|t_max` and
 `stopping_config.confidence_threshold|stability_threshold` (nested mappings, as SGLang reads them;
 `t_min`, `t_max`, `confidence_threshold` and `stability_threshold` also at the top level, as SGLang
-accepts them). An engine flag given on the same command line wins over both.
+accepts them). A key the file leaves out takes SGLang's default for the named algorithm (`DEFAULTS`,
+as SGLang's release reads its config: LowConfidence's threshold 0.95, JointThreshold's 0.5, ...), not
+the model family's: the same launch command decodes as it does on SGLang. An engine setting given on
+the same command line or in `--config` wins over both.
 """
 
 from __future__ import annotations
@@ -37,6 +40,15 @@ CONFIG_KEYS |= {key.rsplit(".", 1)[1]: knob for key, knob in list(CONFIG_KEYS.it
                 if key.startswith(("temperature_schedule.", "stopping_config."))}
 # SGLang's keys that change nothing computed (a lookup table of the same temperatures)
 IGNORED_KEYS = ("use_temperature_table",)
+# SGLang's defaults of each algorithm's keys (`algorithm_config.get(key, default)` in sglang's
+# python/sglang/srt/dllm/algorithm/*.py, release 0.5.23): what its config file leaves out. Gemma4Renoise
+# has none here: its settings come from the checkpoint's generation_config.json (docs/models.md).
+DEFAULTS: dict[str, dict[str, object]] = {
+    "LowConfidence": {"threshold": 0.95},
+    "JointThreshold": {"threshold": 0.5, "edit_threshold": 0.0, "max_post_edit_steps": 16, "penalty_lambda": 0.0},
+    "JointThresholdInDel": {"threshold": 0.5, "edit_threshold": 0.0, "max_post_edit_steps": 16},
+    "Gemma4Renoise": {},
+}
 
 
 def _flattened(data: dict, prefix: str = "") -> dict[str, object]:
@@ -56,16 +68,20 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--dllm-algorithm", dest="dllm_algorithm", choices=list(ALGORITHMS), default=None,
                        help="LowConfidence (low_confidence_dynamic, steps = block length), JointThreshold "
                        "(joint_threshold: reveals and token edits), JointThresholdInDel (joint_threshold_indel: "
-                       "also deletes and inserts) or Gemma4Renoise (DiffusionGemma's renoising)")
+                       "also deletes and inserts) or Gemma4Renoise (DiffusionGemma's renoising), with SGLang's "
+                       "defaults for the keys its config leaves out")
     group.add_argument("--dllm-algorithm-config", dest="dllm_algorithm_config", type=Path, default=None,
                        help="YAML with SGLang's keys: " + ", ".join(CONFIG_KEYS))
 
 
 def engine_fields(algorithm: str | None, config: Path | None) -> dict[str, Any]:
-    """The EngineConfig fields the two flags set (SystemExit naming a bad key or file)."""
+    """The EngineConfig fields the two flags set (SystemExit naming a bad key or file): the algorithm's
+    rule, and SGLang's keys from the file over SGLang's defaults for the algorithm."""
     fields: dict[str, Any] = {}
     if algorithm is not None and ALGORITHMS[algorithm] is not None:
         fields["dllm_unmasking_strategy"] = ALGORITHMS[algorithm]
+    if algorithm is not None:
+        fields |= {CONFIG_KEYS[k]: v for k, v in DEFAULTS[algorithm].items()}
     if config is not None:
         try:
             data = yaml.safe_load(config.read_text()) or {}

@@ -19,6 +19,9 @@ from deployments.generation import SamplingFields, Strict
 class GenerateRequest(SamplingFields):
     """POST /generate (flat body) and the handle methods `generate` / `generate_stream`."""
 
+    model: str | None = Field(None, description="the model to answer: on an application of several models, the "
+                              "one it is routed to; one model answers with its own (meta_info.ignored_model and "
+                              "served_model say so when this names another)")
     prompt: str | None = None
     input_ids: list[int] | None = None
     max_tokens: int = Field(128, ge=0)
@@ -112,7 +115,9 @@ SGLANG_FIELDS: dict[str, SGLangField] = {
     "conversation_id": IGNORED, "http_worker_ipc": IGNORED, "background": IGNORED, "priority": IGNORED,
     "extra_key": IGNORED, "cache_salt": IGNORED, "kv_hints": IGNORED, "no_logs": IGNORED, "custom_labels": IGNORED,
     "external_trace_header": IGNORED, "received_time": IGNORED,
-    "model": IGNORED,  # not GenerateReqInput's, but sglang-router forwards it (null) with every request
+    # not GenerateReqInput's, but sglang-router forwards it with every request; it routes on an application of
+    # several models, and a one-model application notes one it does not serve (deployments.sglang.serving)
+    "model": IGNORED,
     # -- features this engine lacks: multimodal input, embeddings, LoRA, hidden states, disaggregation, ...
     "input_embeds": UNSET, "image_data": UNSET, "video_data": UNSET, "audio_data": UNSET, "mm_hashes": UNSET,
     "mm_content_hashes": UNSET, "use_audio_in_video": OFF, "video_config": UNSET, "modalities": UNSET,
@@ -189,7 +194,8 @@ def sglang_body(body: Mapping[str, Any]) -> dict[str, Any]:
 
 def is_native(body: Mapping[str, Any]) -> bool:
     """Whether a /generate body is SGLang's native shape rather than the flat one: it has `text`,
-    `sampling_params`, a batch of `input_ids`, or any other field only SGLang's body has."""
+    `sampling_params`, a batch of `input_ids`, or any other field only SGLang's body has (`model`
+    is both shapes')."""
     ids = body.get("input_ids")
     if isinstance(ids, list) and any(isinstance(i, list) for i in ids):
         return True

@@ -57,24 +57,27 @@ class SGLangRoutes(HttpServing, EngineClient):
     )
 
     async def http_generate(self, request: Request) -> Response:
-        return await self._serve(request, "/generate", self._generate_route, limited=True)
+        query_model = request.query_params.get("model")
+        return await self._serve(request, "/generate", lambda body: self._generate_route(body, query_model),
+                                 limited=True)
 
-    async def _generate_route(self, body: Any) -> Response:
-        stream, answer = await self._generate(body)
+    async def _generate_route(self, body: Any, query_model: str | None) -> Response:
+        stream, answer = await self._generate(body, query_model)
         return sse_response(answer) if stream else JSONResponse(answer)
 
-    async def _generate(self, body: Any) -> tuple[bool, Any]:
+    async def _generate(self, body: Any, query_model: str | None = None) -> tuple[bool, Any]:
         """Any /generate body (flat or SGLang-native): (streamed?, the answer JSON or an iterator of
         chunk bodies). A batch or n > 1 answers a list in order, each entry with its `index`; streamed,
         the chunks of all of them interleave, each with its `index`. Chunks are cumulative (SGLang's
-        default) or deltas (`incremental_streaming_output`)."""
-        plan = generate_plan(body)
+        default) or deltas (`incremental_streaming_output`). A body or `query_model` (`?model=`) naming
+        another model than this one is answered by this one, and `meta_info` says so (`model_note`)."""
+        plan = generate_plan(body, self.served_model_name, query_model)
         reqs = [r for group in plan.groups for r in group]
         params = [r.params for r in reqs]
         token_text = self.token_text if plan.text_in_logprobs else None
         if not plan.stream:
             outs = await self._unaries(reqs)
-            bodies = [_indexed(generate_body(o, p, token_text), i, plan.as_list)
+            bodies = [_indexed(generate_body(o, p, token_text, plan.meta), i, plan.as_list)
                       for i, (o, p) in enumerate(zip(outs, params))]
             return False, bodies if plan.as_list else bodies[0]
         merged = await self._streams(reqs)
@@ -83,7 +86,7 @@ class SGLangRoutes(HttpServing, EngineClient):
         async def chunks() -> AsyncIterator[dict[str, Any]]:
             try:
                 async for i, out in merged:
-                    chunk = generate_body(out, params[i], token_text)
+                    chunk = generate_body(out, params[i], token_text, plan.meta)
                     if cumulative is not None:
                         chunk = cumulative[i].chunk(chunk)
                     yield _indexed(chunk, i, plan.as_list)
@@ -105,20 +108,24 @@ class SGLangRoutes(HttpServing, EngineClient):
         this URL has 1 + dp_size * tp_size ranks. The fields slime's engine discovery and server-args
         check read are all here, at SGLang's values for a plain (not disaggregated) server."""
         info = await self._engine_info()
-        replicas = sum(isinstance(s, dict) for s in await self._broadcast("stats", return_exceptions=True))
+        replicas = [s for s in await self._broadcast("stats", return_exceptions=True) if isinstance(s, dict)]
         engine = info.engine
+        facts = {"model_type": info.model_type, "is_dllm": info.is_dllm, "dllm_paradigm": info.paradigm,
+                 "engine": engine.model_dump(mode="json")}
         return {
             "model_path": info.model_path, "tokenizer_path": info.model_path,
             "served_model_name": self.served_model_name, "is_generation": True,
-            "tp_size": info.tp, "dp_size": replicas, "pp_size": 1, "ep_size": 1, "moe_dp_size": 1,
+            "tp_size": info.tp, "dp_size": len(replicas), "pp_size": 1, "ep_size": 1, "moe_dp_size": 1,
             "disaggregation_mode": "null", "encoder_only": False, "enable_memory_saver": self.enable_memory_saver,
             "context_length": info.max_model_len, "max_total_num_tokens": info.max_total_num_tokens,
             "max_running_requests": engine.max_batch_size, "chunked_prefill_size": engine.max_prefill_token_num,
             "page_size": engine.kv_block_size, "disable_radix_cache": not engine.enable_prefix_caching,
             "skip_tokenizer_init": False, "incremental_streaming_output": self.incremental_streaming_output,
             "weight_version": await self._weight_version(), "version": self.version,
-            "internal_states": [{"model_type": info.model_type, "is_dllm": info.is_dllm,
-                                 "dllm_paradigm": info.paradigm, "engine": engine.model_dump(mode="json")}],
+            # one per engine replica: the model facts, and how its forwards run (attention backend, CUDA
+            # graphs on with their counts, or off and why -- a capture that failed says so here)
+            "internal_states": [{**facts, "attention_backend": s.get("attention_backend"),
+                                 "cuda_graphs": s.get("cuda_graphs")} for s in replicas] or [facts],
         }
 
     async def http_model_info(self, request: Request) -> Response:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from configs import GenerationConfig
@@ -106,22 +106,44 @@ def native_to_engine(req: NativeGenerateRequest) -> tuple[list[list[EngineReques
 @dataclass(frozen=True)
 class GeneratePlan:
     """A /generate body as engine requests: per prompt, its samples; whether the answer is a list
-    (a batch, or n > 1); whether it streams; whether logprob rows carry the token's text."""
+    (a batch, or n > 1); whether it streams; whether logprob rows carry the token's text; what every
+    answer's `meta_info` adds (`model_note`)."""
 
     groups: list[list[EngineRequest]]
     as_list: bool
     stream: bool
     text_in_logprobs: bool
+    meta: dict[str, str] = field(default_factory=dict)
 
 
-def generate_plan(body: Any) -> GeneratePlan:
-    """Any /generate body, flat or SGLang-native."""
+# Fields of the /generate bodies whose schema errors name the path inside them (`sampling_params.n`)
+NATIVE_NESTED = ("sampling_params", "dllm_trajectory")
+FLAT_NESTED = ("dllm_trajectory",)
+
+
+def model_note(named: Any, query_model: str | None, served_model: str | None) -> dict[str, str]:
+    """What `meta_info` says when a request names a model other than the one that serves it. Like
+    SGLang's /generate, which has no use for `model`, this ingress answers with its own model; the
+    note says so: `ignored_model` (the name given: the body's `model`, else `?model=`) and
+    `served_model`. An application of several models routes by that name before it gets here, so
+    there the name is always the served one."""
+    name = named if isinstance(named, str) and named else query_model
+    if not name or served_model is None or name == served_model:
+        return {}
+    return {"ignored_model": name, "served_model": served_model}
+
+
+def generate_plan(body: Any, served_model: str | None = None, query_model: str | None = None) -> GeneratePlan:
+    """Any /generate body, flat or SGLang-native; `served_model` (the served model's name) and
+    `query_model` (the request's `?model=`) for the answer's `model_note`."""
     if isinstance(body, dict) and is_native(body):
-        req = parse(NativeGenerateRequest, sglang_body(body))
+        req = parse(NativeGenerateRequest, sglang_body(body), nested=NATIVE_NESTED)
         groups, as_list = native_to_engine(req)
-        return GeneratePlan(groups, as_list, req.stream, req.return_text_in_logprobs)
-    flat = parse(GenerateRequest, body)
-    return GeneratePlan([generate_to_engine(flat)], flat.n > 1, flat.stream, flat.return_text_in_logprobs)
+        return GeneratePlan(groups, as_list, req.stream, req.return_text_in_logprobs,
+                            model_note(body.get("model"), query_model, served_model))
+    flat = parse(GenerateRequest, body, nested=FLAT_NESTED)
+    return GeneratePlan([generate_to_engine(flat)], flat.n > 1, flat.stream, flat.return_text_in_logprobs,
+                        model_note(flat.model, query_model, served_model))
 
 
 # ---- responses ------------------------------------------------------------------------------
@@ -146,9 +168,11 @@ def _triples(pairs, token_text: TokenTextFn | None) -> list[list] | None:
     return [[v, t, None if token_text is None else token_text(t)] for v, t in pairs]
 
 
-def generate_body(out: Result, req: GenerationConfig, token_text: TokenTextFn | None = None) -> dict[str, Any]:
+def generate_body(out: Result, req: GenerationConfig, token_text: TokenTextFn | None = None,
+                  meta: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The /generate JSON of one result (a delta or the whole). Logprob rows are SGLang's
-    `[logprob, token_id, text]`, the text only when `token_text` is given (return_text_in_logprobs)."""
+    `[logprob, token_id, text]`, the text only when `token_text` is given (return_text_in_logprobs).
+    `meta`: what the request's every answer adds to `meta_info` (`GeneratePlan.meta`)."""
     logprobs = out.logprobs
     k = req.logprobs or 0
     token_rows = tops = None
@@ -173,6 +197,7 @@ def generate_body(out: Result, req: GenerationConfig, token_text: TokenTextFn | 
             **weight_meta(out),
             **dllm_steps(out),
             **on_request_meta(out),
+            **(meta or {}),
         },
     }
 
