@@ -2,16 +2,31 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
-from configs.knobs import knob_model
+from configs.knobs import GREEDY_RULES, knob_model
 from configs.limits import MAX_N, MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY
 from configs.trajectory import DllmTrajectory
 
+
 # the per-request decoding knobs (None = the engine's setting): the same fields, with the same bounds,
 # in `GenerationConfig` and in every HTTP request model
-DllmOverrides = knob_model("DllmOverrides", "Block-diffusion settings a request may override (None = the engine's "
-                           "setting).", per_request=True)
+class DllmOverrides(knob_model("DllmOverrides", "", per_request=True)):
+    """Block-diffusion settings a request may override (None = the engine's setting)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unset_temperature_under_a_greedy_rule(cls, data: Any) -> Any:
+        """A request that names a rule which only decodes greedily (`RuleSpec.greedy`) and leaves
+        `temperature` unset is greedy: temperature 0, in place of its model's default (1.0 in
+        GenerationConfig and in every HTTP body, which derive from this class). A temperature the
+        request sets is kept (the engine refuses a sampling one, naming it)."""
+        if (isinstance(data, dict) and "temperature" in cls.model_fields and "temperature" not in data
+                and data.get("dllm_unmasking_strategy") in GREEDY_RULES):
+            return {**data, "temperature": 0.0}
+        return data
 
 
 class GenerationConfig(DllmOverrides):

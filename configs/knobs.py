@@ -45,13 +45,17 @@ class RuleSpec:
     """An unmasking rule as users name it (`dllm_unmasking_strategy`): the paradigms that decode with it,
     whether it may rewrite tokens it already revealed (token editing), and its own defaults of knobs it
     reads (`defaults`: a request decoding with it gets them where neither it nor the engine config set
-    the knob; they replace the family's and the table's defaults)."""
+    the knob; they replace the family's and the table's defaults). `greedy`: it picks from the model's
+    own logits and never samples, so a request decoding with it that leaves `temperature` unset is
+    greedy (temperature 0, whatever the API's default temperature), and one that sets a sampling
+    temperature is refused naming `temperature`."""
 
     name: str
     paradigms: tuple[Paradigm, ...]
     doc: str
     edits: bool = False
     defaults: Mapping[str, Any] = field(default_factory=dict)
+    greedy: bool = False
 
 
 RULE_SPECS: dict[str, RuleSpec] = {r.name: r for r in (
@@ -67,11 +71,12 @@ RULE_SPECS: dict[str, RuleSpec] = {r.name: r for r in (
     RuleSpec("joint_threshold_indel", ("block",), "joint_threshold's reveals and rewrites (at least 1 + the masks it "
              "introduced while original masks remain), plus insert/delete edits: a DELETE candidate drops its "
              "position, a SPLIT one inserts a mask before its token; greedy; threshold 0.5 unless set", edits=True,
-             defaults={"dllm_confidence_threshold": 0.5}),
+             defaults={"dllm_confidence_threshold": 0.5}, greedy=True),
 )}
 # a runtime Literal over the table's names, so that no second list of them exists
 UnmaskingStrategy = Literal[tuple(RULE_SPECS)]  # type: ignore[valid-type]
 EDITING_RULES: tuple[str, ...] = tuple(r.name for r in RULE_SPECS.values() if r.edits)
+GREEDY_RULES: tuple[str, ...] = tuple(r.name for r in RULE_SPECS.values() if r.greedy)
 
 
 @dataclass(frozen=True)

@@ -8,10 +8,11 @@ kebab-case (`--max-model-len 1024`, `--logprobs-mode raw_logprobs`, `--no-enable
 The Ray cluster is the one RAY_ADDRESS names, else a new one on this machine whose every port listens on
 127.0.0.1 only (`deployments.single_machine`). Before a new cluster starts, the HTTP port is checked and
 MODEL resolved and checked (a directory with config.json, weights and tokenizer.json, or a Hugging Face
-id): a port in use or a model not found ends the command at once with one line naming it. Once the
-application answers, it prints one line with its URL and the Ray cluster's address (what RAY_ADDRESS must
-be for a Serve handle client); an application that cannot be built or placed ends the command with the
-reason, exit status 1.
+id), and the engine settings checked against the model as its engine would check them (a block size it
+does not decode in, say): a port in use, a model not found or a setting it cannot take ends the command
+at once with one line naming it. Once the application answers, it prints one line with its URL and the
+Ray cluster's address (what RAY_ADDRESS must be for a Serve handle client); an application that cannot
+be built or placed ends the command with the reason, exit status 1.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from pydantic import ValidationError
 
 from configs import EngineConfig
 from deployments.sglang import dllm_algorithm
@@ -117,17 +119,32 @@ def app_args(ns: argparse.Namespace) -> dict[str, Any]:
     return args
 
 
+def _one_line(e: ValidationError) -> str:
+    """EngineConfig's refusal of the engine settings, each field with the value given and why."""
+    return "; ".join(f"engine setting {'.'.join(map(str, err['loc']))}={err['input']}: "
+                     f"{str(err['msg']).removeprefix('Value error, ')}" for err in e.errors())
+
+
 def preflight(args: dict[str, Any], host: str, port: int) -> None:
     """What can be checked before Ray starts: the HTTP port (for a new local cluster; one that RAY_ADDRESS
-    names has its own proxies) and the model. Exits with one line naming the problem."""
+    names has its own proxies), the model, and the engine settings against it -- what the engine would
+    refuse as it starts, before loading a weight (`engine.core.model_settings.check_engine_config`: a
+    block size the model does not decode in, a knob its decoding does not read, a rule's missing
+    tokens, ...). Exits with one line naming the problem."""
+    from engine.core.model_settings import check_engine_config
     from engine.model.source import resolve_model_path
 
     try:
         if not os.environ.get("RAY_ADDRESS"):
             check_port_free(host, port)
-        resolve_model_path(str(args["model"]))
-    except (OSError, ValueError) as e:  # PortInUseError, a model not found, CheckpointError
-        raise SystemExit(f"blockserve serve: {e}") from None
+        model = resolve_model_path(str(args["model"]))
+        try:
+            config = EngineConfig(**(args.get("engine") or {}))
+        except ValidationError as e:
+            raise SystemExit(f"blockserve serve: {_one_line(e)}") from None
+        check_engine_config(model, config)
+    except (OSError, ValueError) as e:  # PortInUseError, a model not found, CheckpointError, a setting refused
+        raise SystemExit(f"blockserve serve: {' '.join(str(e).split())}") from None
 
 
 def serve(args: dict[str, Any], host: str, port: int) -> None:

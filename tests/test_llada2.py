@@ -210,7 +210,8 @@ def test_sglang_dllm_algorithm_flags(tmp_path):
         "dllm_unmasking_strategy": "joint_threshold", "dllm_confidence_threshold": 0.8, "dllm_edit_threshold": 0.6,
         "dllm_max_post_edit_steps": 4, "dllm_penalty_lambda": 1.0, "dllm_block_length": 32}
     low = app_args(build_parser().parse_args(["serve", "ckpt", "--dllm-algorithm", "LowConfidence"]))["engine"]
-    assert low == {"dllm_unmasking_strategy": "low_confidence_dynamic"}
+    # SGLang's LowConfidence with SGLang's default threshold
+    assert low == {"dllm_unmasking_strategy": "low_confidence_dynamic", "dllm_confidence_threshold": 0.95}
     algo.write_text("threshold: 0.9\nlambda: 1.0\n")
     with pytest.raises(SystemExit, match="lambda"):
         app_args(build_parser().parse_args(argv))

@@ -292,12 +292,14 @@ def test_threshold_defaults_to_half_for_this_rule(tiny):
 def test_refusals(llada2, tiny):
     _, pipe = llada2
     base = dict(max_new_tokens=4, dllm_unmasking_strategy=RULE)
-    for field, value in (("do_sample", True), ("repetition_penalty", 1.2), ("min_new_tokens", 2),
-                         ("dllm_penalty_lambda", 1.0)):
-        extra = {"temperature": 0.7} if field == "do_sample" else {}
-        with pytest.raises(RequestError, match=field) as e:
+    # sampling is refused naming the temperature the user set (an unset one decodes greedily)
+    for field, value, extra, param in (("do_sample", True, {"temperature": 0.7}, "temperature"),
+                                       ("repetition_penalty", 1.2, {}, "repetition_penalty"),
+                                       ("min_new_tokens", 2, {}, "min_new_tokens"),
+                                       ("dllm_penalty_lambda", 1.0, {}, "dllm_penalty_lambda")):
+        with pytest.raises(RequestError, match=param) as e:
             pipe([1, 2], GenerationConfig(**base, **extra, **{field: value}))
-        assert e.value.param == field
+        assert e.value.param == param
     trajectory = GenerationConfig(max_new_tokens=0, logprobs=0, dllm_unmasking_strategy=RULE,
                                   dllm_trajectory={"output_ids": [5, 6], "step_map": [1, 2]})
     with pytest.raises(RequestError, match="dllm_trajectory"):

@@ -22,20 +22,14 @@ from dataclasses import asdict
 from functools import partial
 
 from configs import EngineConfig, GenerationConfig
-from configs.knobs import DIFFUSION, rules_of
+from configs.knobs import rules_of
 from engine.carrier import OutputChunk, Response
 from engine.core.batch import build_batch
-from engine.core.decoding import DecodingStrategy, PickedRows, paradigm_of, strategy_for
+from engine.core.decoding import DecodingStrategy, PickedRows
 from engine.core.decoding.unmasking import UnmaskingSettings
 from engine.core.fault_isolation import FaultIsolation
 from engine.core.input_processing import ModelLimits, process_input
-from engine.core.model_settings import (
-    EngineStats,
-    resolve_block_length,
-    resolve_mask_token_id,
-    resolve_max_model_len,
-    with_family_defaults,
-)
+from engine.core.model_settings import EngineStats, engine_setup
 from engine.core.output_builder import OutputBuilder
 from engine.core.overlap import LaunchedForward, OverlapSchedule
 from engine.core.rank_operations import RankOperations
@@ -82,14 +76,13 @@ class LLMEngine(RankOperations, FaultIsolation):
         self.spec = spec = load_model_spec(model_path)
         self.tokenizer = load_tokenizer(model_path)
         self.is_dllm = spec.is_dllm
-        self.block_length = resolve_block_length(config, spec)
-        self.knobs_set = frozenset(config.model_fields_set)  # what the user set (rule defaults yield to it)
-        self.config = config = with_family_defaults(config, spec).model_copy(update={
-            "max_model_len": resolve_max_model_len(config, spec), "dllm_block_length": self.block_length})
-        self.paradigm = paradigm_of(spec.family)
-        masked = self.paradigm in DIFFUSION  # a paradigm that unmasks (renoising has no mask token)
-        self.mask_id = resolve_mask_token_id(spec, self.tokenizer, config) if masked else None
-        self.decoding: DecodingStrategy = strategy_for(spec, config, self.mask_id)
+        setup = engine_setup(config, spec, self.tokenizer)
+        self.block_length = setup.block_length
+        self.knobs_set = setup.knobs_set  # what the user set (rule defaults yield to it)
+        self.config = config = setup.config
+        self.paradigm = setup.paradigm
+        self.mask_id = setup.mask_id
+        self.decoding: DecodingStrategy = setup.decoding
         self.executor: Executor = (executor_factory or LocalExecutor)(spec, config)
         self.executor.set_dllm_block_length(self.block_length)
         groups = self.executor.kv_groups
@@ -120,6 +113,7 @@ class LLMEngine(RankOperations, FaultIsolation):
         prompt_ids = process_input(self.tokenizer, self.limits, prompt, params)
         unmasking = self.unmasking_settings(params) if rules_of(self.paradigm) else None
         self.decoding.check_request(params, unmasking)
+        params = self.decoding.decoding_params(params, unmasking)
         stop_ids = set(params.stop_token_ids or [])
         if not params.ignore_eos:
             stop_ids |= self.spec.eos_token_ids

@@ -2,7 +2,9 @@
 
 `max_model_len` is bounded by the checkpoint's `max_position_embeddings`; a block-diffusion model's
 mask token is looked up in a fixed order (config.json, the tokenizer, the vocabulary, the engine
-config). `EngineStats` are the replica's counters (metrics, benches).
+config). `engine_setup` is all of it, as the engine starts; `check_engine_config` asks the same of a
+checkpoint directory without loading a weight (`blockserve serve` before it starts a cluster).
+`EngineStats` are the replica's counters (metrics, benches).
 """
 
 from __future__ import annotations
@@ -10,10 +12,15 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import torch
+
 from configs import EngineConfig
-from configs.knobs import ENGINE_WIDE_IGNORED, PARADIGMS, rules_of, unusable
-from engine.core.decoding import describe_paradigm, paradigm_of
-from engine.model.checkpoint import ModelSpec
+from configs.knobs import DIFFUSION, ENGINE_WIDE_IGNORED, PARADIGMS, rules_of, unusable
+from engine.core.decoding import DecodingStrategy, describe_paradigm, paradigm_of, strategy_for
+from engine.model.checkpoint import ModelSpec, load_model_spec
+from engine.model.families import build_network
+from engine.model.interfaces import fixes_block_length
+from engine.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -99,3 +106,43 @@ def resolve_mask_token_id(spec: ModelSpec, tokenizer, config: EngineConfig) -> i
     raise ValueError(f"{spec.path}: a block-diffusion model needs a mask token and none was found: set "
                      f"mask_token_id in config.json, a mask_token in tokenizer_config.json, a "
                      f"{' or '.join(texts) or 'mask'} token in the vocabulary, or EngineConfig.dllm_mask_token_id")
+
+
+@dataclass(frozen=True)
+class EngineSetup:
+    """What an engine derives from its checkpoint and EngineConfig before it loads a weight."""
+
+    config: EngineConfig  # the family's decoding defaults applied; max_model_len and dllm_block_length resolved
+    knobs_set: frozenset[str]  # the fields the user set (a rule's own defaults yield to them)
+    block_length: int | None  # the diffusion block (None: autoregressive)
+    paradigm: str
+    mask_id: int | None  # the mask token of a paradigm that unmasks
+    decoding: DecodingStrategy
+
+
+def engine_setup(config: EngineConfig, spec: ModelSpec, tokenizer) -> EngineSetup:
+    """`config` resolved for the checkpoint `spec`: ValueError naming the field the model cannot take
+    (a knob its paradigm does not read, max_model_len, the unmasking rule, a special token it lacks,
+    a sub-block length that does not divide the block)."""
+    block_length = resolve_block_length(config, spec)
+    resolved = with_family_defaults(config, spec).model_copy(update={
+        "max_model_len": resolve_max_model_len(config, spec), "dllm_block_length": block_length})
+    paradigm = paradigm_of(spec.family)
+    masked = paradigm in DIFFUSION  # a paradigm that unmasks (renoising has no mask token)
+    mask_id = resolve_mask_token_id(spec, tokenizer, resolved) if masked else None
+    return EngineSetup(resolved, frozenset(config.model_fields_set), block_length, paradigm, mask_id,
+                       strategy_for(spec, resolved, mask_id))
+
+
+def check_engine_config(model_path: str, config: EngineConfig) -> None:
+    """Raise what an engine for the checkpoint directory `model_path` would raise about `config` as it
+    starts, without loading a weight: `engine_setup`'s ValueErrors, and a block length the network
+    does not decode in (LLaDA2.2's block routing; the network is built on the meta device to ask it).
+    A CheckpointError names what is wrong with the checkpoint itself."""
+    spec = load_model_spec(model_path)
+    setup = engine_setup(config, spec, load_tokenizer(model_path))
+    if config.dllm_block_length is not None:  # not the checkpoint's own block: may its network take it?
+        with torch.device("meta"):
+            network = build_network(spec)
+        if fixes_block_length(network):
+            network.check_block_length(setup.block_length)

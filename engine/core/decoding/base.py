@@ -96,6 +96,10 @@ class DecodingStrategy(ABC):
         by default, what the knob table refuses for its paradigm and the request's rule."""
         check_knobs(params, self.paradigm, None if settings is None else settings.strategy)
 
+    def decoding_params(self, params: GenerationConfig, settings: UnmaskingSettings | None) -> GenerationConfig:
+        """The settings a request `check_request` accepted decodes with (by default its own)."""
+        return params
+
     @classmethod
     @abstractmethod
     def from_config(cls, config: EngineConfig, spec: ModelSpec, mask_id: int | None) -> DecodingStrategy:

@@ -72,6 +72,9 @@ class BlockDiffusionDecoding(DecodingStrategy):
             raise RequestError(problem, "dllm_unmasking_strategy")
         rule.check_request(params)
 
+    def decoding_params(self, params: GenerationConfig, settings: UnmaskingSettings) -> GenerationConfig:
+        return RULES[settings.strategy].decoding_params(params)
+
     @staticmethod
     def rule(seq: Sequence) -> DecodingRule:
         """The unmasking rule the sequence decodes with."""

@@ -12,6 +12,7 @@ between rules:
 - `num_final` / `block_done`: when tokens become final and when the block ends;
 - `check_request` / `missing`: what a request may not combine with it (beyond the knob table's
   refusals), and what a model lacks for it (a special token);
+- `decoding_params`: the settings an accepted request decodes with (greedy under a greedy-only rule);
 - `wants_logits`, `moves_tokens`, `trace_event`: whether it reads its rows' logits itself, whether its
   steps move tokens between positions (the step trace then shows every write of the block) and what
   its trace events hold.
@@ -99,8 +100,20 @@ class DecodingRule(ABC):
         """Whether a step's writes stay provisional until their block ends."""
         return self.spec.edits
 
-    def check_request(self, params: GenerationConfig) -> None:  # noqa: B027 (most rules refuse nothing more)
-        """Raise RequestError naming the field when a request asks what this rule cannot do."""
+    def check_request(self, params: GenerationConfig) -> None:
+        """Raise RequestError naming the field when a request asks what this rule cannot do: a rule that
+        only decodes greedily (`RuleSpec.greedy`) refuses a sampling temperature the request set."""
+        if self.spec.greedy and not params.is_greedy and "temperature" in params.model_fields_set:
+            raise RequestError(f"temperature={params.temperature}: {self.spec.name} decodes greedily from the "
+                               "model's own logits and does not sample; set temperature to 0", "temperature")
+
+    def decoding_params(self, params: GenerationConfig) -> GenerationConfig:
+        """The settings an accepted request decodes with: its own, made greedy under a rule that only
+        decodes greedily (what `check_request` let through there asked for no temperature: e.g.
+        `do_sample=True` with temperature unset, under a rule the engine config set)."""
+        if self.spec.greedy and not params.is_greedy:
+            return params.model_copy(update={"do_sample": False})
+        return params
 
     def missing(self, ids: SpecialIds) -> str | None:
         """Why a model with these special tokens cannot decode with this rule (None: it can)."""
@@ -166,6 +179,7 @@ class EditRule(DecodingRule):
     pick: Callable[[BlockRows, int, UnmaskingSettings], list[int] | None] | None = None
 
     def check_request(self, params: GenerationConfig) -> None:
+        super().check_request(params)
         if params.dllm_trajectory is not None:
             raise RequestError(f"dllm_trajectory: a rollout decoded with token editing ({self.spec.name}) cannot be "
                                "scored: its tokens' inputs changed after they were written; score rollouts decoded "
@@ -215,18 +229,19 @@ class EditRule(DecodingRule):
 class InDelRule(EditRule):
     """Token editing with deletes and inserts (`engine.core.decoding.indel`): greedy on the rows' own
     logits, which it reads itself (fallbacks, cleanup and anti-loop take other tokens than the
-    argmax). Each position's step, block step and logprob are those of its content's last write,
-    carried when a delete or split moves it; a step that changed nothing (e.g. a mask written back)
-    neither counts nor shows. The block ends when a step has nothing to write (its forward fed the
-    final tokens) or after its cleanup step (whose writes the next block's first forward commits
-    when they changed the block)."""
+    argmax; its spec is `greedy`: a sampling temperature is refused, an unset one is greedy). Each
+    position's step, block step and logprob are those of its content's last write, carried when a
+    delete or split moves it; a step that changed nothing (e.g. a mask written back) neither counts
+    nor shows. The block ends when a step has nothing to write (its forward fed the final tokens) or
+    after its cleanup step (whose writes the next block's first forward commits when they changed
+    the block)."""
 
     wants_logits: bool = True
     moves_tokens: bool = True
 
     def check_request(self, params: GenerationConfig) -> None:
         super().check_request(params)
-        refused = {"do_sample": not params.is_greedy, "repetition_penalty": params.repetition_penalty != 1.0,
+        refused = {"repetition_penalty": params.repetition_penalty != 1.0,
                    "min_new_tokens": params.min_new_tokens > 0}
         for name, bad in refused.items():
             if bad:
