@@ -79,10 +79,11 @@ def _check_scoring(limits: ModelLimits, prompt: str | list[int], ids: list[int],
     if limits.is_dllm:
         if p.logprob_start_len >= 0:
             raise RequestError("input-token logprobs (logprob_start_len >= 0) are only available for AR models; "
-                               "this model is a block-diffusion LM", "logprob_start_len")
+                               "this model is not autoregressive (it decodes by block diffusion or by renoising a "
+                               "canvas) and scores no prompt tokens", "logprob_start_len")
         raise RequestError("max_new_tokens=0 asks for scoring (input-token logprobs), which only AR models "
-                           "support; this model is a block-diffusion LM: ask for at least one new token",
-                           "max_new_tokens")
+                           "support; this model is not autoregressive (it decodes by block diffusion or by "
+                           "renoising a canvas): ask for at least one new token", "max_new_tokens")
     if scoring and isinstance(prompt, str):
         raise RequestError("scoring (max_new_tokens=0) needs token-id input (input_ids), not text", "input_ids")
     if scoring and p.logprob_start_len < 0:

@@ -7,6 +7,14 @@ files. The tokenizer is engine.model.families.tiny_tokenizer's byte-level BPE pl
 tokenizer's mask token (as in the releases, where config.json names no mask id). Transformers has
 no class for this family and its published modeling file is remote code, so the weights are drawn
 here directly, seeded: every tensor from `torch.manual_seed(seed)` in a fixed order.
+
+`variant` picks the release whose config.json fields are written. "2.0" (the default) and "2.1" write
+the same (LLaDA2.1's token editing reads nothing its predecessor's config lacks): routing by expert
+groups at rope_theta 600000. "2.2" writes what LLaDA2.2's rules read: block routing
+(`expert_capacity`, 4 of the 8 experts unless given, per `block_size` 32 positions), rope_theta 3e6,
+and the Insert/Delete edit tokens of `joint_threshold_indel` (`delete_token_id`, `split_token_id`):
+two special tokens added to the tokenizer, `<|delete|>` and `<|split|>` (this writer's names), whose
+LM head rows are drawn like every other token's so that the model writes them now and then.
 """
 
 from __future__ import annotations
@@ -21,6 +29,8 @@ from tokenizers import AddedToken
 from engine.model.families.tiny_tokenizer import build_byte_tokenizer, reshard, write_tokenizer
 
 MASK_TEXT = "<|mask|>"
+DELETE_TEXT, SPLIT_TEXT = "<|delete|>", "<|split|>"  # the "2.2" variant's edit tokens
+VARIANTS = ("2.0", "2.1", "2.2")
 # Multiplies the final norm (so every logit): spreads greedy confidences at masked positions over
 # (0, 1) with the other defaults, so both "above the threshold" and "most confident" unmask.
 LLADA2_TEST_LOGIT_SCALE = 12.0
@@ -29,6 +39,7 @@ LLADA2_TEST_LOGIT_SCALE = 12.0
 def write_tiny_llada2(
     path: str | Path,
     *,
+    variant: str = "2.0",
     hidden_size: int = 64,
     num_hidden_layers: int = 3,
     num_attention_heads: int = 4,
@@ -46,7 +57,7 @@ def write_tiny_llada2(
     routed_scaling_factor: float = 2.5,
     expert_capacity: int | None = None,
     block_size: int = 32,
-    rope_theta: float = 600000.0,
+    rope_theta: float | None = None,
     use_qkv_bias: bool = False,
     use_bias: bool = False,
     tie_word_embeddings: bool = False,
@@ -61,15 +72,28 @@ def write_tiny_llada2(
 ) -> Path:
     """Write a tiny random llada2_moe checkpoint to `path` (created if needed) and return it.
 
-    Weights are normal with std `initializer_range`, norm weights jittered around 1, the router's
-    weights scaled by `router_scale` and its expert bias drawn too (so the bias changes which experts
-    run), the final norm scaled by `logit_scale`; the LM head rows of `<|mask|>` and of the padding ids
-    past the tokenizer are zero so greedy decoding never produces them."""
+    `variant` ("2.0", "2.1" or "2.2", see the module's doc) picks the release's fields; `rope_theta`
+    defaults to the variant's. Weights are normal with std `initializer_range`, norm weights jittered
+    around 1, the router's weights scaled by `router_scale` and its expert bias drawn too (so the bias
+    changes which experts run), the final norm scaled by `logit_scale`; the LM head rows of `<|mask|>`
+    and of the padding ids past the tokenizer are zero so greedy decoding never produces them. At the
+    default vocabulary size the "2.2" variant draws the same tensors as the others for the same seed;
+    only its edit tokens' LM head rows (padding ids there, zero) are kept."""
+    if variant not in VARIANTS:
+        raise ValueError(f"variant={variant!r}: one of {', '.join(VARIANTS)}")
+    llada22 = variant == "2.2"
+    if llada22 and expert_capacity is None:
+        expert_capacity = 4  # of the 8 experts per routing block, as the tests' LLaDA2.2 models
+    if rope_theta is None:
+        rope_theta = 3e6 if llada22 else 600000.0
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     (path / "model.safetensors.index.json").unlink(missing_ok=True)
     tok = build_byte_tokenizer()
     tok.add_tokens([AddedToken(MASK_TEXT, special=True, normalized=False)], special_tokens=True)
+    if llada22:
+        tok.add_tokens([AddedToken(t, special=True, normalized=False) for t in (DELETE_TEXT, SPLIT_TEXT)],
+                       special_tokens=True)
     vocab_size = vocab_size or -(-len(tok) // 64) * 64
     eos_id, im_end_id = tok.convert_tokens_to_ids("<|endoftext|>"), tok.convert_tokens_to_ids("<|im_end|>")
     mask_id = tok.convert_tokens_to_ids(MASK_TEXT)
@@ -144,6 +168,9 @@ def write_tiny_llada2(
     }
     if expert_capacity is not None:
         config |= {"expert_capacity": expert_capacity, "block_size": block_size}
+    if llada22:
+        config |= {"delete_token_id": tok.convert_tokens_to_ids(DELETE_TEXT),
+                   "split_token_id": tok.convert_tokens_to_ids(SPLIT_TEXT)}
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     generation = {"eos_token_id": [im_end_id, eos_id], "pad_token_id": eos_id}
     (path / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
