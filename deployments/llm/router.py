@@ -3,11 +3,12 @@
 The model is OpenAI's `model` field of the JSON body, else the `model` query parameter, else the
 only model when there is one; an unknown model is a 404 naming it and the served models. `GET
 /v1/models` lists every model (each model ingress's own entry) and `GET /v1/models/{model}` answers
-one. `GET /health` without a model is the application's readiness: 200 when every model's /health
-answers 200, else the status of the first that does not (503 with `Retry-After` while one loads),
-with each model's answer; `/health?model=NAME` is that model's. Everything else (completions, chat,
-SGLang's /generate, the RL control routes, ...) is the model ingress's own answer, passed through
-unchanged.
+one. `GET /viewer` is the denoising viewer of the model `?model=` names, else of the first, with a
+picker of the others (deployments.viewer). `GET /health` without a model is the application's
+readiness: 200 when every model's /health answers 200, else the status of the first that does not
+(503 with `Retry-After` while one loads), with each model's answer; `/health?model=NAME` is that
+model's. Everything else (completions, chat, SGLang's /generate, the RL control routes, ...) is the
+model ingress's own answer, passed through unchanged.
 """
 
 # No `from __future__ import annotations`: Serve pickles these route methods by value, and FastAPI
@@ -22,8 +23,10 @@ from starlette.responses import JSONResponse, Response
 from deployments.errors import ApiError
 from deployments.http import error_response
 from deployments.llm.forwarding import ForwardedResponse, forwarded_scope
+from deployments.viewer import add_viewer_files, models_page
 
 router_app = FastAPI(title="blockserve (several models)", docs_url=None, redoc_url=None, openapi_url=None)
+add_viewer_files(router_app)  # the viewer page's files, the same for every model (before the catch-all route)
 METHODS = ["GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS"]
 
 
@@ -116,6 +119,11 @@ class ModelRouter:
             return error_response(e)
         refused, entries = await self._model_entries(request, handle)
         return refused if refused is not None else JSONResponse(entries[0])
+
+    @router_app.get("/viewer", include_in_schema=False)
+    async def viewer(self, request: Request) -> Response:
+        """The denoising viewer of the model `?model=` names, else of the first, with a picker of the others."""
+        return models_page(request, list(self.models))
 
     @router_app.api_route("/{path:path}", methods=METHODS, include_in_schema=False)
     async def route(self, request: Request, path: str) -> Response:

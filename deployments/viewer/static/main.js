@@ -1,13 +1,19 @@
-// The page's wiring: the knobs form, the query string, saved files, the runs' panels and the page
-// state (document.body.dataset.state: idle -> running -> done | error).
+// The page's wiring: the model (several served: the picker), the knobs form (the decoding knobs of the
+// model's paradigm), the query string, saved files, the runs' panels and the page state
+// (document.body.dataset.state: idle -> running -> done | error).
 
+import { KnobRow } from "./knobs.js";
 import { Panel } from "./render.js";
-import { ApiFailure, fieldsFromQuery, generateBody, getJson, streamGenerate, tokenIds } from "./request.js";
+import { ApiFailure, fieldsFromQuery, generateBody, getJson, setModel, streamGenerate, tokenIds } from "./request.js";
 import { Run, runsFromSaved } from "./run.js";
 
 const $ = (id) => document.getElementById(id);
-const KNOBS = ["dllm_unmasking_strategy", "dllm_denoising_steps", "dllm_confidence_threshold", "dllm_edit_threshold",
-               "dllm_max_post_edit_steps", "dllm_penalty_lambda", "temperature", "seed", "max_new_tokens"];
+// What the server put into the page: { knobs: paradigm -> its knobs, models: the served models (several:
+// the picker offers them), model: the one shown (null: the application's only one), defaulted: no
+// ?model= named it }
+const CONFIG = { knobs: {}, models: [], model: null, defaulted: false, ...JSON.parse($("viewer-config").textContent) };
+const KNOBS = ["temperature", "seed", "max_new_tokens"]; // every model's; the paradigm's are the knob row's
+const knobRow = new KnobRow($("dllm-knobs"), CONFIG.knobs);
 const panels = []; // index 0 is run A, 1 is run B
 
 function updateState() {
@@ -43,27 +49,32 @@ function readForm() {
   const prompt = $("prompt").value;
   if ($("as-ids").checked) fields.input_ids = tokenIds(prompt, "prompt");
   else fields.prompt = prompt;
+  Object.assign(fields, knobRow.values());
   for (const name of KNOBS) {
     const input = $(name);
     if (input.value === "") continue;
-    fields[name] = input.type === "number" ? Number(input.value) : input.value;
+    fields[name] = Number(input.value);
   }
-  const more = $("more").value.trim();
-  if (more) {
-    let extra;
-    try {
-      extra = JSON.parse(more);
-    } catch (e) {
-      throw new ApiFailure(`other /generate fields: not JSON (${e.message})`);
-    }
-    if (typeof extra !== "object" || extra === null || Array.isArray(extra)) {
-      throw new ApiFailure('other /generate fields: give a JSON object, e.g. {"top_k": 20}');
-    }
-    Object.assign(fields, extra);
-  }
-  return fields;
+  return Object.assign(fields, readMore());
 }
 
+/** The "other /generate fields" box as an object. */
+function readMore() {
+  const more = $("more").value.trim();
+  if (!more) return {};
+  let extra;
+  try {
+    extra = JSON.parse(more);
+  } catch (e) {
+    throw new ApiFailure(`other /generate fields: not JSON (${e.message})`);
+  }
+  if (typeof extra !== "object" || extra === null || Array.isArray(extra)) {
+    throw new ApiFailure('other /generate fields: give a JSON object, e.g. {"top_k": 20}');
+  }
+  return extra;
+}
+
+/** Each field into its input: the prompt, the knobs of the row and of every model; any other in the JSON box. */
 function fillForm(fields) {
   const more = {};
   for (const [name, value] of Object.entries(fields)) {
@@ -72,6 +83,8 @@ function fillForm(fields) {
       $("prompt").value = name === "input_ids" ? value.join(", ") : value;
     } else if (KNOBS.includes(name)) {
       $(name).value = String(value);
+    } else if (knobRow.has(name)) {
+      knobRow.set(name, value);
     } else {
       more[name] = value;
     }
@@ -79,23 +92,88 @@ function fillForm(fields) {
   $("more").value = Object.keys(more).length ? JSON.stringify(more) : "";
 }
 
-/** What the page needs of the server: block length, streaming mode, what logprob rows hold. A renoising
- *  model's canvases follow the prompt wherever it ends: they are grouped by each token's step within
- *  its canvas (block_step_map), not by multiples of the canvas length. */
+/** The knob row of `paradigm`. A knob set in the old row (or, before the row was known, in the JSON box)
+ *  keeps its value: in the new row where it has an input, else in the JSON box, so a run still sends it. */
+function showKnobs(paradigm) {
+  if (knobRow.paradigm === paradigm) return;
+  let more;
+  try {
+    more = readMore();
+  } catch {
+    more = null; // a box that is not a JSON object stays as typed
+  }
+  const fields = { ...knobRow.values(), ...(more || {}) };
+  knobRow.show(paradigm);
+  const rest = {};
+  for (const [name, value] of Object.entries(fields)) {
+    if (knobRow.has(name)) knobRow.set(name, value);
+    else rest[name] = value;
+  }
+  if (more !== null) $("more").value = Object.keys(rest).length ? JSON.stringify(rest) : "";
+}
+
+/** What the page needs of the server: its paradigm (the knob row shows the knobs it reads), block
+ *  length, streaming mode, what logprob rows hold. A renoising model's canvases follow the prompt
+ *  wherever it ends: they are grouped by each token's step within its canvas (block_step_map), not by
+ *  multiples of the canvas length. */
 async function serverInfo(key) {
   const info = await getJson("server_info", key);
   const state = (info.internal_states || [{}])[0];
   const engine = state.engine || {};
-  const canvas = state.dllm_paradigm === "renoising";
+  const paradigm = state.dllm_paradigm || (state.is_dllm ? "block" : "autoregressive");
+  const canvas = paradigm === "renoising";
   const shape = canvas ? `renoising canvases of ${engine.dllm_block_length}`
-    : state.is_dllm ? `block length ${engine.dllm_block_length}` : "autoregressive";
+    : state.is_dllm ? `${paradigm === "block" ? "" : `${paradigm}, `}block length ${engine.dllm_block_length}`
+    : "autoregressive";
   $("server").textContent = `${info.served_model_name} (${state.model_type || "?"}, ${shape})`;
+  $("server").classList.remove("unknown");
+  showKnobs(paradigm);
   return {
     canvas,
     blockLength: state.is_dllm && !canvas ? engine.dllm_block_length : null,
     incremental: Boolean(info.incremental_streaming_output),
     valueName: engine.logprobs_mode === "raw_logits" ? "logit" : "logprob",
   };
+}
+
+/** The header and the knob row for the server (on load, on another model or key); a server that does not
+ *  answer yet (e.g. it needs the API key) is said in the header, not as a failed run. */
+async function describeServer() {
+  try {
+    await serverInfo(apiKey());
+  } catch (e) {
+    $("server").textContent = `${CONFIG.model || "the server"}: ${e.message}`;
+    $("server").classList.add("unknown");
+  }
+}
+
+/** Several models: the picker, and (none named) which one the page shows; the URL names it. */
+function showModels() {
+  if (CONFIG.model === null) return;
+  setModel(CONFIG.model);
+  const several = CONFIG.models.length > 1;
+  $("model-pick").hidden = !several;
+  $("model").replaceChildren(...CONFIG.models.map((m) => new Option(m, m, m === CONFIG.model, m === CONFIG.model)));
+  if (several && CONFIG.defaulted) {
+    $("model-note").textContent = `Showing ${CONFIG.model}, the first of the ${CONFIG.models.length} models this ` +
+      `server serves (${CONFIG.models.join(", ")}): pick another with Model.`;
+    $("model-note").hidden = false;
+  }
+  nameModelInUrl(CONFIG.model);
+}
+
+function nameModelInUrl(model) {
+  const url = new URL(location.href);
+  url.searchParams.set("model", model);
+  history.replaceState(null, "", url);
+}
+
+function pickModel(model) {
+  CONFIG.model = model;
+  setModel(model);
+  nameModelInUrl(model);
+  $("model-note").hidden = true;
+  describeServer();
 }
 
 function place(index, run) {
@@ -120,7 +198,7 @@ async function start(fieldSets, first) {
     return;
   }
   await Promise.all(fieldSets.map(async (fields, k) => {
-    const run = new Run(String.fromCharCode(65 + first + k), info);
+    const run = new Run(String.fromCharCode(65 + first + k), info); // info.canvas: grouped by canvas
     run.settings = fields;
     const panel = place(first + k, run);
     panel.setStatus("decoding…", "running");
@@ -188,6 +266,8 @@ function runFromForm(index) {
 
 function wire() {
   $("api-key").value = sessionStorage.getItem(KEY_ITEM) || "";
+  $("api-key").addEventListener("change", () => describeServer());
+  $("model").addEventListener("change", () => pickModel($("model").value));
   $("knobs").addEventListener("submit", (e) => {
     e.preventDefault();
     runFromForm(0);
@@ -212,8 +292,9 @@ function wire() {
   });
 }
 
-function load() {
+async function load() {
   wire();
+  showModels();
   let query;
   try {
     query = fieldsFromQuery(location.search);
@@ -221,6 +302,7 @@ function load() {
     showError(e.message);
     return;
   }
+  await describeServer(); // the knob row first, so that the query's knobs fill it
   fillForm(query.a);
   if (query.trace) openUrl(query.trace);
   else if ("prompt" in query.a || "input_ids" in query.a) {

@@ -1,5 +1,5 @@
-// Drawing one run in its panel: the cells grouped by block (as they stood at the replayed step),
-// the replay slider, the per-block table and the tokens-per-step chart.
+// Drawing one run in its panel: the cells grouped by block, or by canvas on a renoising model (as they
+// stood at the replayed step), the replay slider, the per-block table and the tokens-per-step chart.
 import { edited } from "./run.js";
 
 const SVG = "http://www.w3.org/2000/svg";
@@ -80,17 +80,19 @@ export class Panel {
     const at = Number(this.slider.value);
     this.stepLabel.textContent = `step ${at} / ${maxStep}`;
     const fragment = document.createDocumentFragment();
-    for (const { block, positions } of run.blocks()) {
-      const group = element("div", { class: "block", "data-block": String(block) });
-      group.append(element("span", { class: "block-label" }, `block ${block}`));
-      for (const p of positions) group.append(this.cell(p, at, maxStep));
-      fragment.append(group);
+    for (const group of run.blocks()) {
+      // a canvas is drawn as a block is, named by its place among the canvases
+      const box = element("div", run.canvas ? { class: "block canvas", "data-canvas": String(group.name) }
+        : { class: "block", "data-block": String(group.block) });
+      box.append(element("span", { class: "block-label", title: run.describe(group) }, `${run.unit} ${group.name}`));
+      for (const p of group.positions) box.append(this.cell(p, at, maxStep, group));
+      fragment.append(box);
     }
     this.cells.replaceChildren(fragment);
     this.drawFigures();
   }
 
-  cell(position, at, maxStep) {
+  cell(position, at, maxStep, group) {
     const run = this.run;
     const { writes, final } = run.cells[position];
     const last = writes[writes.length - 1];
@@ -121,13 +123,13 @@ export class Panel {
       node.style.background = colours.background;
       node.style.color = colours.color;
     }
-    node.title = this.tooltip(position, writes, final);
+    node.title = this.tooltip(position, writes, final, group);
     return node;
   }
 
-  tooltip(position, writes, final) {
+  tooltip(position, writes, final, group) {
     const run = this.run;
-    const lines = [`position ${position} (block ${run.blockOf(position)})`];
+    const lines = [`position ${position} (${run.describe(group)})`];
     for (const [i, w] of writes.entries()) {
       const what = w.moved ? "moved here" : i ? "edited" : "written";
       lines.push(`${what} at step ${w.step}: ${JSON.stringify(run.text(w.tokenId))} (id ${w.tokenId})`);
@@ -154,10 +156,10 @@ export class Panel {
 
   drawTable(rows) {
     const head = element("tr");
-    for (const h of ["block", "tokens", "steps", "tokens/step", "edits"]) head.append(element("th", {}, h));
+    for (const h of [this.run.unit, "tokens", "steps", "tokens/step", "edits"]) head.append(element("th", {}, h));
     const body = rows.map((r) => {
       const tr = element("tr");
-      for (const v of [r.block, r.tokens, r.steps, (r.tokens / Math.max(1, r.steps)).toFixed(2), r.edits]) {
+      for (const v of [r.name, r.tokens, r.steps, (r.tokens / Math.max(1, r.steps)).toFixed(2), r.edits]) {
         tr.append(element("td", {}, String(v)));
       }
       return tr;

@@ -1,6 +1,7 @@
 // The page's requests: the /generate body from the knobs, the knobs from the query string, and the
 // Server-Sent Events stream read chunk by chunk. URLs are relative to the page's <base> (the
-// application's route prefix).
+// application's route prefix); on an application of several models each names the page's model
+// (`?model=`), which its front ingress routes by.
 
 // Fields of SGLang's native body that sit at its top level; every other field goes in sampling_params.
 const TOP_LEVEL = new Set(["return_logprob", "top_logprobs_num", "logprob_start_len", "return_text_in_logprobs",
@@ -9,6 +10,17 @@ const TOP_LEVEL = new Set(["return_logprob", "top_logprobs_num", "logprob_start_
 const ALIASES = { text: "prompt", max_tokens: "max_new_tokens", sampling_seed: "seed" };
 
 export class ApiFailure extends Error {}
+
+let model = null; // the model the page shows, on an application of several models
+
+export function setModel(name) {
+  model = name;
+}
+
+/** A route of the application, naming the page's model when there is one. */
+export function apiUrl(path) {
+  return model === null ? path : `${path}?${new URLSearchParams({ model })}`;
+}
 
 /** The native /generate body of the knobs: streamed, with the step trace and each token's text. */
 export function generateBody(fields) {
@@ -47,7 +59,7 @@ function queryValue(name, raw) {
 }
 
 /** The query string as { a: fields of run A, b: fields of run B (A's with every `b.NAME` over them)
- *  or null, trace: a saved trace's URL or null }. */
+ *  or null, trace: a saved trace's URL or null }; `model` is the page's model (the server read it). */
 export function fieldsFromQuery(search) {
   const a = {};
   const b = {};
@@ -57,6 +69,7 @@ export function fieldsFromQuery(search) {
       trace = raw;
       continue;
     }
+    if (key === "model") continue;
     const inB = key.startsWith("b.");
     const name = ALIASES[inB ? key.slice(2) : key] || (inB ? key.slice(2) : key);
     (inB ? b : a)[name] = queryValue(name, raw);
@@ -85,14 +98,15 @@ async function failure(response, what) {
 }
 
 export async function getJson(url, key) {
-  const response = await fetch(url, { headers: headers(key) });
+  const response = await fetch(apiUrl(url), { headers: headers(key) });
   if (!response.ok) throw await failure(response, `GET ${url}`);
   return response.json();
 }
 
 /** POST the body and call onChunk with each SSE chunk until `data: [DONE]`. */
 export async function streamGenerate(key, body, onChunk) {
-  const response = await fetch("generate", { method: "POST", headers: headers(key), body: JSON.stringify(body) });
+  const response = await fetch(apiUrl("generate"),
+                               { method: "POST", headers: headers(key), body: JSON.stringify(body) });
   if (!response.ok) throw await failure(response, "POST /generate");
   const reader = response.body.pipeThrough(new TextDecoderStream()).getReader();
   let buffer = "";

@@ -10,17 +10,21 @@ export class Run {
   /**
    * @param {string} label  the panel's name (A, B, ...)
    * @param {object} opts   blockLength: the model's block length B (null when unknown);
+   *                        canvas: a renoising model's run, whose groups are canvases that follow the
+   *                        prompt (told apart by block_step_map, numbered 1, 2, ... in order);
    *                        incremental: the stream sends deltas rather than cumulative chunks;
    *                        valueName: what the logprob rows hold ("logprob" or "logit")
    */
-  constructor(label, { blockLength = null, incremental = false, valueName = "logprob" } = {}) {
+  constructor(label, { blockLength = null, canvas = false, incremental = false, valueName = "logprob" } = {}) {
     this.label = label;
-    this.blockLength = blockLength;
+    this.canvas = canvas;
+    this.unit = canvas ? "canvas" : "block"; // what a group of positions is
+    this.blockLength = canvas ? null : blockLength;
     this.incremental = incremental;
     this.valueName = valueName;
     this.cells = []; // per position: { writes: [{ step, tokenId }], final: { tokenId, step, value } | null }
     this.outputIds = [];
-    this.blockIds = []; // per released position, from block_step_map: its block's first global step - 1
+    this.blockIds = []; // per released position, from block_step_map: its block's (canvas's) first step - 1
     this.texts = new Map(); // token id -> its text
     this.promptTokens = null;
     this.serverSteps = null; // meta_info.dllm_num_steps
@@ -107,16 +111,24 @@ export class Run {
     return 0;
   }
 
-  /** Positions grouped by block, in order: [{ block, positions }]. */
+  /** Positions grouped by block, in order: [{ block, positions, name }]. `name` is what the page calls the
+   *  group: a block by its index (`block` k covers absolute positions [kB, (k+1)B)), a canvas by its
+   *  place among the canvases (1, 2, ...: its `block`, a step offset, only tells it apart). */
   blocks() {
     const groups = [];
     this.cells.forEach((_, position) => {
       const block = this.blockOf(position);
       const last = groups[groups.length - 1];
       if (last && last.block === block) last.positions.push(position);
-      else groups.push({ block, positions: [position] });
+      else groups.push({ block, positions: [position], name: this.canvas ? groups.length + 1 : block });
     });
     return groups;
+  }
+
+  /** A group of blocks() as a position's tooltip names it: "block 3", or "canvas 2: positions 16–31". */
+  describe(group) {
+    if (!this.canvas) return `block ${group.name}`;
+    return `canvas ${group.name}: positions ${group.positions[0]}–${group.positions[group.positions.length - 1]}`;
   }
 
   /** Writes per step (edits count): Map step -> tokens written. */
@@ -126,9 +138,9 @@ export class Run {
     return new Map([...counts.entries()].sort((a, b) => a[0] - b[0]));
   }
 
-  /** Per block: its steps, tokens and edits. */
+  /** Per block (canvas): its name, steps, tokens and edits. */
   blockFigures() {
-    return this.blocks().map(({ block, positions }) => {
+    return this.blocks().map(({ name, positions }) => {
       const steps = new Set();
       let edits = 0;
       for (const p of positions) {
@@ -136,13 +148,14 @@ export class Run {
         writes.forEach((w) => steps.add(w.step));
         edits += edited(writes);
       }
-      return { block, tokens: positions.length, steps: steps.size, edits };
+      return { name, tokens: positions.length, steps: steps.size, edits };
     });
   }
 }
 
 /** A saved file as runs: a /generate body (or a list of them, e.g. a batch), optionally with the
- *  `trace` extras `python -m engine.trace --json` writes (block_length, settings, token_texts). */
+ *  `trace` extras `python -m engine.trace --json` writes (block_length, settings, token_texts; a
+ *  `paradigm` of "renoising" groups the positions in canvases, by meta_info.block_step_map). */
 export function runsFromSaved(json, firstLabel) {
   const bodies = Array.isArray(json) ? json : [json];
   return bodies.map((body, k) => {
@@ -151,7 +164,8 @@ export function runsFromSaved(json, firstLabel) {
                       "it needs output_ids and meta_info (with step_trace for the steps)");
     }
     const extras = body.trace || {};
-    const run = new Run(String.fromCharCode(firstLabel.charCodeAt(0) + k), { blockLength: extras.block_length });
+    const run = new Run(String.fromCharCode(firstLabel.charCodeAt(0) + k),
+                        { blockLength: extras.block_length, canvas: extras.paradigm === "renoising" });
     run.settings = { ...(extras.prompt != null ? { prompt: extras.prompt } : {}), ...(extras.settings || {}) };
     for (const [id, text] of Object.entries(extras.token_texts || {})) run.texts.set(Number(id), text);
     run.applyChunk(body);
