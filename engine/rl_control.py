@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
 from engine.errors import WeightUpdateError
-from engine.worker.runner import MEMORY_TAGS
+from engine.worker.runner import MEMORY_TAGS, resolve_device
 from engine.worker.update_group import GROUP_JOIN_TIMEOUT_S
 from engine.worker.weight_sources import WeightSource, broadcast_source, disk_source, tensor_source
 
@@ -35,7 +35,8 @@ CommandKind = Literal["op", "admit", "update", "aborting_update"]
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 # SGLang's memory tags. The runner's captured CUDA graphs (engine.worker.cuda_graphs, on by default on CUDA)
-# hold no memory of their own to free by tag: every release drops them, and steps capture them again.
+# hold no memory of their own to free by tag: every release drops them, and steps capture them again. A runner
+# without graphs (CPU, `cuda_graphs` off) has none to drop, and the answer's message says so.
 SGLANG_MEMORY_TAGS = (*MEMORY_TAGS, "cuda_graph")
 
 
@@ -213,24 +214,43 @@ class RLControlMixin:
             self._held.clear()
 
     @staticmethod
-    def _tags(tags: list[str] | None) -> tuple[list[str], str]:
-        """SGLang's tags (None or [] = all) -> (the tags this engine frees, a note for the message)."""
+    def _tags(tags: list[str] | None) -> tuple[list[str], bool]:
+        """SGLang's tags (None or [] = all) -> (the tags this engine frees, whether `cuda_graph` is named)."""
         named = list(tags) if tags else list(SGLANG_MEMORY_TAGS)
         unknown = [t for t in named if t not in SGLANG_MEMORY_TAGS]
         if unknown:
             raise ValueError(f"memory tags {unknown}: known tags are {', '.join(SGLANG_MEMORY_TAGS)}")
-        note = ("; cuda_graph: captured CUDA graphs dropped (as by every release; captured again when steps "
-                "run)") if "cuda_graph" in named else ""
-        return [t for t in MEMORY_TAGS if t in named], note
+        return [t for t in MEMORY_TAGS if t in named], "cuda_graph" in named
+
+    def _no_graphs(self) -> str | None:
+        """Why this engine's runners hold no captured CUDA graphs; None when they hold them. From what the
+        executor reports of its runners (`cuda_graphs` in `describe()`), else from the engine's device and
+        `cuda_graphs` setting (where graphs can run at all)."""
+        facts = self.engine.executor.describe().get("cuda_graphs")
+        if isinstance(facts, dict) and facts.get("state") in ("on", "off"):
+            return None if facts["state"] == "on" else str(facts.get("why") or "they are off")
+        device = resolve_device(self.engine.config).type
+        if device != "cuda":
+            return f"the device is {device}, not CUDA"
+        return None if self.engine.config.cuda_graphs else "cuda_graphs is false"
+
+    def _graphs_note(self, op: Literal["release", "resume"]) -> str:
+        """The message's note on the `cuda_graph` tag, true of this engine: graphs it holds are dropped by
+        every release and captured again when steps run; an engine without any has nothing to do."""
+        why = self._no_graphs()
+        if why is None:
+            return "; cuda_graph: captured CUDA graphs dropped (as by every release; captured again when steps run)"
+        return f"; cuda_graph: nothing to {op} (no CUDA graphs: {why})"
 
     async def release_memory_occupation(self, tags: list[str] | None = None) -> dict[str, Any]:
         """Free the weights and/or the KV cache on every rank (SGLang's tags; None or [] = all);
         generation stops until both are back. Releasing the KV cache retracts the running requests
         and flushes the prefix cache."""
-        tags, note = self._tags(tags)
+        tags, graphs = self._tags(tags)
 
         def release() -> dict[str, Any]:
             todo = [t for t in tags if t not in self._released]
+            note = self._graphs_note("release") if graphs else ""
             self.engine.release_memory(todo)
             self._released |= set(todo)
             return {"message": f"released {todo}{note}", "released": sorted(self._released)}
@@ -240,10 +260,11 @@ class RLControlMixin:
     async def resume_memory_occupation(self, tags: list[str] | None = None) -> dict[str, Any]:
         """Restore what `release_memory_occupation` freed (SGLang's tags; None or [] = all): the
         weights exactly as they were."""
-        tags, note = self._tags(tags)
+        tags, graphs = self._tags(tags)
 
         def resume() -> dict[str, Any]:
             todo = [t for t in tags if t in self._released]
+            note = self._graphs_note("resume") if graphs else ""
             self.engine.resume_memory(todo)
             self._released -= set(todo)
             self._serve_held()

@@ -268,7 +268,10 @@ def test_abort_all_ends_every_request_held_ones_included(engine, ckpts, expected
 def test_memory_tags_none_and_empty_mean_all_and_cuda_graph_is_accepted(engine, expected, tags):
     released = run(engine.release_memory_occupation(tags))
     assert released["released"] == ["kv_cache", "weights"] and engine.stats()["state"] == "released"
-    assert "cuda_graph: captured CUDA graphs dropped" in released["message"]
+    # what the tag did, true of this engine: one without CUDA graphs (CPU) has none to drop
+    held = engine.stats().get("cuda_graphs", {}).get("state") == "on"
+    note = "cuda_graph: captured CUDA graphs dropped" if held else "cuda_graph: nothing to release (no CUDA graphs: "
+    assert note in released["message"], released["message"]
     resumed = run(engine.resume_memory_occupation(tags))
     assert resumed["released"] == [] and engine.stats()["state"] == "serving"
     assert_same(served(engine)["short"], expected["a"]["short"], "default")

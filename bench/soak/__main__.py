@@ -1,8 +1,8 @@
 """`python -m bench.soak`: the RL loop for N iterations or T minutes against a running application
 (`--url`, `--api-key`) or one it starts (`--model`, `--tp`, `--replicas`; the tiny SDAR checkpoint
 when no model is given). Writes soak.jsonl, a PNG per series and summary.json under `--out` (default: a new temporary
-folder, named on stderr), prints
-the summary, and exits with status 1 on a leak, a lost request, a version mismatch or any other
+folder, named on stderr), prints the summary's JSON on stdout (nothing else goes there: the progress and Ray's own
+lines go to stderr), and exits with status 1 on a leak, a lost request, a version mismatch or any other
 broken promise. Ctrl-C ends the run after the iteration in progress, with its summary.
 
     python -m bench.soak --iterations 200                         # starts an app on the tiny SDAR
@@ -25,7 +25,11 @@ import typing
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
+try:
+    import httpx
+except ModuleNotFoundError as missing:  # the bench extra is not installed: say so in one line, not a traceback
+    sys.exit(f"python -m bench.soak needs {missing.name}, which the bench extra installs: "
+             "pip install -e '.[bench]' (from the repository root)")
 
 from bench.soak.loop import SoakLoop
 from bench.soak.probe import app_processes, free_pages, sample_processes
@@ -156,9 +160,32 @@ def _inject_leak(app: str, megabytes: float) -> None:
     serve.get_deployment_handle("EngineServer", app).broadcast("debug_leak", megabytes).results(timeout_s=60)
 
 
+@contextlib.contextmanager
+def _stdout_to_stderr() -> Iterator[None]:
+    """Send everything written to stdout meanwhile to stderr, at the file descriptor too (what the processes
+    started meanwhile inherit): Ray's driver prints `(raylet) ...` lines to stdout whatever `log_to_driver`
+    says (its error messages: e.g. the tasks that Serve's shutdown leaves behind), so stdout would not be
+    the summary's JSON alone."""
+    sys.stdout.flush()
+    try:
+        saved = os.dup(1)
+    except OSError:  # no stdout to redirect
+        saved = None
+    if saved is not None:
+        os.dup2(2, 1)
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        sys.stderr.flush()
+        if saved is not None:
+            os.dup2(saved, 1)
+            os.close(saved)
+
+
 def main(argv: list[str] | None = None) -> int:
     s = parse_args(argv)
-    with contextlib.ExitStack() as stack:
+    with _stdout_to_stderr(), contextlib.ExitStack() as stack:
         if s.url is None:
             url = stack.enter_context(started_app(s))
         else:
@@ -167,8 +194,9 @@ def main(argv: list[str] | None = None) -> int:
                 import ray
 
                 ray.init(address=s.ray_address, logging_level="error", log_to_driver=False)
+                stack.callback(ray.shutdown)  # here, while what Ray prints still goes to stderr
         summary = asyncio.run(_until_interrupted(s, url, os.getpid() if s.url is None else None))
-    print(json.dumps(summary, indent=1))
+    print(json.dumps(summary, indent=1))  # stdout: the summary's JSON only
     print(f"[soak] {summary['verdict']}", file=sys.stderr)
     return 0 if summary["passed"] else 1  # an inconclusive memory verdict is no broken promise
 

@@ -5,9 +5,9 @@ of the rest is no faster than that rate (allowing for its noise). The verdict's 
 slope after the warm-up: Theil-Sen (the median of the pairwise slopes, deaf to a few outliers).
 A leak grows at the same rate from the start, so it has no warm-up to hide in. A run too short for
 the warm-up to end (the engine's takes about 200 iterations) has no settled part: what follows the
-point found still slows down, its first half growing faster than its second, and a slope above the
-limit there says nothing either way (inconclusive, not a leak). A run of at least twice that warm-up
-(the warm-up, then as many iterations to measure) is judged on its slope."""
+point found still slows down, its first half growing faster than its second, and its slope, above the
+limit or below it, says nothing either way (inconclusive: neither a leak nor a pass). A run of at least
+twice that warm-up (the warm-up, then as many iterations to measure) is judged on its slope."""
 
 from __future__ import annotations
 
@@ -73,8 +73,9 @@ def trend(y: list[float]) -> Trend:
 
 def leaks(y: list[float], limit_per_200: float) -> tuple[bool | None, Trend]:
     """Whether `y` grows by more than `limit_per_200` per 200 iterations after its warm-up; None
-    (inconclusive) when it does while the warm-up is not over."""
+    (inconclusive) while the warm-up is not over (`settling`), whatever its slope: a series still slowing
+    down has no settled slope to judge, above the limit or below it."""
     t = trend(y)
-    if t.slope is None or t.slope * 200 <= limit_per_200:
-        return False, t
-    return (None if t.settling else True), t
+    if t.settling:
+        return None, t
+    return (t.slope is not None and t.slope * 200 > limit_per_200), t
