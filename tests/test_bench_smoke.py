@@ -24,8 +24,9 @@ from bench.plan import plan
 ROOT = Path(__file__).resolve().parents[1]
 SMOKED_HERE = {"bench", "bench.memory", "bench.overhead", "bench.moe", "bench.weight_sync", "bench.prefix_routing",
                "bench.load", "bench.outputs", "bench.fused_elementwise", "bench.published_configs",
-               "bench.diffusion_gemma"}
-SMOKED_ELSEWHERE = {"bench.gpu_check": "test_gpu_check.py", "bench.trajectory_scoring": "test_trajectory_scoring.py",
+               "bench.diffusion_gemma", "bench.step_metadata"}
+SMOKED_ELSEWHERE = {"bench.gpu_check": "test_gpu_check.py", "bench.gpu_check.collect": "test_gpu_check.py",
+                    "bench.trajectory_scoring": "test_trajectory_scoring.py",
                     "bench.fast_dllm": "test_fast_dllm.py", "bench.soak": "test_soak.py",
                     "bench.llada2": "test_llada2_diffusers.py"}
 
@@ -57,6 +58,14 @@ def test_every_bench_entry_point_has_a_smoke_test():
     for module in entry_points - SMOKED_HERE:
         test_file = ROOT / "tests" / SMOKED_ELSEWHERE[module]
         assert module.split(".")[1] in test_file.read_text(), (module, test_file)
+
+
+def test_step_metadata_bench():
+    """What a graphed step uploads is the same at any max_model_len; the padded-table baseline grows."""
+    out = _run_module("bench.step_metadata", "--max-model-len", "1024", "4096", "--repeats", "2")
+    small, large = out["runs"]
+    assert small["uploaded_elements"] == large["uploaded_elements"] > 0
+    assert small["baseline_table_elements"] < large["baseline_table_elements"]
 
 
 @pytest.mark.parametrize("mode", ["full", "quick", "toy"])

@@ -46,11 +46,12 @@ def test_a_short_soak_keeps_every_promise(soak_app, tmp_path):
 
 
 @pytest.mark.system
-def test_a_leak_put_in_on_purpose_fails_the_soak(soak_app, tmp_path):
+def test_a_leak_put_in_on_purpose_fails_the_soak(soak_app, tmp_path, capfd):
     argv = ["--url", soak_app.url, "--app", soak_app.name, "--iterations", "6", "--inject-leak-mb", "32",
             "--no-broadcast", "--out", str(tmp_path), *(f"--{k.replace('_', '-')}={v}" for k, v in SHORT.items())]
     assert main(argv) == 1
     summary = json.loads((tmp_path / "summary.json").read_text())
+    assert json.loads(capfd.readouterr().out) == summary, "the command's stdout is its JSON summary alone"
     assert summary["lost"] == 0 and summary["version_problems"] == []
     assert any(leak.startswith("rss_mb of engine:") for leak in summary["leaks"]), summary["leaks"]
 

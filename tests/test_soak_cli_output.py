@@ -13,14 +13,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from bench.soak import __main__ as cli
 from bench.soak.record import SERIES, Recorder
 from bench.soak.verdict import leaks
 
 ROOT = Path(__file__).resolve().parent.parent
-SHORT = ["--prompts", "1", "--samples", "2", "--max-tokens", "8", "--drill-tokens", "48", "--no-broadcast"]
 
 
 def _settling(iterations: int, seed: int) -> list[float]:
@@ -80,16 +77,3 @@ def test_without_httpx_it_says_what_to_install():
     assert len(lines) == 1 and "Traceback" not in run.stderr, run.stderr
     assert "httpx" in lines[0] and "pip install -e '.[bench]'" in lines[0], lines[0]
 
-
-@pytest.mark.system  # its own Ray Serve cluster (loopback only), in a process of its own
-def test_the_soaks_stdout_is_its_json_summary(tmp_path):
-    """`python -m bench.soak --iterations 1` as typed, starting its own app: stdout parses as the summary."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_ADDRESS")}
-    run = subprocess.run([sys.executable, "-m", "bench.soak", "--iterations", "1", "--app", "soakjson", *SHORT,
-                          "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=420,
-                         env={**env, "RAY_AUTH_MODE": "disabled"})
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    summary = json.loads(run.stdout)
-    assert summary["iterations"] == 1 and summary["lost"] == 0 and summary["passed"], summary
-    assert summary == json.loads((tmp_path / "summary.json").read_text())
-    assert f"[soak] {summary['verdict']}" in run.stderr

@@ -124,7 +124,7 @@ def _paged_attention(out_ptr, q_ptr, k_ptr, v_ptr, tables_ptr, pos_ptr,
             lo = tl.where(canvas, canvas_lo, tl.maximum(pos - WINDOW + 1, 0))
             key_lo = tl.where(canvas, canvas_lo, tl.maximum(pos_first - WINDOW + 1, 0))
         else:
-            lo = tl.where(canvas, canvas_lo, 0)
+            lo = tl.where(canvas, canvas_lo, 0) + tl.zeros_like(pos)  # a row's bound: [BLOCK_M]
             key_lo = tl.where(canvas, canvas_lo, 0)
     else:
         if MODE == 0:
