@@ -148,4 +148,4 @@ def test_openai_client_parses_echo_n_and_list_prompts(served_apps):
     assert echoed.choices[0].text.startswith("Hello")
     with pytest.raises(openai.BadRequestError) as refused:  # prompt scoring is for AR models
         sdar.completions.create(model="sdar", prompt="Hello", max_tokens=4, echo=True, logprobs=1)
-    assert refused.value.body["param"] == "echo" and "block-diffusion" in refused.value.body["message"]
+    assert refused.value.body["param"] == "echo" and "not autoregressive" in refused.value.body["message"]

@@ -74,7 +74,8 @@ def completion_to_engine(req: CompletionRequest, served_model: str, tokenizer, i
     score_prompt = req.echo and (req.logprobs is not None or req.max_tokens == 0)
     if score_prompt and is_dllm:
         raise ApiError("echo with logprobs or max_tokens=0 needs the prompt's token logprobs, which only "
-                       "autoregressive models give; this model is a block-diffusion LM", "echo")
+                       "autoregressive models give; this model is not autoregressive (it decodes by block "
+                       "diffusion or by renoising a canvas)", "echo")
     rename = dict(HTTP_RENAME, logprobs="logprobs", input_ids="prompt", prompt="prompt", logprob_start_len="echo")
     fields = dict(max_new_tokens=req.max_tokens, min_new_tokens=req.min_tokens, logprobs=req.logprobs)
     if score_prompt:  # max_tokens=0 without logprobs: rows computed, not shown
