@@ -35,23 +35,20 @@ class GemmaTritonAttention:
     def prepare(self, meta: GemmaAttentionMeta, plan: GroupPlan) -> None:
         kind = FULL if plan.window is None else SLIDING
         per_tile = self.rows_per_tile.get(kind, 1)
-        arrays: dict[str, list[int]] = {name: [] for name in (
-            "tile_seq", "tile_row0", "tile_rows", "tile_kv_len", "tile_kind", "tile_lo", "tile_own_row0",
-            "tile_own_len")}
-        positions: list[int] = []
-        for s, (p, row, lo) in enumerate(zip(meta.passes, plan.rows, plan.committed_from, strict=True)):
-            canvas = p.kind == CANVAS
-            positions += range(p.start, p.start + p.q_len)
-            for first in range(row, row + p.q_len, per_tile):
-                arrays["tile_seq"].append(s)
-                arrays["tile_row0"].append(first)
-                arrays["tile_rows"].append(min(per_tile, row + p.q_len - first))
-                arrays["tile_kv_len"].append(p.start if canvas else p.start + p.q_len)  # the cached keys' end
-                arrays["tile_kind"].append(self.kernel.PASS_CANVAS if canvas else self.kernel.PASS_ENCODE)
-                arrays["tile_lo"].append(lo if canvas else 0)
-                arrays["tile_own_row0"].append(row)
-                arrays["tile_own_len"].append(p.q_len if canvas else 0)
-        tables = [p.page_tables[kind] for p in meta.passes]
+        passes = meta.passes
+        canvas = [p.kind == CANVAS for p in passes]
+        # the tiles as the engine's own plan lists them (a pass a sequence; a canvas's cached keys end at its
+        # start), and per tile what the passes mode adds
+        arrays = self.kernel.plan_tiles([p.q_len for p in passes],
+                                        [p.start if c else p.start + p.q_len for p, c in zip(passes, canvas)],
+                                        per_tile)
+        seqs = arrays["tile_seq"]
+        arrays["tile_kind"] = [self.kernel.PASS_CANVAS if canvas[s] else self.kernel.PASS_ENCODE for s in seqs]
+        arrays["tile_lo"] = [plan.committed_from[s] if canvas[s] else 0 for s in seqs]
+        arrays["tile_own_row0"] = [plan.rows[s] for s in seqs]
+        arrays["tile_own_len"] = [passes[s].q_len if canvas[s] else 0 for s in seqs]
+        positions = [pos for p in passes for pos in range(p.start, p.start + p.q_len)]
+        tables = [p.page_tables[kind] for p in passes]
         width = max(1, max(len(t) for t in tables))
         device = meta.device
         plan.backend["triton"] = {
