@@ -31,14 +31,12 @@ import json
 import random
 import re
 import sys
-import types
-import typing
 from typing import Any, NoReturn
 
 from pydantic import ValidationError
 
 from configs import EngineConfig, GenerationConfig
-from configs.knobs import DIFFUSION, KNOBS, RULE_SPECS, Knob
+from configs.knobs import DIFFUSION, KNOBS, Knob
 from engine.carrier import Response
 from engine.offline import pipeline
 
@@ -120,24 +118,23 @@ def trace_body(response: Response, tokenizer, prompt: str, model: str, block_len
             "trace": {**extras, "settings": settings, "token_texts": texts}}
 
 
-# The flags whose names are not the knob's without its `dllm_` (e.g. `--entropy-bound`).
-_FLAG_NAMES = {"dllm_unmasking_strategy": "--strategy", "dllm_confidence_threshold": "--threshold",
-               "dllm_denoising_steps": "--steps"}
+_METAVARS = {int: "N", float: "X"}
+_FLAGS = {k.name: k.flag for k in KNOBS.values()}  # EngineConfig field -> its flag
 
 
-def _scalar(knob: Knob) -> type | None:
-    """The command-line type of a knob's values (None: no flag, e.g. a switch of the engine's)."""
-    kinds = typing.get_args(knob.type) if isinstance(knob.type, types.UnionType) else (knob.type,)
-    kinds = [k for k in kinds if k is not type(None)]
-    if len(kinds) == 1 and typing.get_origin(kinds[0]) is typing.Literal:
-        return str
-    return kinds[0] if len(kinds) == 1 and kinds[0] in (int, float) else None
-
-
-# (flag, EngineConfig field, type, help): a flag per knob; unset = the family's
-_SETTINGS = [(_FLAG_NAMES.get(k.name, "--" + k.name.removeprefix("dllm_").replace("_", "-")), k.name, _scalar(k),
-              f"{k.doc}; read by {', '.join(k.used_by)} decoding") for k in KNOBS.values() if _scalar(k) is not None]
-_FLAGS = {field: flag for flag, field, _, _ in _SETTINGS}
+def _add_knob(ap: argparse.ArgumentParser, knob: Knob) -> None:
+    """The knob's flag, as the table declares it: its name, a value of its type (one of its choices, or
+    for a switch `--x` / `--no-x`), and its meaning and readers as help. Unset: the family's."""
+    text = f"{knob.name}: {knob.doc}; read by {', '.join(knob.used_by)} decoding (default: the family's)"
+    options: dict[str, Any] = {"dest": knob.name, "default": None, "help": text.replace("%", "%%")}
+    kind, choices = knob.value_type, knob.choices()
+    if kind is bool:
+        options["action"] = argparse.BooleanOptionalAction
+    elif choices is not None:
+        options |= {"type": str, "choices": choices}
+    else:
+        options |= {"type": kind, "metavar": _METAVARS.get(kind, "VALUE")}
+    ap.add_argument(knob.flag, **options)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -146,22 +143,24 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (--help lists the flags)\n")
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line: the model, the prompt, a flag per knob of the table and the output options."""
     ap = _Parser(prog=PROG, description=__doc__.splitlines()[0])
     ap.add_argument("model", help="checkpoint directory (block diffusion, renoising or autoregressive)")
     ap.add_argument("prompt")
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--seed", type=int, help="the request's random seed (a renoising model samples; without it a "
                                              "seed is drawn and printed)")
-    for flag, field, kind, text in _SETTINGS:
-        choices = list(RULE_SPECS) if field == "dllm_unmasking_strategy" else None
-        ap.add_argument(flag, dest=field, type=kind, default=None, choices=choices,
-                        metavar=None if choices else {int: "N", float: "X"}.get(kind, "VALUE"),
-                        help=f"{field}: {text} (default: the family's)".replace("%", "%%"))
+    for knob in KNOBS.values():
+        _add_knob(ap, knob)
     ap.add_argument("--no-colour", action="store_true", help="no ANSI colours (the default when not a terminal)")
     ap.add_argument("--png", help="write a step_map heat strip here")
     ap.add_argument("--json", help="save the request here for the /viewer page (a /generate body with its step trace)")
-    return ap.parse_args(argv)
+    return ap
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def step_events(response: Response) -> list[dict[str, Any]]:
@@ -190,7 +189,7 @@ def recorded_settings(engine, given: dict[str, Any], gen: GenerationConfig, seed
             continue
         if unmasking is not None and knob.rules is not None and unmasking.strategy not in knob.rules:
             continue  # another unmasking rule's
-        if knob.per_request and knob.name != "dllm_block_length":
+        if knob.per_request and not knob.fixed:
             default = getattr(engine.config, knob.name)
             settings[knob.name] = default if unmasking is None else getattr(unmasking, knob.setting, default)
         elif knob.name in given:
@@ -226,7 +225,7 @@ def _fail(message: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    given = {field: getattr(args, field) for _, field, _, _ in _SETTINGS if getattr(args, field) is not None}
+    given = {name: getattr(args, name) for name in KNOBS if getattr(args, name) is not None}
     if args.png:
         try:
             import matplotlib  # noqa: F401

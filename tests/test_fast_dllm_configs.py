@@ -48,7 +48,7 @@ def write_config(root: Path, cfg: dict) -> Path:
 def test_published_config_builds_the_published_tensors(tmp_path, size):
     cfg = {**PUBLISHED[size], "num_hidden_layers": 1, "layer_types": ["full_attention"]}
     spec = load_model_spec(write_config(tmp_path / size, cfg))
-    assert spec.is_dllm and spec.family.predicts_next and spec.family.block_decoding == "sub_block"
+    assert spec.is_dllm and spec.family.predicts_next and spec.family.paradigm == "sub_block"
     assert (spec.block_size, spec.qk_norm, spec.attention_bias) == (32, False, True)
     assert spec.head_dim == cfg["hidden_size"] // cfg["num_attention_heads"] == 128
     assert spec.eos_token_ids == {151645} and spec.mask_token_id is None and spec.rope_scaling is None

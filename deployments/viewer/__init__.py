@@ -20,8 +20,6 @@ import functools
 import html
 import json
 import re
-import types
-import typing
 import urllib.parse
 from pathlib import Path
 from typing import Any
@@ -42,30 +40,13 @@ _ASSET = re.compile(r'(href|src)="viewer/static/([\w.-]+)"')
 _MODULE = '<script type="module"'
 NO_CACHE = {"Cache-Control": "no-cache"}
 
-# The knob row's labels (a knob not named here is labelled by its name).
-LABELS = {
-    "dllm_unmasking_strategy": "Strategy", "dllm_denoising_steps": "Steps / block",
-    "dllm_confidence_threshold": "Threshold", "dllm_entropy_threshold": "Entropy threshold",
-    "dllm_edit_threshold": "Edit threshold", "dllm_max_post_edit_steps": "Post-edit steps",
-    "dllm_penalty_lambda": "Penalty λ", "dllm_max_denoising_steps": "Steps / canvas",
-    "dllm_entropy_bound": "Entropy bound", "dllm_t_min": "T min", "dllm_t_max": "T max",
-    "dllm_stability_threshold": "Stable steps", "dllm_stop_entropy": "Stop entropy",
-}
-# Knobs a paradigm reads that the row does not offer: the block length is the model's own (a request may
-# only repeat it; the page's header shows it).
-NOT_OFFERED = frozenset({"dllm_block_length"})
-
-
 def _input(knob: Knob, paradigm: str) -> dict[str, Any]:
-    """How the page's input for `knob` takes its value: `kind` int, float, choice (with `choices`) or json
-    (a value read as JSON where it parses, else as text), and `min` / `max` from its bounds."""
-    kinds = [t for t in (typing.get_args(knob.type) if isinstance(knob.type, types.UnionType) else (knob.type,))
-             if t is not type(None)]
-    kind = kinds[0] if len(kinds) == 1 else None
-    if knob.name == "dllm_unmasking_strategy":
-        return {"kind": "choice", "choices": list(rules_of(paradigm))}
-    if typing.get_origin(kind) is typing.Literal:
-        return {"kind": "choice", "choices": list(typing.get_args(kind))}
+    """How the page's input for `knob` takes its value: `kind` int, float, choice (with `choices`: for the
+    unmasking rule, those of `paradigm`) or json (a value read as JSON where it parses, else as text), and
+    `min` / `max` from its bounds."""
+    choices, kind = knob.choices(paradigm), knob.value_type
+    if choices is not None:
+        return {"kind": "choice", "choices": choices}
     if kind in (int, float):
         bounds = knob.bounds
         low = bounds.get("ge", bounds.get("gt"))
@@ -75,19 +56,24 @@ def _input(knob: Knob, paradigm: str) -> dict[str, Any]:
     return {"kind": "json"}
 
 
+def offered(paradigm: str) -> list[Knob]:
+    """The knobs the row offers a model of `paradigm`: the per-request knobs it reads, in the table's order,
+    but those a request may only repeat (`fixed`: the block length, which the page's header shows)."""
+    return [k for k in KNOBS.values() if paradigm in k.used_by and k.per_request and not k.fixed]
+
+
 @functools.cache
 def knob_table() -> dict[str, list[dict[str, Any]]]:
-    """Per paradigm (`configs.knobs.PARADIGMS`), the per-request knobs it reads, in the table's order:
-    `name`, `label`, `doc`, `rules` (the rules of the paradigm that read it; None: all of them) and how
-    its input takes a value (`_input`)."""
+    """Per paradigm (`configs.knobs.PARADIGMS`), the knobs its row offers (`offered`): `name`, `label`,
+    `doc`, `rules` (the rules of the paradigm that read it; None: all of them) and how its input takes a
+    value (`_input`)."""
     table = {}
     for paradigm in PARADIGMS:
         rules = set(rules_of(paradigm))
-        table[paradigm] = [
-            {"name": k.name, "label": LABELS.get(k.name, k.setting.replace("_", " ").capitalize()),
-             "doc": k.request_doc or k.doc,
+        table[paradigm.value] = [
+            {"name": k.name, "label": k.label, "doc": k.request_doc or k.doc,
              "rules": None if k.rules is None else [r for r in k.rules if r in rules], **_input(k, paradigm)}
-            for k in KNOBS.values() if paradigm in k.used_by and k.per_request and k.name not in NOT_OFFERED]
+            for k in offered(paradigm)]
     return table
 
 

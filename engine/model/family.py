@@ -1,7 +1,8 @@
 """What the engine knows about a model family before it builds any network: one `ModelFamily` row
 per `model_type`, kept by each family's package and collected in engine.model.families.
 
-A row says which decoding paradigm the family serves (autoregressive or block diffusion), which row
+A row says which decoding paradigm the family serves (`configs.knobs.Paradigm`: autoregressive, block,
+sub-block or renoising decoding; the knob table declares each one's knobs by that name), which row
 of logits predicts a token (the same row, or the row before it: a *token shift*), where its block
 length and mask token come from, the decoding defaults its authors publish, which config.json fields
 it reads beyond the common ones, and its network class.
@@ -11,25 +12,20 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from torch import nn
 
-Paradigm = Literal["AR", "DLLM"]
-# How a block-diffusion family decodes a block (engine.core.decoding picks the strategy by it):
-# "block"     - every masked position of the block is a candidate at every step;
-# "sub_block" - a token shift and sub-blocks decoded left to right;
-# "renoising" - a canvas of random tokens, every position resampled or re-noised at every step.
-BlockDecoding = Literal["block", "sub_block", "renoising"]
+from configs.knobs import Paradigm
 
 
 @dataclass(frozen=True)
 class ModelFamily:
     model_type: str
+    #: how it decodes (engine.core.decoding picks the strategy by it); a paradigm's name is taken too
     paradigm: Paradigm
     #: logits at row i predict token i+1 (causal LMs, and block-diffusion models trained with a shift)
     predicts_next: bool
-    block_decoding: BlockDecoding | None = None
     #: config.json fields naming the block length, in the order they are read
     block_length_keys: tuple[str, ...] = ()
     #: the block length when neither EngineConfig nor config.json names one
@@ -47,6 +43,10 @@ class ModelFamily:
     #: the network class, built as `network(spec, tp)` (most families: engine.model.layers.decoder.PreNormDecoderLM)
     network: Callable[..., nn.Module] = field(kw_only=True)
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "paradigm", Paradigm(self.paradigm))
+
     @property
     def is_dllm(self) -> bool:
-        return self.paradigm == "DLLM"
+        """A diffusion LM: any paradigm but autoregressive."""
+        return self.paradigm is not Paradigm.AUTOREGRESSIVE

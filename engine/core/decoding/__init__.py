@@ -2,13 +2,14 @@
 sub-block decoding, each running the request's unmasking rule (`engine.core.decoding.rules`), and
 renoising (a canvas refined as a whole).
 
-`strategy_for` picks a model family's strategy by its paradigm (`paradigm_of`: its `block_decoding`,
-or autoregressive for causal LMs), the name the knob table (`configs.knobs`) declares knobs for.
+`strategy_for` picks a model family's strategy by its paradigm (`paradigm_of`: its registry row's
+`paradigm`), the name the knob table (`configs.knobs`) declares knobs for.
 """
 
 from __future__ import annotations
 
 from configs import EngineConfig
+from configs.knobs import Paradigm
 from engine.core.decoding.autoregressive import AutoregressiveDecoding
 from engine.core.decoding.base import DecodingStrategy, PickedRows
 from engine.core.decoding.block_diffusion import BlockDiffusionDecoding
@@ -21,13 +22,12 @@ STRATEGIES: dict[str, type[DecodingStrategy]] = {
     s.paradigm: s for s in (AutoregressiveDecoding, BlockDiffusionDecoding, SubBlockDecoding, RenoisingDecoding)}
 
 
-def paradigm_of(family: ModelFamily) -> str | None:
-    """The family's decoding paradigm, as the knob table names it (None: a diffusion family that names
-    no block decoding, which no strategy here runs)."""
-    return family.block_decoding if family.is_dllm else "autoregressive"
+def paradigm_of(family: ModelFamily) -> Paradigm:
+    """The family's decoding paradigm, as the knob table names it."""
+    return family.paradigm
 
 
-def describe_paradigm(paradigm: str | None) -> str:
+def describe_paradigm(paradigm: str) -> str:
     """How an error message says what a model's paradigm is: "autoregressive", or "decoded with
     renoising decoding"."""
     return "autoregressive" if paradigm == "autoregressive" else f"decoded with {paradigm} decoding"
@@ -39,7 +39,7 @@ def strategy_for(spec: ModelSpec, config: EngineConfig, mask_id: int | None) -> 
     family = spec.family
     paradigm = paradigm_of(family)
     if paradigm not in STRATEGIES:
-        raise ValueError(f"model_type {family.model_type!r}: no decoding strategy for block_decoding={paradigm!r}")
+        raise ValueError(f"model_type {family.model_type!r}: no decoding strategy for paradigm {paradigm!r}")
     return STRATEGIES[paradigm].from_config(config, spec, mask_id)
 
 

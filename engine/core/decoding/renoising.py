@@ -22,27 +22,23 @@ previous canvas's last).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from configs import EngineConfig, GenerationConfig
+from configs.knobs import Paradigm, settings_of
 from engine.core.sampler import logprob_entries, logprob_values
 
 STABLE, MAX_STEPS = "stable", "max_steps"
 
 
-@dataclass(frozen=True)
+@settings_of(Paradigm.RENOISING)
 class RenoiseKnobs:
-    """The paradigm's settings, named as the `dllm_<name>` knobs (configs.knobs); the defaults are the
-    release's, which a checkpoint's generation_config.json replaces (the family's `generation_defaults`)."""
-
-    max_denoising_steps: int = 48
-    entropy_bound: float = 0.1
-    t_min: float = 0.4
-    t_max: float = 0.8
-    stability_threshold: int = 1
-    stop_entropy: float = 0.005
+    """The paradigm's settings: a frozen dataclass of one field per renoising knob of `configs.knobs`, named
+    by its `setting` (`max_denoising_steps`, `entropy_bound`, `t_min`, ...), in the table's order. Its
+    defaults are the table's (the release's), which a checkpoint's generation_config.json replaces in the
+    engine config (the family's `generation_defaults`)."""
 
     def __post_init__(self) -> None:
         if not self.t_min < self.t_max:
@@ -51,11 +47,11 @@ class RenoiseKnobs:
     @classmethod
     def of_engine(cls, config: EngineConfig) -> RenoiseKnobs:
         """The engine's knobs (its `dllm_*` fields)."""
-        return cls(**{f.name: getattr(config, f"dllm_{f.name}") for f in fields(cls)})
+        return cls(**{k.setting: getattr(config, k.name) for k in cls.KNOBS})
 
     def for_request(self, params: GenerationConfig) -> RenoiseKnobs:
         """These knobs with the `dllm_*` values a request sets over them (ValueError: t_min >= t_max)."""
-        given = {f.name: getattr(params, f"dllm_{f.name}") for f in fields(self)}
+        given = {k.setting: getattr(params, k.name) for k in self.KNOBS}
         return replace(self, **{k: v for k, v in given.items() if v is not None})
 
     def temperature(self, countdown: int) -> torch.Tensor:

@@ -21,25 +21,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from configs import EngineConfig, GenerationConfig
-from configs.knobs import DIFFUSION, RULE_SPECS, request_knobs
+from configs.knobs import DIFFUSION, RULE_SPECS, settings_of
 from engine.errors import RequestError
 
-DIFFUSION_PARADIGMS = set(DIFFUSION)  # the paradigms that unmask (renoising reads its own knobs)
 
-
-@dataclass(frozen=True)
+@settings_of(*DIFFUSION)
 class UnmaskingSettings:
-    """A request's block-diffusion knobs, resolved once from the request and the engine defaults
-    (one attribute per per-request knob of `configs.knobs` but the block length, named by its
-    `setting`)."""
-
-    strategy: str
-    denoising_steps: int
-    confidence_threshold: float
-    entropy_threshold: float
-    edit_threshold: float = 0.0
-    max_post_edit_steps: int = 16
-    penalty_lambda: float = 0.0
+    """A request's block-diffusion knobs, resolved once from the request and the engine defaults: a frozen
+    dataclass of one field per per-request knob of `configs.knobs` that a diffusion paradigm reads, but the
+    block length, named by its `setting` (`strategy`, `denoising_steps`, `confidence_threshold`, ...), in
+    the table's order."""
 
     @classmethod
     def resolve(cls, params: GenerationConfig, config: EngineConfig, block_length: int,
@@ -55,12 +46,11 @@ class UnmaskingSettings:
         rule = params.dllm_unmasking_strategy or config.dllm_unmasking_strategy
         rule_defaults = {k: v for k, v in RULE_SPECS[rule].defaults.items() if k not in engine_set}
         values = {}
-        for knob in request_knobs():
-            if knob.name != "dllm_block_length" and DIFFUSION_PARADIGMS & set(knob.used_by):
-                value = getattr(params, knob.name)
-                if value is None:
-                    value = rule_defaults.get(knob.name, getattr(config, knob.name))
-                values[knob.setting] = value
+        for knob in cls.KNOBS:
+            value = getattr(params, knob.name)
+            if value is None:
+                value = rule_defaults.get(knob.name, getattr(config, knob.name))
+            values[knob.setting] = value
         values["denoising_steps"] = values["denoising_steps"] or block_length  # default: one token per step
         return cls(**values)
 

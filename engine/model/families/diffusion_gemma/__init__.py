@@ -9,6 +9,7 @@ The canvas length comes from config.json's `canvas_length`."""
 
 from __future__ import annotations
 
+from configs.knobs import Paradigm, upstream_values
 from engine.model.families.diffusion_gemma.config import FULL, SLIDING, parse_config
 from engine.model.families.diffusion_gemma.network import DiffusionGemmaNetwork
 from engine.model.family import ModelFamily
@@ -26,16 +27,12 @@ def diffusion_gemma_fields(cfg: dict) -> dict:
 
 
 def generation_defaults(gen: dict) -> dict[str, object]:
-    """The renoising knobs' defaults a generation_config.json sets (transformers' key names)."""
-    sampler = gen.get("sampler_config") or {}
-    found = {"dllm_max_denoising_steps": gen.get("max_denoising_steps"),
-             "dllm_entropy_bound": sampler.get("entropy_bound"), "dllm_t_min": gen.get("t_min"),
-             "dllm_t_max": gen.get("t_max"), "dllm_stability_threshold": gen.get("stability_threshold"),
-             "dllm_stop_entropy": gen.get("confidence_threshold")}
-    return {k: v for k, v in found.items() if v is not None}
+    """The renoising knobs' defaults a generation_config.json sets (under transformers' key names, which
+    the knob table names)."""
+    return upstream_values("transformers", gen)
 
 
-FAMILY = ModelFamily("diffusion_gemma", "DLLM", predicts_next=False, block_decoding="renoising",
+FAMILY = ModelFamily("diffusion_gemma", Paradigm.RENOISING, predicts_next=False,
                      block_length_keys=("canvas_length",), default_block_length=256,
                      generation_defaults=generation_defaults, config_fields=diffusion_gemma_fields,
                      network=DiffusionGemmaNetwork)

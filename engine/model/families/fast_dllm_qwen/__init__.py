@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from configs.knobs import Paradigm
 from engine.model.family import ModelFamily
 from engine.model.layers.decoder import PreNormDecoderLM
 
@@ -16,7 +17,7 @@ def config_fields(cfg: dict) -> dict[str, Any]:
     return {"qk_norm": False, "attention_bias": True}
 
 
-FAMILY = ModelFamily("Fast_dLLM_Qwen", "DLLM", predicts_next=True, block_decoding="sub_block",
+FAMILY = ModelFamily("Fast_dLLM_Qwen", Paradigm.SUB_BLOCK, predicts_next=True,
                      block_length_keys=("bd_size",), default_block_length=32, mask_token_texts=("|<MASK>|",),
                      decoding_defaults={"dllm_confidence_threshold": 0.9}, config_fields=config_fields,
                      network=PreNormDecoderLM)

@@ -6,11 +6,12 @@ experts) under block-causal attention, decoded by block diffusion without a toke
 
 from __future__ import annotations
 
+from configs.knobs import Paradigm
 from engine.model.families.llada2_moe.config import llada2_fields
 from engine.model.families.llada2_moe.network import LLaDA2MoeModelLM
 from engine.model.family import ModelFamily
 
-FAMILY = ModelFamily("llada2_moe", "DLLM", predicts_next=False, block_decoding="block",
+FAMILY = ModelFamily("llada2_moe", Paradigm.BLOCK, predicts_next=False,
                      block_length_keys=("block_size",), default_block_length=32, mask_token_texts=("<|mask|>",),
                      decoding_defaults={"dllm_confidence_threshold": 0.95,
                                         "dllm_unmasking_strategy": "low_confidence_dynamic"},

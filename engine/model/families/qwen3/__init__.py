@@ -4,7 +4,8 @@ common fields."""
 
 from __future__ import annotations
 
+from configs.knobs import Paradigm
 from engine.model.family import ModelFamily
 from engine.model.layers.decoder import PreNormDecoderLM
 
-FAMILY = ModelFamily("qwen3", "AR", predicts_next=True, network=PreNormDecoderLM)
+FAMILY = ModelFamily("qwen3", Paradigm.AUTOREGRESSIVE, predicts_next=True, network=PreNormDecoderLM)

@@ -3,9 +3,10 @@
 
 from __future__ import annotations
 
+from configs.knobs import Paradigm
 from engine.model.families.qwen3_moe.config import moe_config_fields
 from engine.model.family import ModelFamily
 from engine.model.layers.decoder import PreNormDecoderLM
 
-FAMILY = ModelFamily("qwen3_moe", "AR", predicts_next=True, config_fields=moe_config_fields,
+FAMILY = ModelFamily("qwen3_moe", Paradigm.AUTOREGRESSIVE, predicts_next=True, config_fields=moe_config_fields,
                      network=PreNormDecoderLM)

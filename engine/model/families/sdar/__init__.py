@@ -4,8 +4,9 @@ config.json's `block_size` (4 when absent), the mask token `<|MASK|>`."""
 
 from __future__ import annotations
 
+from configs.knobs import Paradigm
 from engine.model.family import ModelFamily
 from engine.model.layers.decoder import PreNormDecoderLM
 
-FAMILY = ModelFamily("sdar", "DLLM", predicts_next=False, block_decoding="block", block_length_keys=("block_size",),
+FAMILY = ModelFamily("sdar", Paradigm.BLOCK, predicts_next=False, block_length_keys=("block_size",),
                      default_block_length=4, mask_token_texts=("<|MASK|>",), network=PreNormDecoderLM)
