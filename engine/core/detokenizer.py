@@ -32,6 +32,20 @@ class IncrementalDetokenizer:
             self._pending = 0
             self.text += piece
 
+    def add_many(self, token_ids: list[int]) -> list[int]:
+        """`add` each token in turn; returns the text's length after each."""
+        stream, backend, ends = self._stream, self._backend, []
+        for token_id in token_ids:
+            piece = stream.step(backend, token_id)
+            if piece is None:
+                self._pending += 1
+            else:
+                self._pending = 0
+                self.text += piece
+            ends += (len(self.text),)
+        self._ids += token_ids
+        return ends
+
     def flush(self) -> None:
         """Decode what the stream still holds back (the text ends inside a UTF-8 sequence)."""
         if not self._pending:

@@ -12,8 +12,8 @@ from typing import TypeVar
 from configs.knobs import request_knobs
 from engine.carrier import OutputChunk
 from engine.core.model_settings import EngineStats
-from engine.core.scheduler import ScheduledSeq
 from engine.core.sequence import Sequence
+from engine.core.step_plan import ScheduledSeq
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -25,7 +25,7 @@ from configs import EngineConfig, GenerationConfig
 from configs.knobs import rules_of
 from engine.carrier import OutputChunk, Response
 from engine.core.batch import build_batch
-from engine.core.decoding import DecodingStrategy, PickedRows
+from engine.core.decoding.base import DecodingStrategy, PickedRows
 from engine.core.decoding.unmasking import UnmaskingSettings
 from engine.core.fault_isolation import FaultIsolation
 from engine.core.input_processing import ModelLimits, process_input
@@ -35,15 +35,15 @@ from engine.core.overlap import LaunchedForward, OverlapSchedule
 from engine.core.rank_operations import RankOperations
 from engine.core.sampler import (
     PickedOnHost,
-    RowGroup,
     logprob_entries,
     logprob_values,
     pick_tokens,
     token_logprobs,
 )
-from engine.core.scheduler import ScheduledSeq, Scheduler
+from engine.core.scheduler import Scheduler
 from engine.core.scoring import take_score_rows
 from engine.core.sequence import SeqStatus, Sequence
+from engine.core.step_plan import ScheduledSeq
 from engine.core.stopping import StopChecker
 from engine.core.trajectory import TrajectoryOutput, scoring_done, take_view_rows
 from engine.core.trajectory_plan import context_tokens, plan_trajectory
@@ -271,28 +271,22 @@ class LLMEngine(RankOperations, FaultIsolation):
 
     def _pick(self, fwd: LaunchedForward) -> None:
         """Queue the sampler on the forward's logits, and the copy of its picks to the host."""
-        groups, ks = [], []
-        any_logprobs = False
-        seqs = [sl.seq for sl in fwd.slices]
-        for sl in fwd.slices:
-            seq, params, n = sl.seq, self.decoding.row_params(sl.seq), len(sl.positions)
-            groups.append((sl.first, n, RowGroup(
-                params, seq.seed, seq.num_draws,
-                sorted(seq.penalty_ids) if params.repetition_penalty != 1.0 else [],
-                self._suppressed(seq, sl.positions), seq.stop_ids, self.decoding.wants_entropy(seq),
-                self.decoding.lowered_logits(seq, sl.positions))))
-            ks += [params.logprobs] * n
-            any_logprobs = any_logprobs or params.logprobs is not None
+        fwd.groups = groups = self.decoding.row_groups(fwd.slices)
+        any_logprobs = any_logits = False
+        for g in groups:
+            any_logprobs = any_logprobs or g.params.logprobs is not None
+            any_logits = any_logits or g.want_logits
         processed = any_logprobs and self.config.logprobs_mode in ("processed_logprobs", "processed_logits")
-        picked = pick_tokens(fwd.result.logits, groups, self.decoding.needs_confidence,
-                             overwrite=not (any_logprobs or any(map(self.decoding.wants_logits, seqs))),
+        picked = pick_tokens(fwd.result.logits, [(sl.first, len(sl.positions), g) for sl, g in zip(fwd.slices, groups)],
+                             self.decoding.needs_confidence, overwrite=not (any_logprobs or any_logits),
                              keep_processed=processed)
         logprobs = None
         if any_logprobs:  # computed on the device for every row, read back with the picks
+            fwd.ks = [k for sl, g in zip(fwd.slices, groups) for k in [g.params.logprobs] * len(sl.positions)]
             values = picked.processed if processed else fwd.result.logits
-            logprobs = logprob_values(values, picked.tokens, max(k for k in ks if k is not None),
+            logprobs = logprob_values(values, picked.tokens, max(k for k in fwd.ks if k is not None),
                                       self.config.logprobs_mode)
-        fwd.on_host, fwd.ks = PickedOnHost(picked, logprobs), ks
+        fwd.on_host = PickedOnHost(picked, logprobs)
 
     def _read(self, fwd: LaunchedForward) -> LaunchedForward:
         """Wait for the picks on the host and cut them per sequence (a strategy that samples its rows
@@ -309,81 +303,65 @@ class LLMEngine(RankOperations, FaultIsolation):
         entries: list[dict | None] = [None] * len(tokens)
         if chosen_v is not None:
             entries = logprob_entries(tokens, fwd.ks, chosen_v, top_v, top_i)
-        for sl in fwd.slices:
+        for sl, group in zip(fwd.slices, fwd.groups):
             first, end = sl.first, sl.first + len(sl.positions)
             rows = PickedRows(sl.positions, tokens[first:end], confidence[first:end],
                               entropy[first:end] if entropy is not None else None, entries[first:end])
-            if self.decoding.wants_logits(sl.seq):
+            if group.want_logits:
                 rows.logits = fwd.result.logits[first:end]
-                rows.logprob_of = partial(token_logprobs, rows.logits, k=fwd.ks[first],
+                rows.logprob_of = partial(token_logprobs, rows.logits, k=group.params.logprobs,
                                           mode=self.config.logprobs_mode)
             fwd.rows.append(rows)
         return fwd
-
-    def _suppressed(self, seq: Sequence, positions: list[int]) -> list[bool]:
-        """Per sampled position: whether the stop ids are masked (its token comes before `min_new_tokens`)."""
-        floor = seq.params.min_new_tokens
-        if not floor:
-            return [False] * len(positions)
-        return [self.decoding.token_index(seq, p) < floor for p in positions]
 
     def _apply(self, fwd: LaunchedForward) -> list[OutputChunk]:
         if fwd.batch.score_rows:
             take_score_rows(fwd.items, fwd.batch, fwd.result, self.outputs)
         take_view_rows(fwd.items, fwd.result, self.kv)
         for it in fwd.items:  # K/V final up to here
-            seq = it.seq
-            seq.num_computed = self.decoding.computed_after(seq, it.end, it.sample)
-            self.kv.register(seq.table, seq.tokens, seq.num_computed)
-        finished: set[str] = set()
+            it.seq.num_computed = it.kv_final if it.sample else it.end
+        self.kv.register_many([(it.seq.table, it.seq.tokens, it.seq.num_computed) for it in fwd.items])
         chunks: list[OutputChunk] = []
-        for sl, rows in zip(fwd.slices, fwd.rows):
-            try:
-                if self._advance(sl.seq, rows):
-                    finished.add(sl.seq.request_id)
-            except Exception as e:  # noqa: BLE001 - ends this request only
-                chunks += self._fail_alone(sl.seq, e)
+        for seq, error in self.decoding.apply([(sl.seq, rows) for sl, rows in zip(fwd.slices, fwd.rows)],
+                                              self._finalize):
+            chunks += self._fail_alone(seq, error)
         for it in fwd.items:  # scoring-only requests end with their prefill
             seq = it.seq
             if seq.params.max_new_tokens == 0 and scoring_done(seq):
                 seq.finish("length", 0)
-                finished.add(seq.request_id)
-        return chunks + self._emit(fwd.items, finished)
+        return chunks + self._emit(fwd.items)
 
-    def _advance(self, seq: Sequence, rows: PickedRows) -> bool:
-        """Apply one sequence's picked tokens, feed the newly final ones to the stop rule and trace
-        the step; True once the request is finished."""
-        seq.num_draws += len(rows.positions)
-        revealed = self.decoding.advance(seq, rows)
-        self.stats.generated_tokens += len(revealed)
-        self.stats.unmasking_steps += self.is_dllm
-        base = seq.prompt_len
-        final = min(self.decoding.num_final(seq), seq.params.max_new_tokens)
-        decision = seq.stop.consume_final(seq.tokens, base, final)
-        if decision is not None:
-            seq.finish(decision.reason, decision.num_tokens, decision.matched)
+    def _finalize(self, seq: Sequence, written: list[int], num_final: int) -> bool:
+        """The engine's part of a sequence's step (`decoding.Finalize`): the newly final tokens go to the
+        stop rule, the step to the trace; True once the request is finished."""
+        stats = self.stats
+        stats.generated_tokens += len(written)
+        stats.unmasking_steps += self.is_dllm
+        limit = seq.params.max_new_tokens
+        final = num_final if num_final < limit else limit
+        if final > seq.stop.num_consumed:
+            decision = seq.stop.consume_final(seq.tokens, seq.prompt_len, final)
+            if decision is not None:
+                seq.finish(decision.reason, decision.num_tokens, decision.matched)
         output = self.outputs[seq.request_id]
         if output.want_trace:  # the step's writes inside the (possible) output
             # provisional writes (token editing) show inside the token budget (`stop_bound`), even
             # where the stop rule just ended the output before them
             bound = self.decoding.trace_bound(seq)
-            shown = [g for g in revealed if g < bound]
-            event = self.decoding.trace_event(seq, shown)
+            event = self.decoding.trace_event(seq, [g for g in written if g < bound])
             if event is not None:
                 output.add_trace(event)
-        if seq.finish_reason is not None:
-            return True
-        self.decoding.after_step(seq)
-        return False
+        return seq.finish_reason is not None
 
-    def _emit(self, items: list[ScheduledSeq], finished: set[str]) -> list[OutputChunk]:
+    def _emit(self, items: list[ScheduledSeq]) -> list[OutputChunk]:
         chunks = []
+        seqs, outputs, version = self.seqs, self.outputs, self.weight_version
         for it in items:
             seq = it.seq
-            if seq.request_id not in self.seqs:
+            if seq.request_id not in seqs:
                 continue
-            done = seq.request_id in finished
-            chunk = self.outputs[seq.request_id].build(done, self.weight_version)
+            done = seq.finish_reason is not None
+            chunk = outputs[seq.request_id].build(done, version)
             if chunk is not None:
                 chunks.append(chunk)
             if done:

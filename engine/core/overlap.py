@@ -17,10 +17,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.carrier import OutputChunk
-from engine.core.batch import SampleSlice
-from engine.core.decoding import PickedRows
-from engine.core.sampler import PickedOnHost
-from engine.core.scheduler import ScheduledSeq
+from engine.core.decoding.base import PickedRows
+from engine.core.sampler import PickedOnHost, RowGroup
+from engine.core.step_plan import SampleSlice, ScheduledSeq
 from engine.worker.forward_batch import ForwardBatch, ForwardOutput
 
 
@@ -34,7 +33,8 @@ class LaunchedForward:
     result: ForwardOutput
     slices: list[SampleSlice]
     on_host: PickedOnHost | None = None  # None when no sequence samples in this forward
-    ks: list[int | None] = field(default_factory=list)  # per sampled row: the logprobs asked for
+    groups: list[RowGroup] = field(default_factory=list)  # per slice: how the sampler treated its rows
+    ks: list[int | None] = field(default_factory=list)  # per sampled row: the logprobs asked for (when any)
     rows: list[PickedRows] = field(default_factory=list)  # per slice, once read back
 
 

@@ -53,11 +53,13 @@ class RowGroup:
     seed: int
     first_draw: int  # index of this group's first random draw in its request's stream
     penalty_ids: list[int]  # tokens the repetition penalty looks at (sorted, unique)
-    suppress: list[bool]  # per row: mask the stop ids (min_new_tokens not reached yet)
+    suppress: list[bool]  # per row: mask the stop ids (min_new_tokens not reached yet); empty: no row
     stop_ids: frozenset[int]
     want_entropy: bool = False
     #: token editing's λ penalty: (amount, per row the token whose logit is lowered by it, -1 for none)
     lowered: tuple[float, list[int]] | None = None
+    #: the rows' raw logits go back to the strategy beside the picks (a rule that reads them itself)
+    want_logits: bool = False
 
 
 @dataclass

@@ -15,30 +15,14 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from configs import EngineConfig
-from engine.core.decoding import DecodingStrategy
+from engine.core.decoding.base import DecodingStrategy
 from engine.core.sequence import SeqStatus, Sequence
-from engine.core.trajectory_plan import View
+from engine.core.step_plan import Feed, ScheduledSeq
 from engine.kv.page_manager import KVPageManager
 
 _UNLIMITED = 1 << 62
-
-
-@dataclass
-class ScheduledSeq:
-    seq: Sequence
-    start: int  # first token fed in this forward
-    end: int  # one past the last token fed
-    sample: bool  # whether this forward's logits pick tokens for the sequence
-    views: list[View] | None = None  # trajectory scoring: the views this forward runs (start == end)
-    score_first: int = 0  # views: the first of their score rows in the batch
-
-    @property
-    def num_rows(self) -> int:
-        """Query rows this item adds to the forward."""
-        return self.end - self.start + sum(len(v.tokens) for v in self.views or ())
 
 
 class Scheduler:
@@ -82,10 +66,14 @@ class Scheduler:
         del self._prefilling[key]
         return False
 
-    def _feed_target(self, seq: Sequence) -> tuple[int, bool]:
-        if seq.trajectory is not None:  # its prefill is the context; the views come after
-            return seq.trajectory.context_len, False
-        return self.decoding.feed_target(seq)
+    def _plan_feeds(self, seqs: list[Sequence]) -> list[Feed]:
+        """Per sequence its next forward (`step_plan.Feed`): the strategy's plan, or a trajectory's
+        context prefill (its views come after)."""
+        if not any(seq.trajectory is not None for seq in seqs):
+            return self.decoding.plan_feeds(seqs)
+        planned = iter(self.decoding.plan_feeds([seq for seq in seqs if seq.trajectory is None]))
+        return [(seq.trajectory.context_len, False, False, 0) if seq.trajectory is not None else next(planned)
+                for seq in seqs]
 
     def _cacheable(self, seq: Sequence) -> int:
         if seq.trajectory is not None:  # its whole context is committed tokens
@@ -110,22 +98,24 @@ class Scheduler:
         limit = _UNLIMITED if max_seqs is None else max_seqs
         self._busy = busy
         out: list[ScheduledSeq] = []
-        i = 0
-        while i < len(self.running) and len(out) < limit:
-            seq = self.running[i]
-            if seq.request_id in busy:
-                i += 1
+        page_size = self.kv.page_size
+        candidates = [seq for seq in self.running if seq.request_id not in busy]
+        for seq, feed in zip(candidates, self._plan_feeds(candidates)):
+            target, sample, decoding, kv_final = feed
+            if len(out) >= limit:
+                break
+            if seq.status is not SeqStatus.RUNNING:  # preempted by an earlier one of this loop
                 continue
-            decoding = seq.trajectory is None and self.decoding.is_decoding(seq)
-            item = self._try_schedule(seq, _UNLIMITED if decoding else budget, out, first=not out)
+            if decoding and len(seq.table.pages) * page_size >= target:  # the common step: nothing to allocate
+                out.append(ScheduledSeq(seq, seq.num_computed, target, sample, decoding=True, kv_final=kv_final))
+                continue
+            item = self._try_schedule(seq, _UNLIMITED if decoding else budget, out, first=not out, feed=feed)
             if item is None:
-                if seq in self.running:  # could not place it this step; it keeps its pages
-                    i += 1
-                continue  # it was preempted: the list shifted
+                continue  # could not place it this step (it keeps its pages), or it was preempted
+            item.decoding = decoding
             out.append(item)
             if not decoding:
                 budget -= item.num_rows
-            i += 1
         held: list[Sequence] = []
         while self.waiting and len(self.running) < self.config.max_batch_size and budget > 0 and len(out) < limit:
             seq = self.waiting[0]
@@ -152,16 +142,17 @@ class Scheduler:
         return out
 
     def _try_schedule(self, seq: Sequence, budget: int, scheduled: list[ScheduledSeq],
-                      first: bool, admitting: bool = False) -> ScheduledSeq | None:
+                      first: bool, admitting: bool = False, feed: Feed | None = None) -> ScheduledSeq | None:
+        """`feed`: the sequence's plan when the step already has it."""
         if seq.trajectory is not None and seq.num_computed >= seq.trajectory.context_len:
             return self._schedule_views(seq, budget, scheduled, first, admitting)
-        target, sample = self._feed_target(seq)
+        target, sample, _, kv_final = feed or self._plan_feeds([seq])[0]
         end = self._chunk_end(seq, target, budget if not first else max(budget, self.decoding.chunk_alignment))
         if end is None:
             return None
         if not self._make_room(seq, scheduled, admitting, lambda: self.kv.allocate(seq.table, end)):
             return None
-        return ScheduledSeq(seq, seq.num_computed, end, sample and end == target)
+        return ScheduledSeq(seq, seq.num_computed, end, sample and end == target, kv_final=kv_final)
 
     def _schedule_views(self, seq: Sequence, budget: int, scheduled: list[ScheduledSeq], first: bool,
                         admitting: bool) -> ScheduledSeq | None:

@@ -8,7 +8,7 @@ the chunking; the runner reduces each row to (value, top-k) in bounded chunks.
 
 from __future__ import annotations
 
-from engine.core.scheduler import ScheduledSeq
+from engine.core.step_plan import ScheduledSeq
 from engine.worker.forward_batch import ForwardBatch, ForwardOutput
 
 

@@ -56,7 +56,7 @@ class Sequence:
     out_steps: list[int | None] = field(default_factory=list)
     out_block_steps: list[int | None] = field(default_factory=list)  # step index within its block, 1-based
     out_logprobs: list[dict | None] = field(default_factory=list)
-    penalty_ids: set[int] = field(default_factory=set)  # every token id seen (repetition penalty)
+    penalty_ids: set[int] = field(default_factory=set)  # every token id seen (kept only under a repetition penalty)
     num_draws: int = 0  # random draws consumed (the sampler's counter)
     # block diffusion
     unmasking: UnmaskingSettings | None = None

@@ -21,6 +21,7 @@ is incremental and a stop string is searched for only in the text the new token 
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from dataclasses import dataclass
 
 from configs import GenerationConfig
@@ -42,14 +43,10 @@ class StopChecker:
         self._stop_ids = stop_ids
         self._words = list(params.stop_words or [])
         self._detok = IncrementalDetokenizer(tokenizer, params.skip_special_tokens)
-        self._num_consumed = 0
+        self.num_consumed = 0  # generated tokens read so far
         self.text_end: int | None = None  # where the output text ends, once decided
         self.decision: StopDecision | None = None
         self.hold_back = max((len(w) for w in self._words), default=1) - 1
-
-    @property
-    def num_consumed(self) -> int:
-        return self._num_consumed
 
     @property
     def text(self) -> str:
@@ -60,8 +57,8 @@ class StopChecker:
         """Read the next final token; returns the decision once the output ends (then stop calling)."""
         assert self.decision is None, "the output already ended"
         p = self._params
-        g = self._num_consumed
-        self._num_consumed += 1
+        g = self.num_consumed
+        self.num_consumed += 1
         may_stop = g >= p.min_new_tokens
         if may_stop and token_id in self._stop_ids:
             if p.include_stop_str_in_output:
@@ -83,10 +80,38 @@ class StopChecker:
 
     def consume_final(self, tokens: list[int], offset: int, num_final: int) -> StopDecision | None:
         """Read the tokens that became final since the last call, `tokens[offset + num_consumed :
-        offset + num_final]`, up to the decision (the tokens after it are never read)."""
-        while self.decision is None and self._num_consumed < num_final:
-            self.consume(tokens[offset + self._num_consumed])
-        return self.decision
+        offset + num_final]`, up to the decision (the tokens after it are never read). The decision is
+        the one `consume` would reach token by token; past `min_new_tokens` the text of a run of tokens
+        is added at once and searched for stop strings once."""
+        if self.decision is not None or self.num_consumed >= num_final:
+            return self.decision
+        p = self._params
+        if self.num_consumed < p.min_new_tokens:
+            while self.decision is None and self.num_consumed < num_final:
+                self.consume(tokens[offset + self.num_consumed])
+            return self.decision
+        first = self.num_consumed
+        new = tokens[offset + first: offset + min(num_final, p.max_new_tokens)]
+        stop_at = None
+        if self._stop_ids:
+            for i, token in enumerate(new):
+                if token in self._stop_ids:
+                    stop_at = i
+                    break
+        old_len = len(self._detok.text)
+        ends = self._detok.add_many(new[:stop_at])
+        hit = self._find_word_in_run(old_len, ends) if self._words else None
+        if hit is not None:
+            k, start, word = hit
+            self.num_consumed = first + k + 1
+            return self._decide(first + k + 1, "stop", word, start + (len(word) if p.include_stop_str_in_output else 0))
+        self.num_consumed = first + len(ends)
+        if stop_at is not None:
+            return self.consume(new[stop_at])  # the stop id ends the output (the per-token rule)
+        if self.num_consumed >= p.max_new_tokens:
+            self._detok.flush()
+            return self._decide(self.num_consumed, "length", None, len(self.text))
+        return None
 
     def end_from_outside(self) -> None:
         """The request ends without a stop (abort / error): its text is everything consumed."""
@@ -105,6 +130,18 @@ class StopChecker:
         self.text_end = text_end
         self.decision = StopDecision(n, reason, matched)
         return self.decision
+
+    def _find_word_in_run(self, old_len: int, ends: list[int]) -> tuple[int, int, str] | None:
+        """The first stop string completed by a run of tokens whose text began at `old_len` and reached
+        `ends[k]` after its k-th token: (k, where the string starts, the string); earliest start wins
+        among the strings the same token completes, as token by token."""
+        text, best = self._detok.text, None
+        for word in self._words:
+            start = text.find(word, max(0, old_len - len(word) + 1))
+            if start >= 0:
+                hit = (bisect_left(ends, start + len(word)), start, word)
+                best = hit if best is None or hit < best else best
+        return best
 
     def _find_word(self, old_len: int) -> tuple[int, str] | None:
         """The stop string the text added after `old_len` completes (earliest start wins)."""

@@ -34,8 +34,8 @@ from engine.kv.page_manager import KVPageManager
 from engine.worker.forward_batch import ForwardBatch, ForwardOutput, RowFilter, RowPenalty
 
 if TYPE_CHECKING:
-    from engine.core.scheduler import ScheduledSeq
     from engine.core.sequence import Sequence
+    from engine.core.step_plan import ScheduledSeq
     from engine.core.trajectory_plan import TrajectoryState
 
 

@@ -68,6 +68,12 @@ class LayerGroupPages:
             if window is not None:
                 m.release_before(table.groups[g], num_committed - (window - 1))
 
+    def register_many(self, committed: list[tuple[PageTable, list[int], int]]) -> None:
+        """`register` each (table, tokens, num_committed) of a step (every one: sliding groups give pages
+        back as the committed length grows)."""
+        for table, tokens, num_committed in committed:
+            self.register(table, tokens, num_committed)
+
     def held_pages(self, table: PageTable) -> dict[str, int]:
         """Pages `table` holds per group."""
         return {g: m.held_pages(table.groups[g]) for g, m in self.managers.items()}

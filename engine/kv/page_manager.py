@@ -237,6 +237,19 @@ class KVPageManager:
             table.parent_hash = h
             table.registered += 1
 
+    def register_many(self, committed: list[tuple[PageTable, list[int], int]]) -> None:
+        """`register` each (table, tokens, num_committed) of a step whose next page to publish is full
+        and final (most steps publish nothing: the check is inline)."""
+        if not self.enable_prefix_caching:
+            return
+        page_size, b = self.page_size, self.dllm_block_length
+        for table, tokens, num_committed in committed:
+            end = (table.registered + 1) * page_size
+            if b is not None:
+                end = -(-end // b) * b
+            if table.registered < len(table.pages) and end <= num_committed:
+                self.register(table, tokens, num_committed)
+
     def flush(self) -> None:
         """Forget every cached page: unreferenced ones go back to the free list, referenced ones stay
         with their sequences, unpublished; tables from before the flush never publish again."""

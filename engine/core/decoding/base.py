@@ -44,7 +44,9 @@ from typing import TYPE_CHECKING, Any
 from configs import EngineConfig, GenerationConfig
 from engine.carrier import StepEvent
 from engine.core.input_processing import check_knobs
+from engine.core.sampler import RowGroup
 from engine.core.sequence import Sequence
+from engine.core.step_plan import Feed, SampleSlice
 
 if TYPE_CHECKING:
     import torch
@@ -73,6 +75,13 @@ class PickedRows:
     read_logits: Callable[[], torch.Tensor] | None = None
 
 
+#: The engine's part of applying a step to one sequence, called by `DecodingStrategy.apply` once the
+#: strategy wrote the step's picks: (the sequence, the generated indices it wrote, how many leading
+#: generated tokens are final now) -> whether the request finished. It feeds the newly final tokens to
+#: the stop rule and records the step's trace event.
+Finalize = Callable[[Sequence, list[int], int], bool]
+
+
 def step_event(seq: Sequence, shown: list[int]) -> StepEvent | None:
     """A step's trace event: the generated indices `shown` written this step and their tokens now."""
     if not shown:
@@ -90,6 +99,8 @@ class DecodingStrategy(ABC):
     needs_confidence: bool = True
     #: whether the strategy samples its rows' raw logits itself (the engine's sampler does not run)
     samples_logits: bool = False
+    #: whether its passes need fields beyond tokens and pages (`pass_fields` is called only then)
+    has_pass_fields: bool = False
 
     def check_request(self, params: GenerationConfig, settings: UnmaskingSettings | None) -> None:
         """Raise RequestError naming the field when a request asks for what this strategy cannot do:
@@ -106,46 +117,97 @@ class DecodingStrategy(ABC):
         """The strategy of an engine config whose `dllm_block_length` is resolved and whose knobs were
         checked against this paradigm when the engine was built, for the checkpoint `spec`."""
 
+    # ---- the step: three calls, each over all of the step's sequences ---------------------------
+    # The defaults run the per-sequence hooks below; a paradigm overrides them to do the step's work
+    # in one pass (block diffusion and autoregressive decoding do).
+
+    def plan_feeds(self, seqs: list[Sequence]) -> list[Feed]:
+        """Plan the rows: per sequence its next forward (`step_plan.Feed`: where it ends, whether it
+        samples, whether the sequence is past its prefill, how far its K/V are final after it)."""
+        feeds = []
+        for seq in seqs:
+            end, sample = self.feed_target(seq)
+            feeds.append((end, sample, self.is_decoding(seq), self.computed_after(seq, end, True)))
+        return feeds
+
+    def row_groups(self, slices: list[SampleSlice]) -> list[RowGroup]:
+        """Pick from the logits: how the sampler treats each slice's rows (its sampling parameters, seed
+        and draw counter, penalties, suppressed stop ids, λ-lowered tokens, entropy, raw logits)."""
+        groups = []
+        for sl in slices:
+            seq, positions = sl.seq, sl.positions
+            params = self.row_params(seq)
+            floor = params.min_new_tokens
+            groups.append(RowGroup(
+                params, seq.seed, seq.num_draws,
+                sorted(seq.penalty_ids) if params.repetition_penalty != 1.0 else [],
+                [self.token_index(seq, p) < floor for p in positions] if floor else [],
+                seq.stop_ids, self.wants_entropy(seq), self.lowered_logits(seq, positions), self.wants_logits(seq)))
+        return groups
+
+    def apply(self, picked: list[tuple[Sequence, PickedRows]], finalize: Finalize
+              ) -> list[tuple[Sequence, Exception]]:
+        """Apply the step: write each sequence's picks, hand what became final to `finalize` (the
+        engine's stop rule and trace) and prepare the next step of those that go on. Returns the
+        sequences whose step raised, each with its error (the engine ends those alone)."""
+        failed = []
+        for seq, rows in picked:
+            try:
+                seq.num_draws += len(rows.positions)
+                written = self.advance(seq, rows)
+                if not finalize(seq, written, self.num_final(seq)):
+                    self.after_step(seq)
+            except Exception as e:  # noqa: BLE001 - ends this request only
+                failed.append((seq, e))
+        return failed
+
+    # ---- per-sequence hooks ------------------------------------------------------------------
+
+    def feed_target(self, seq: Sequence) -> tuple[int, bool]:
+        """(end of the tokens to feed next, whether the forward that reaches it samples); the default
+        `plan_feeds` calls it per sequence."""
+        raise NotImplementedError(f"{type(self).__name__} plans its feeds in plan_feeds")
+
+    def is_decoding(self, seq: Sequence) -> bool:
+        """Past its prefill (not charged to the chunked-prefill budget); the default `plan_feeds` calls it
+        per sequence."""
+        raise NotImplementedError(f"{type(self).__name__} plans its feeds in plan_feeds")
+
     @abstractmethod
     def start(self, seq: Sequence) -> None:
         """Prepare a newly added sequence."""
-
-    @abstractmethod
-    def feed_target(self, seq: Sequence) -> tuple[int, bool]:
-        """(end of the tokens to feed next, whether the forward that reaches it samples)."""
 
     @abstractmethod
     def cacheable_prefix(self, seq: Sequence) -> int:
         """How many leading tokens may come from the prefix cache."""
 
     @abstractmethod
-    def is_decoding(self, seq: Sequence) -> bool:
-        """Past its prefill (not charged to the chunked-prefill budget)."""
-
-    @abstractmethod
     def sample_positions(self, seq: Sequence, end: int) -> list[int]:
         """Positions whose logits pick tokens, in a forward that fed the sequence up to `end`."""
 
-    @abstractmethod
     def token_index(self, seq: Sequence, position: int) -> int:
-        """Index of the generated token that the logits at `position` decide."""
+        """Index of the generated token that the logits at `position` decide (the default `row_groups`
+        calls it per sampled position when a request sets `min_new_tokens`)."""
+        raise NotImplementedError(f"{type(self).__name__} lays out its rows in row_groups")
 
-    @abstractmethod
     def computed_after(self, seq: Sequence, end: int, sampled: bool) -> int:
-        """Leading tokens whose K/V are final after a forward that fed up to `end`."""
+        """Leading tokens whose K/V are final after a forward that fed up to `end`; the default
+        `plan_feeds` calls it per sequence."""
+        raise NotImplementedError(f"{type(self).__name__} plans its feeds in plan_feeds")
 
-    @abstractmethod
     def advance(self, seq: Sequence, rows: PickedRows) -> list[int]:
         """Apply the picked tokens; returns the generated indices written (revealed, or rewritten by a
-        token-editing rule), ascending."""
+        token-editing rule), ascending. The default `apply` calls it per sequence."""
+        raise NotImplementedError(f"{type(self).__name__} applies its steps in apply")
 
-    @abstractmethod
     def num_final(self, seq: Sequence) -> int:
-        """Leading generated tokens that will not change any more."""
+        """Leading generated tokens that will not change any more (the default `apply` asks after each
+        sequence's `advance`)."""
+        raise NotImplementedError(f"{type(self).__name__} applies its steps in apply")
 
-    @abstractmethod
     def after_step(self, seq: Sequence) -> None:
-        """Called when the request goes on after a step."""
+        """Called by the default `apply` when the request goes on after a step."""
+        raise NotImplementedError(f"{type(self).__name__} applies its steps in apply")
 
     def wants_entropy(self, seq: Sequence) -> bool:
         return False
@@ -163,7 +225,7 @@ class DecodingStrategy(ABC):
 
     def pass_fields(self, batch: ForwardBatch, seq: Sequence, sample: bool) -> None:
         """Add what the network needs of this sequence's pass beyond its tokens and pages (the pass
-        kinds of a network with encoder and canvas passes); nothing by default."""
+        kinds of a network with encoder and canvas passes); called only when `has_pass_fields`."""
         return
 
     def wants_logits(self, seq: Sequence) -> bool:

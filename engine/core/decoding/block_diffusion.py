@@ -35,17 +35,21 @@ from __future__ import annotations
 
 from configs import EngineConfig, GenerationConfig
 from engine.carrier import StepEvent
-from engine.core.decoding.base import DecodingStrategy, PickedRows
+from engine.core.decoding.base import DecodingStrategy, Finalize, PickedRows
 from engine.core.decoding.indel import special_ids
 from engine.core.decoding.rules import RULES, DecodingRule
 from engine.core.decoding.unmasking import SpecialIds, UnmaskingSettings
+from engine.core.sampler import RowGroup
 from engine.core.sequence import DLLMBlock, Sequence
+from engine.core.step_plan import Feed, SampleSlice
 from engine.errors import RequestError
 from engine.model.spec import ModelSpec
 
 
 class BlockDiffusionDecoding(DecodingStrategy):
     paradigm = "block"
+    #: the logits at position p decide position p + row_shift (0: the position itself)
+    row_shift = 0
 
     def __init__(self, block_length: int, mask_id: int, commit_fusion: bool = True, ids: SpecialIds | None = None):
         self.block_length = block_length
@@ -96,39 +100,14 @@ class BlockDiffusionDecoding(DecodingStrategy):
         seq.out_logprobs += [None] * n
         seq.block = DLLMBlock(start=start - start % b, end=end, masked=list(range(start, end)), num_masked_at_start=n)
 
-    def feed_target(self, seq: Sequence) -> tuple[int, bool]:
-        block = seq.block
-        if not self.commit_fusion and seq.num_computed < block.start and seq.step_counter > 0:
-            return block.start, False  # unfused commit forward of the finished block
-        return block.end, True
-
     def cacheable_prefix(self, seq: Sequence) -> int:
         return seq.block.start  # committed tokens only
 
-    def is_decoding(self, seq: Sequence) -> bool:
-        # a block being denoised, with at most the commit of the previous one
-        return seq.block.end - seq.num_computed <= 2 * self.block_length
-
     def sample_positions(self, seq: Sequence, end: int) -> list[int]:
-        return self.rule(seq).sample_positions(seq)
-
-    def lowered_logits(self, seq: Sequence, positions: list[int]) -> tuple[float, list[int]] | None:
-        return self.rule(seq).lowered_logits(seq, positions)
-
-    def token_index(self, seq: Sequence, position: int) -> int:
-        return position - seq.prompt_len  # logits at p decide token p (no shift)
-
-    def computed_after(self, seq: Sequence, end: int, sampled: bool) -> int:
-        return seq.block.start if sampled else end  # the block being denoised changes until revealed
-
-    def wants_entropy(self, seq: Sequence) -> bool:
-        return self.rule(seq).needs_entropy
+        return RULES[seq.unmasking.strategy].sample_positions(seq)
 
     def provisional_writes(self, seq: Sequence) -> bool:
         return self.rule(seq).edits
-
-    def wants_logits(self, seq: Sequence) -> bool:
-        return self.rule(seq).wants_logits
 
     def trace_bound(self, seq: Sequence) -> int:
         # a rule that moves tokens may bring any write of the block into the output
@@ -137,12 +116,51 @@ class BlockDiffusionDecoding(DecodingStrategy):
     def trace_event(self, seq: Sequence, shown: list[int]) -> StepEvent | None:
         return self.rule(seq).trace_event(seq, shown)
 
-    def advance(self, seq: Sequence, rows: PickedRows) -> list[int]:
-        return self.rule(seq).advance(seq, rows, self.ids)
+    def write_step(self, seq: Sequence, rows: PickedRows, rule: DecodingRule) -> list[int]:
+        """Write one sequence's picks (the request's rule decides which); returns the generated indices
+        written, ascending."""
+        return rule.advance(seq, rows, self.ids)
 
-    def num_final(self, seq: Sequence) -> int:
-        return self.rule(seq).num_final(seq)
+    # ---- the step, over all its sequences ------------------------------------------------------
+    def plan_feeds(self, seqs: list[Sequence]) -> list[Feed]:
+        """The block being denoised, with the commit of the previous one (without commit fusion, a
+        finished block's commit is a forward of its own); its K/V stay final up to the block's start."""
+        window, fused = 2 * self.block_length, self.commit_fusion
+        feeds = []
+        for seq in seqs:
+            block = seq.block
+            decoding = block.end - seq.num_computed <= window  # a block, with at most the previous one's commit
+            if not fused and seq.num_computed < block.start and seq.step_counter > 0:
+                feeds.append((block.start, False, decoding, block.start))
+            else:
+                feeds.append((block.end, True, decoding, block.start))
+        return feeds
 
-    def after_step(self, seq: Sequence) -> None:
-        if self.rule(seq).block_done(seq):
-            self._open_block(seq)
+    def row_groups(self, slices: list[SampleSlice]) -> list[RowGroup]:
+        """The request's rule says what the rows need: entropy, λ-lowered tokens (an editing rule), the
+        raw logits (a rule that reads them itself); logits at p decide position p + `row_shift`."""
+        groups = []
+        for sl in slices:
+            seq, positions = sl.seq, sl.positions
+            params, rule = self.row_params(seq), RULES[seq.unmasking.strategy]
+            floor, first = params.min_new_tokens, seq.prompt_len - self.row_shift
+            groups.append(RowGroup(
+                params, seq.seed, seq.num_draws, sorted(seq.penalty_ids) if params.repetition_penalty != 1.0 else [],
+                [p - first < floor for p in positions] if floor else [], seq.stop_ids, rule.needs_entropy,
+                rule.lowered_logits(seq, positions) if rule.spec.edits else None, rule.wants_logits))
+        return groups
+
+    def apply(self, picked: list[tuple[Sequence, PickedRows]], finalize: Finalize
+              ) -> list[tuple[Sequence, Exception]]:
+        """The request's rule writes the step; a block the rule ends is followed by the next one."""
+        failed = []
+        for seq, rows in picked:
+            try:
+                seq.num_draws += len(rows.positions)
+                rule = RULES[seq.unmasking.strategy]
+                written = self.write_step(seq, rows, rule)
+                if not finalize(seq, written, rule.num_final(seq)) and rule.block_done(seq):
+                    self._open_block(seq)
+            except Exception as e:  # noqa: BLE001 - ends this request only
+                failed.append((seq, e))
+        return failed

@@ -44,6 +44,7 @@ class RenoisingDecoding(DecodingStrategy):
     paradigm = "renoising"
     needs_confidence = False
     samples_logits = True
+    has_pass_fields = True
 
     def __init__(self, canvas_length: int, vocab_size: int, knobs: RenoiseKnobs, logprobs_mode: str | None,
                  device: str = "cpu"):

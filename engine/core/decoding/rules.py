@@ -55,19 +55,28 @@ def step_seed(seq: Sequence) -> int:
     return (seq.seed * 1_000_003 + seq.step_counter) & ((1 << 63) - 1)
 
 
-def write_token(seq: Sequence, position: int, token: int, logprob: dict | None, final: bool = True) -> int:
-    """Write `token` at `position` in the current step (the counters already advanced); returns its
-    generated index. A `final` stop id outside `min_new_tokens` bounds the output (an editing rule's
-    writes are not final: the stop rule reads them when their block ends)."""
-    g = position - seq.prompt_len
-    seq.tokens[position] = token
-    seq.out_steps[g] = seq.step_counter
-    seq.out_block_steps[g] = seq.block.step_index
-    seq.out_logprobs[g] = logprob
-    seq.penalty_ids.add(token)
-    if final and token in seq.stop_ids and g >= seq.params.min_new_tokens:
-        seq.stop_bound = min(seq.stop_bound, g + 1)
-    return g
+def write_tokens(seq: Sequence, positions: list[int], picks: PickedRows, chosen: list[int], shift: int = 0,
+                 final: bool = True) -> list[int]:
+    """Write the picks `chosen` (indices into `picks`) at their positions (`positions[i] + shift`) in the
+    current step (the counters already advanced); returns their generated indices, in `chosen`'s order. A
+    `final` stop id outside `min_new_tokens` bounds the output (an editing rule's writes are not final:
+    the stop rule reads them when their block ends)."""
+    tokens, steps, block_steps, logprobs = seq.tokens, seq.out_steps, seq.out_block_steps, seq.out_logprobs
+    step, block_step, base = seq.step_counter, seq.block.step_index, seq.prompt_len
+    picked, entries = picks.tokens, picks.logprobs
+    stop_ids, floor = seq.stop_ids, seq.params.min_new_tokens
+    written = []
+    for i in chosen:
+        position = positions[i] + shift
+        g, token = position - base, picked[i]
+        tokens[position] = token
+        steps[g], block_steps[g], logprobs[g] = step, block_step, entries[i]
+        if final and token in stop_ids and g >= floor and g < seq.stop_bound:
+            seq.stop_bound = g + 1
+        written += (g,)
+    if seq.params.repetition_penalty != 1.0:  # the only reader of the tokens seen
+        seq.penalty_ids.update([picked[i] for i in chosen])
+    return written
 
 
 def end_block(seq: Sequence, fed_final: bool) -> None:
@@ -155,15 +164,15 @@ class RevealRule(DecodingRule):
 
     def advance(self, seq: Sequence, rows: PickedRows, ids: SpecialIds) -> list[int]:
         block, settings = seq.block, seq.unmasking
-        n = tokens_this_step(block.num_masked_at_start, settings.denoising_steps, block.step_index)
         positions = rows.positions
-        n = max(1, min(n, len(rows.confidence)))
-        chosen = sorted(self.choose(rows.confidence, rows.entropy or [0.0] * len(positions), n, settings,
-                                    step_seed(seq)))
+        count = len(positions)
+        n = max(1, min(tokens_this_step(block.num_masked_at_start, settings.denoising_steps, block.step_index), count))
+        chosen = self.choose(rows.confidence, rows.entropy or [0.0] * count, n, settings, step_seed(seq))
+        chosen.sort()
         seq.step_counter += 1
         block.step_index += 1
-        revealed = [write_token(seq, positions[i], rows.tokens[i], rows.logprobs[i]) for i in chosen]
-        if len(chosen) == len(positions):
+        revealed = write_tokens(seq, positions, rows, chosen)
+        if len(chosen) == count:
             block.masked = []
         else:
             chosen_set = set(chosen)
@@ -208,7 +217,7 @@ class EditRule(DecodingRule):
             return []
         seq.step_counter += 1
         block.step_index += 1
-        written = [write_token(seq, positions[i], rows.tokens[i], rows.logprobs[i], final=False) for i in writes]
+        written = write_tokens(seq, positions, rows, writes, final=False)
         block.masked = [p for p in positions if seq.tokens[p] == mask_id]
         if not block.masked and budget_spent(block.post_edit_steps, seq.unmasking):
             # the next step could only end the block: its tokens are final now, and their K/V ride on

@@ -23,9 +23,10 @@ from __future__ import annotations
 from configs import EngineConfig, GenerationConfig
 from engine.core.decoding.base import PickedRows
 from engine.core.decoding.block_diffusion import BlockDiffusionDecoding
-from engine.core.decoding.rules import write_token
+from engine.core.decoding.rules import DecodingRule, write_tokens
 from engine.core.decoding.unmasking import above_threshold_or_best
 from engine.core.sequence import Sequence
+from engine.core.step_plan import Feed
 from engine.model.spec import ModelSpec
 
 
@@ -34,6 +35,7 @@ class SubBlockDecoding(BlockDiffusionDecoding):
     step replaces the rule's choice; the rule's finality and block end (reveal-only) are kept."""
 
     paradigm = "sub_block"
+    row_shift = 1  # row p proposes token p + 1
 
     def __init__(self, block_length: int, sub_block_length: int, mask_id: int):
         if sub_block_length < 1 or block_length % sub_block_length:
@@ -60,9 +62,12 @@ class SubBlockDecoding(BlockDiffusionDecoding):
         first = masked[0] - (masked[0] - seq.block.start) % s
         return [p for p in masked if p < first + s]
 
-    def feed_target(self, seq: Sequence) -> tuple[int, bool]:
-        block = seq.block
-        return (block.start if self._inheriting(seq) else block.end), True
+    def plan_feeds(self, seqs: list[Sequence]) -> list[Feed]:
+        """The block with its masks, or -- when its first token is inherited -- the tokens before it (the
+        prefill, or the commit of the previous block, whose last row picks that token)."""
+        window = 2 * self.block_length
+        return [(seq.block.start if self._inheriting(seq) else seq.block.end, True,
+                 seq.block.end - seq.num_computed <= window, seq.block.start) for seq in seqs]
 
     def cacheable_prefix(self, seq: Sequence) -> int:
         # an inherited token needs row kB-1 computed in this forward
@@ -79,13 +84,9 @@ class SubBlockDecoding(BlockDiffusionDecoding):
             return params.model_copy(update={"do_sample": False})
         return params
 
-    def token_index(self, seq: Sequence, position: int) -> int:
-        return position + 1 - seq.prompt_len  # row p proposes token p + 1
-
-    def wants_entropy(self, seq: Sequence) -> bool:
-        return False
-
-    def advance(self, seq: Sequence, rows: PickedRows) -> list[int]:
+    def write_step(self, seq: Sequence, rows: PickedRows, rule: DecodingRule) -> list[int]:
+        """The inherited token, or the current sub-block's candidates above the threshold (else its most
+        confident one); the rule is `low_confidence_dynamic`, whose threshold this reads."""
         block = seq.block
         if self._inheriting(seq):
             chosen = [0]
@@ -93,7 +94,7 @@ class SubBlockDecoding(BlockDiffusionDecoding):
             chosen = above_threshold_or_best(rows.confidence, seq.unmasking.confidence_threshold)
         seq.step_counter += 1
         block.step_index += 1
-        revealed = [write_token(seq, rows.positions[i] + 1, rows.tokens[i], rows.logprobs[i]) for i in chosen]
+        revealed = write_tokens(seq, rows.positions, rows, chosen, shift=1)
         written = {seq.prompt_len + g for g in revealed}
         block.masked = [p for p in block.masked if p not in written]
         return revealed
