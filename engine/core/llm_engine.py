@@ -20,13 +20,12 @@ import secrets
 import time
 from dataclasses import asdict
 from functools import partial
+from typing import Any
 
 from configs import EngineConfig, GenerationConfig
-from configs.knobs import rules_of
 from engine.carrier import OutputChunk, Response
 from engine.core.batch import build_batch
 from engine.core.decoding.base import DecodingStrategy, PickedRows
-from engine.core.decoding.unmasking import UnmaskingSettings
 from engine.core.fault_isolation import FaultIsolation
 from engine.core.input_processing import ModelLimits, process_input
 from engine.core.model_settings import EngineStats, engine_setup
@@ -111,9 +110,9 @@ class LLMEngine(RankOperations, FaultIsolation):
             raise RequestError(f"n={params.n}: the engine runs one sample per request; expand the request with "
                                "GenerationConfig.samples() (the offline pipeline and the servers do)", "n")
         prompt_ids = process_input(self.tokenizer, self.limits, prompt, params)
-        unmasking = self.unmasking_settings(params) if rules_of(self.paradigm) else None
-        self.decoding.check_request(params, unmasking)
-        params = self.decoding.decoding_params(params, unmasking)
+        settings = self.decoding.request_settings(params, self.config, self.knobs_set)
+        self.decoding.check_request(params, settings)
+        params = self.decoding.decoding_params(params, settings)
         stop_ids = set(params.stop_token_ids or [])
         if not params.ignore_eos:
             stop_ids |= self.spec.eos_token_ids
@@ -128,12 +127,12 @@ class LLMEngine(RankOperations, FaultIsolation):
             stop=StopChecker(self.tokenizer, params, stop_ids), seed=seed, arrival=next(self._ids),
             tokens=list(prompt_ids) if trajectory is None else context_tokens(prompt_ids, params, trajectory),
             table=self.kv.new_table(),
-            next_score_pos=max(params.logprob_start_len, 0), unmasking=unmasking,
+            next_score_pos=max(params.logprob_start_len, 0),
             penalty_ids=set(prompt_ids) - {self.mask_id}, trajectory=trajectory,
         )
         self.seqs[request_id] = seq
         if trajectory is None:
-            self.decoding.start(seq)
+            self.decoding.start(seq, settings)
             self.outputs[request_id] = OutputBuilder(seq, self.is_dllm, self.decoding.replay)
         else:
             self.outputs[request_id] = TrajectoryOutput(seq, self.tokenizer)
@@ -141,9 +140,10 @@ class LLMEngine(RankOperations, FaultIsolation):
         self.stats.prompt_tokens += len(prompt_ids)
         return request_id
 
-    def unmasking_settings(self, p: GenerationConfig) -> UnmaskingSettings:
-        """The request's block-diffusion knobs over the engine's defaults."""
-        return UnmaskingSettings.resolve(p, self.config, self.block_length, self.knobs_set)
+    def unmasking_settings(self, p: GenerationConfig) -> Any:
+        """The request's decoding settings over the engine's defaults (a block-diffusion model's
+        resolved knobs; None for a paradigm without per-request settings)."""
+        return self.decoding.request_settings(p, self.config, self.knobs_set)
 
     def abort(self, request_id: str) -> OutputChunk | None:
         """Stop a request now and free its pages; returns its final chunk (finish_reason abort)."""

@@ -1,19 +1,17 @@
-"""A request's state inside the engine: its tokens, its KV pages, and (block diffusion) its current
-block or (renoising) its open canvas."""
+"""A request's state inside the engine: its tokens, its KV pages, its outputs so far, and the state
+its decoding paradigm keeps of it (`Sequence.state`, the strategy's own)."""
 
 from __future__ import annotations
 
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from configs import GenerationConfig
 from engine.kv.page_manager import PageTable
 
 if TYPE_CHECKING:
-    from engine.core.decoding.renoising import CanvasState
-    from engine.core.decoding.unmasking import UnmaskingSettings
     from engine.core.stopping import StopChecker
     from engine.core.trajectory_plan import TrajectoryState
 
@@ -22,20 +20,6 @@ class SeqStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
-
-
-@dataclass
-class DLLMBlock:
-    """The block being denoised: absolute positions [start, end)."""
-
-    start: int
-    end: int
-    masked: list[int]  # absolute positions still masked, ascending
-    num_masked_at_start: int
-    step_index: int = 0  # the block's own step counter s (0-based)
-    post_edit_steps: int = 0  # token editing: steps taken since the block's last mask was revealed
-    ended: bool = False  # token editing: a step wrote nothing (or the post-edit budget ran out)
-    rule_state: object | None = None  # a rule's own state of the block (insert/delete editing's)
 
 
 @dataclass
@@ -58,13 +42,12 @@ class Sequence:
     out_logprobs: list[dict | None] = field(default_factory=list)
     penalty_ids: set[int] = field(default_factory=set)  # every token id seen (kept only under a repetition penalty)
     num_draws: int = 0  # random draws consumed (the sampler's counter)
-    # block diffusion
-    unmasking: UnmaskingSettings | None = None
-    block: DLLMBlock | None = None
+    # the decoding paradigm's own state of the request (its class is the strategy's: a block-diffusion
+    # request's block and knobs, a renoising request's canvas and generator); None for autoregressive
+    state: Any = None
     step_counter: int = 0
     num_revealed: int = 0  # leading generated positions revealed (contiguous)
     stop_bound: int = 0  # the output cannot reach past this many tokens (a revealed stop id, max_new_tokens)
-    canvas: CanvasState | None = None  # renoising: the open canvas and the request's generator
     # scoring: next position whose logits row (scoring token position+1) is still owed
     next_score_pos: int = 0
     num_preemptions: int = 0

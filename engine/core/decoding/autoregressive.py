@@ -17,7 +17,7 @@ class AutoregressiveDecoding(DecodingStrategy):
     def from_config(cls, config: EngineConfig, spec: ModelSpec, mask_id: int | None) -> AutoregressiveDecoding:
         return cls()
 
-    def start(self, seq: Sequence) -> None:
+    def start(self, seq: Sequence, settings: None) -> None:
         """Nothing to prepare: the prompt is fed, the first token is sampled from its last row."""
 
     def cacheable_prefix(self, seq: Sequence) -> int:

@@ -51,7 +51,6 @@ from engine.core.step_plan import Feed, SampleSlice
 if TYPE_CHECKING:
     import torch
 
-    from engine.core.decoding.unmasking import UnmaskingSettings
     from engine.model.spec import ModelSpec
     from engine.worker.forward_batch import ForwardBatch
 
@@ -102,12 +101,19 @@ class DecodingStrategy(ABC):
     #: whether its passes need fields beyond tokens and pages (`pass_fields` is called only then)
     has_pass_fields: bool = False
 
-    def check_request(self, params: GenerationConfig, settings: UnmaskingSettings | None) -> None:
-        """Raise RequestError naming the field when a request asks for what this strategy cannot do:
-        by default, what the knob table refuses for its paradigm and the request's rule."""
-        check_knobs(params, self.paradigm, None if settings is None else settings.strategy)
+    def request_settings(self, params: GenerationConfig, config: EngineConfig,
+                         engine_set: frozenset[str] = frozenset()) -> Any:
+        """The request's settings of this paradigm, resolved once over the engine's (`engine_set`: the
+        engine config's fields its user set); handed to `check_request`, `decoding_params` and `start`.
+        None by default: the paradigm reads the request's parameters as they are."""
+        return None
 
-    def decoding_params(self, params: GenerationConfig, settings: UnmaskingSettings | None) -> GenerationConfig:
+    def check_request(self, params: GenerationConfig, settings: Any) -> None:
+        """Raise RequestError naming the field when a request asks for what this strategy cannot do:
+        by default, what the knob table refuses for its paradigm."""
+        check_knobs(params, self.paradigm, None)
+
+    def decoding_params(self, params: GenerationConfig, settings: Any) -> GenerationConfig:
         """The settings a request `check_request` accepted decodes with (by default its own)."""
         return params
 
@@ -174,8 +180,9 @@ class DecodingStrategy(ABC):
         raise NotImplementedError(f"{type(self).__name__} plans its feeds in plan_feeds")
 
     @abstractmethod
-    def start(self, seq: Sequence) -> None:
-        """Prepare a newly added sequence."""
+    def start(self, seq: Sequence, settings: Any) -> None:
+        """Prepare a newly added sequence (its `state`, when the paradigm keeps one) under its resolved
+        `request_settings`."""
 
     @abstractmethod
     def cacheable_prefix(self, seq: Sequence) -> int:
@@ -248,8 +255,8 @@ class DecodingStrategy(ABC):
         """The replay fields of a finished request (`return_dllm_replay`): its last block as it stood
         at finish -- its generated positions (the mask id where never revealed), the step that
         revealed each (0 = never), and how many of them are output tokens."""
-        first = max(seq.block.start, seq.prompt_len) - seq.prompt_len
-        last = seq.block.end - seq.prompt_len
+        first = max(seq.state.start, seq.prompt_len) - seq.prompt_len
+        last = seq.state.end - seq.prompt_len
         return {"dllm_replay_token_ids": seq.tokens[seq.prompt_len + first: seq.prompt_len + last],
                 "dllm_replay_step_maps": [s or 0 for s in seq.out_steps[first:last]],
                 "dllm_stop_length": max(0, num_output - first)}

@@ -36,11 +36,13 @@ from __future__ import annotations
 from configs import EngineConfig, GenerationConfig
 from engine.carrier import StepEvent
 from engine.core.decoding.base import DecodingStrategy, Finalize, PickedRows
+from engine.core.decoding.block_state import BlockState
 from engine.core.decoding.indel import special_ids
 from engine.core.decoding.rules import RULES, DecodingRule
 from engine.core.decoding.unmasking import SpecialIds, UnmaskingSettings
+from engine.core.input_processing import check_knobs
 from engine.core.sampler import RowGroup
-from engine.core.sequence import DLLMBlock, Sequence
+from engine.core.sequence import Sequence
 from engine.core.step_plan import Feed, SampleSlice
 from engine.errors import RequestError
 from engine.model.spec import ModelSpec
@@ -69,7 +71,7 @@ class BlockDiffusionDecoding(DecodingStrategy):
         return cls(config.dllm_block_length, mask_id, config.dllm_commit_fusion, ids)
 
     def check_request(self, params: GenerationConfig, settings: UnmaskingSettings) -> None:
-        super().check_request(params, settings)
+        check_knobs(params, self.paradigm, settings.strategy)
         rule = RULES[settings.strategy]
         problem = rule.missing(self.ids)
         if problem:
@@ -82,13 +84,17 @@ class BlockDiffusionDecoding(DecodingStrategy):
     @staticmethod
     def rule(seq: Sequence) -> DecodingRule:
         """The unmasking rule the sequence decodes with."""
-        return RULES[seq.unmasking.strategy]
+        return RULES[seq.state.settings.strategy]
 
-    def start(self, seq: Sequence) -> None:
+    def request_settings(self, params: GenerationConfig, config: EngineConfig,
+                         engine_set: frozenset[str] = frozenset()) -> UnmaskingSettings:
+        return UnmaskingSettings.resolve(params, config, self.block_length, engine_set)
+
+    def start(self, seq: Sequence, settings: UnmaskingSettings) -> None:
         seq.stop_bound = seq.params.max_new_tokens
-        self._open_block(seq)
+        self._open_block(seq, settings)
 
-    def _open_block(self, seq: Sequence) -> None:
+    def _open_block(self, seq: Sequence, settings: UnmaskingSettings | None = None) -> None:
         """Append the next block's positions as masks (the first one completes the prompt's block)."""
         b = self.block_length
         start = len(seq.tokens)
@@ -98,13 +104,14 @@ class BlockDiffusionDecoding(DecodingStrategy):
         seq.out_steps += [None] * n
         seq.out_block_steps += [None] * n
         seq.out_logprobs += [None] * n
-        seq.block = DLLMBlock(start=start - start % b, end=end, masked=list(range(start, end)), num_masked_at_start=n)
+        seq.state = BlockState(settings or seq.state.settings, start=start - start % b, end=end,
+                               masked=list(range(start, end)), num_masked_at_start=n)
 
     def cacheable_prefix(self, seq: Sequence) -> int:
-        return seq.block.start  # committed tokens only
+        return seq.state.start  # committed tokens only
 
     def sample_positions(self, seq: Sequence, end: int) -> list[int]:
-        return RULES[seq.unmasking.strategy].sample_positions(seq)
+        return RULES[seq.state.settings.strategy].sample_positions(seq)
 
     def provisional_writes(self, seq: Sequence) -> bool:
         return self.rule(seq).edits
@@ -128,7 +135,7 @@ class BlockDiffusionDecoding(DecodingStrategy):
         window, fused = 2 * self.block_length, self.commit_fusion
         feeds = []
         for seq in seqs:
-            block = seq.block
+            block = seq.state
             decoding = block.end - seq.num_computed <= window  # a block, with at most the previous one's commit
             if not fused and seq.num_computed < block.start and seq.step_counter > 0:
                 feeds.append((block.start, False, decoding, block.start))
@@ -142,7 +149,7 @@ class BlockDiffusionDecoding(DecodingStrategy):
         groups = []
         for sl in slices:
             seq, positions = sl.seq, sl.positions
-            params, rule = self.row_params(seq), RULES[seq.unmasking.strategy]
+            params, rule = self.row_params(seq), RULES[seq.state.settings.strategy]
             floor, first = params.min_new_tokens, seq.prompt_len - self.row_shift
             groups.append(RowGroup(
                 params, seq.seed, seq.num_draws, sorted(seq.penalty_ids) if params.repetition_penalty != 1.0 else [],
@@ -157,7 +164,7 @@ class BlockDiffusionDecoding(DecodingStrategy):
         for seq, rows in picked:
             try:
                 seq.num_draws += len(rows.positions)
-                rule = RULES[seq.unmasking.strategy]
+                rule = RULES[seq.state.settings.strategy]
                 written = self.write_step(seq, rows, rule)
                 if not finalize(seq, written, rule.num_final(seq)) and rule.block_done(seq):
                     self._open_block(seq)

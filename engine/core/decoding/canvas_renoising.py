@@ -57,7 +57,7 @@ class RenoisingDecoding(DecodingStrategy):
         return cls(config.dllm_block_length, spec.vocab_size, RenoiseKnobs.of_engine(config), config.logprobs_mode,
                    str(resolve_device(config)))
 
-    def check_request(self, params: GenerationConfig, settings: object) -> None:
+    def check_request(self, params: GenerationConfig, settings: None) -> None:
         super().check_request(params, settings)
         if params.dllm_trajectory is not None:
             raise RequestError("dllm_trajectory scores block-diffusion rollouts and this model decodes by renoising "
@@ -76,17 +76,17 @@ class RenoisingDecoding(DecodingStrategy):
             raise RequestError(str(e), field) from None
 
     # ---- the request's state ------------------------------------------------------------------
-    def start(self, seq: Sequence) -> None:
+    def start(self, seq: Sequence, settings: None) -> None:
         p = seq.params
         generator = request_generator(seq.seed, self.device)
-        seq.canvas = CanvasState(self.knobs.for_request(p), generator, self.canvas_length, self.vocab_size,
+        seq.state = CanvasState(self.knobs.for_request(p), generator, self.canvas_length, self.vocab_size,
                                  top_k=p.top_k, top_p=p.top_p, logprobs=p.logprobs, logprobs_mode=self.logprobs_mode)
         seq.stop_bound = p.max_new_tokens
         self._open_canvas(seq)
 
     def _open_canvas(self, seq: Sequence) -> None:
-        seq.canvas.start = len(seq.tokens)
-        seq.tokens += seq.canvas.open_canvas()
+        seq.state.start = len(seq.tokens)
+        seq.tokens += seq.state.open_canvas()
         n = self.canvas_length
         seq.out_steps += [None] * n
         seq.out_block_steps += [None] * n
@@ -97,7 +97,7 @@ class RenoisingDecoding(DecodingStrategy):
 
     # ---- what to feed -------------------------------------------------------------------------
     def feed_target(self, seq: Sequence) -> tuple[int, bool]:
-        start = seq.canvas.start
+        start = seq.state.start
         if seq.num_computed < start:
             return start, False  # the prompt, or the commit of the last canvas
         return start + self.canvas_length, True
@@ -105,24 +105,24 @@ class RenoisingDecoding(DecodingStrategy):
     def cacheable_prefix(self, seq: Sequence) -> int:
         # committed tokens, less one: the first forward of an admitted request is an encoder pass
         # (a canvas pass is never split by the prefill budget, which admission charges)
-        return seq.canvas.start - 1
+        return seq.state.start - 1
 
     def is_decoding(self, seq: Sequence) -> bool:
         """A canvas pass (never split by the prefill budget), or the commit of a canvas."""
-        start = seq.canvas.start
+        start = seq.state.start
         if seq.num_computed >= start:
             return True
         return seq.step_counter > 0 and start - seq.num_computed <= self.canvas_length
 
     def sample_positions(self, seq: Sequence, end: int) -> list[int]:
-        start = seq.canvas.start
+        start = seq.state.start
         return list(range(start, start + self.canvas_length))
 
     def token_index(self, seq: Sequence, position: int) -> int:
         return position - seq.prompt_len
 
     def computed_after(self, seq: Sequence, end: int, sampled: bool) -> int:
-        return seq.canvas.start if sampled else end
+        return seq.state.start if sampled else end
 
     def pass_fields(self, batch: ForwardBatch, seq: Sequence, sample: bool) -> None:
         """The pass kind and the self-conditioning of the sequence's pass (plus, on the batch's first
@@ -130,14 +130,14 @@ class RenoisingDecoding(DecodingStrategy):
         if not batch.pass_kinds:
             batch.drop_conditioning += self._dropped
             self._dropped = []
-        canvas = seq.canvas
+        canvas = seq.state
         batch.pass_kinds.append(CANVAS if sample else ENCODE)
         batch.conditioning_keys.append(seq.request_id if sample and canvas.canvas_step else None)
         batch.keep_conditioning.append((seq.request_id, canvas.temperature) if sample else None)
 
     # ---- one canvas step ----------------------------------------------------------------------
     def advance(self, seq: Sequence, rows: PickedRows) -> list[int]:
-        canvas, start, base = seq.canvas, seq.canvas.start, seq.prompt_len
+        canvas, start, base = seq.state, seq.state.start, seq.prompt_len
         report = canvas.step(rows.read_logits().float())  # this request's logits only, dropped after the step
         seq.step_counter += 1
         seq.tokens[start: start + self.canvas_length] = canvas.tokens[0].tolist()
@@ -156,12 +156,12 @@ class RenoisingDecoding(DecodingStrategy):
         return [start - base + p for p in report.positions]
 
     def num_final(self, seq: Sequence) -> int:
-        canvas = seq.canvas
+        canvas = seq.state
         return canvas.start - seq.prompt_len + (self.canvas_length if canvas.ended else 0)
 
     def after_step(self, seq: Sequence) -> None:
-        if seq.canvas.ended:
-            seq.canvas.ended = False
+        if seq.state.ended:
+            seq.state.ended = False
             self._open_canvas(seq)
 
     def provisional_writes(self, seq: Sequence) -> bool:
@@ -170,7 +170,7 @@ class RenoisingDecoding(DecodingStrategy):
     def trace_event(self, seq: Sequence, shown: list[int]) -> StepEvent:
         """Every canvas pass has its event (its temperature, acceptances and entropy), also when no
         argmax changed."""
-        canvas, first = seq.canvas, seq.canvas.start - seq.prompt_len
+        canvas, first = seq.state, seq.state.start - seq.prompt_len
         report = canvas.report
         argmax = dict(zip(report.positions, report.token_ids, strict=True))
         return {"step": report.step, "positions": shown,
@@ -179,5 +179,5 @@ class RenoisingDecoding(DecodingStrategy):
 
     def replay(self, seq: Sequence, num_output: int) -> dict[str, Any]:
         """Per canvas of the request: its steps and why it stopped."""
-        return {"dllm_replay_canvases": list(seq.canvas.replay)}
+        return {"dllm_replay_canvases": list(seq.state.replay)}
 

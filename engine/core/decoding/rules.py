@@ -62,7 +62,7 @@ def write_tokens(seq: Sequence, positions: list[int], picks: PickedRows, chosen:
     `final` stop id outside `min_new_tokens` bounds the output (an editing rule's writes are not final:
     the stop rule reads them when their block ends)."""
     tokens, steps, block_steps, logprobs = seq.tokens, seq.out_steps, seq.out_block_steps, seq.out_logprobs
-    step, block_step, base = seq.step_counter, seq.block.step_index, seq.prompt_len
+    step, block_step, base = seq.step_counter, seq.state.step_index, seq.prompt_len
     picked, entries = picks.tokens, picks.logprobs
     stop_ids, floor = seq.stop_ids, seq.params.min_new_tokens
     written = []
@@ -83,7 +83,7 @@ def end_block(seq: Sequence, fed_final: bool) -> None:
     """End an editing rule's block. `fed_final`: this step's forward fed exactly the block's final
     tokens, so its K/V are kept as the block's commit; otherwise the next block's first forward
     writes them."""
-    block = seq.block
+    block = seq.state
     block.ended, block.masked = True, []
     if fed_final:
         seq.num_computed = max(seq.num_computed, block.end)
@@ -129,7 +129,7 @@ class DecodingRule(ABC):
         return None
 
     def sample_positions(self, seq: Sequence) -> list[int]:
-        return list(seq.block.masked)
+        return list(seq.state.masked)
 
     def lowered_logits(self, seq: Sequence, positions: list[int]) -> tuple[float, list[int]] | None:
         return None
@@ -152,7 +152,7 @@ class DecodingRule(ABC):
         return n
 
     def block_done(self, seq: Sequence) -> bool:
-        return not seq.block.masked
+        return not seq.state.masked
 
 
 @dataclass(frozen=True)
@@ -163,7 +163,7 @@ class RevealRule(DecodingRule):
     choose: Rule | None = None
 
     def advance(self, seq: Sequence, rows: PickedRows, ids: SpecialIds) -> list[int]:
-        block, settings = seq.block, seq.unmasking
+        block, settings = seq.state, seq.state.settings
         positions = rows.positions
         count = len(positions)
         n = max(1, min(tokens_this_step(block.num_masked_at_start, settings.denoising_steps, block.step_index), count))
@@ -195,23 +195,23 @@ class EditRule(DecodingRule):
                                "without edits", "dllm_trajectory")
 
     def sample_positions(self, seq: Sequence) -> list[int]:
-        return list(range(max(seq.block.start, seq.prompt_len), seq.block.end))  # revealed ones may be rewritten
+        return list(range(max(seq.state.start, seq.prompt_len), seq.state.end))  # revealed ones may be rewritten
 
     def lowered_logits(self, seq: Sequence, positions: list[int]) -> tuple[float, list[int]] | None:
         """The λ penalty: at each position but the block's first, the token now at the position before it."""
-        amount = seq.unmasking.penalty_lambda
+        amount = seq.state.settings.penalty_lambda
         if not amount:
             return None
-        return amount, [seq.tokens[p - 1] if p > seq.block.start else -1 for p in positions]
+        return amount, [seq.tokens[p - 1] if p > seq.state.start else -1 for p in positions]
 
     def advance(self, seq: Sequence, rows: PickedRows, ids: SpecialIds) -> list[int]:
         """Write what the rule picks, or end the block."""
-        block, positions, mask_id = seq.block, rows.positions, ids.mask_id
+        block, positions, mask_id = seq.state, rows.positions, ids.mask_id
         masked = [seq.tokens[p] == mask_id for p in positions]
         if not any(masked):
             block.post_edit_steps += 1
         view = BlockRows([seq.tokens[p] for p in positions], rows.tokens, rows.confidence, masked)
-        writes = self.pick(view, block.post_edit_steps, seq.unmasking)
+        writes = self.pick(view, block.post_edit_steps, seq.state.settings)
         if writes is None:
             end_block(seq, fed_final=True)
             return []
@@ -219,7 +219,7 @@ class EditRule(DecodingRule):
         block.step_index += 1
         written = write_tokens(seq, positions, rows, writes, final=False)
         block.masked = [p for p in positions if seq.tokens[p] == mask_id]
-        if not block.masked and budget_spent(block.post_edit_steps, seq.unmasking):
+        if not block.masked and budget_spent(block.post_edit_steps, seq.state.settings):
             # the next step could only end the block: its tokens are final now, and their K/V ride on
             # the next block's first forward (as after a last reveal), which spares that step's forward
             block.ended = True
@@ -227,11 +227,11 @@ class EditRule(DecodingRule):
 
     def num_final(self, seq: Sequence) -> int:
         """A block's tokens are final when it ends."""
-        block = seq.block
+        block = seq.state
         return max(0, (block.end if block.ended else block.start) - seq.prompt_len)
 
     def block_done(self, seq: Sequence) -> bool:
-        return seq.block.ended
+        return seq.state.ended
 
 
 @dataclass(frozen=True)
@@ -268,13 +268,13 @@ class InDelRule(EditRule):
         return None  # no λ penalty (an engine-wide one is joint_threshold's)
 
     def advance(self, seq: Sequence, rows: PickedRows, ids: SpecialIds) -> list[int]:
-        block, positions = seq.block, rows.positions
+        block, positions = seq.state, rows.positions
         if block.rule_state is None:  # the block's first step: every generated position is an original mask
             block.rule_state = InDelBlock([True] * len(positions))
         state: InDelBlock = block.rule_state
         state.last = None
         outcome = indel_step(state, [seq.tokens[p] for p in positions], rows.logits, positions[0] - block.start,
-                             block.end - block.start, seq.unmasking, ids)
+                             block.end - block.start, seq.state.settings, ids)
         if outcome is None:
             end_block(seq, fed_final=True)
             return []
@@ -301,23 +301,23 @@ class InDelRule(EditRule):
         for j, it in enumerate(outcome.items):
             seq.tokens[positions[j]] = it.token
             if j in entries:
-                now = (seq.step_counter, seq.block.step_index, entries[j])
+                now = (seq.step_counter, seq.state.step_index, entries[j])
             elif it.source is not None and it.token != mask_id:
                 now = (steps[it.source], block_steps[it.source], logprobs[it.source])
             else:
                 now = (None, None, None)
             seq.out_steps[g0 + j], seq.out_block_steps[g0 + j], seq.out_logprobs[g0 + j] = now
-        seq.block.masked = [p for p in positions if seq.tokens[p] == mask_id]
+        seq.state.masked = [p for p in positions if seq.tokens[p] == mask_id]
 
     def trace_event(self, seq: Sequence, shown: list[int]) -> StepEvent | None:
         """Every changing write of the step at its input position (edit tokens aside); a step that
         deleted or split adds `moves` (input position -> position after the step, of each token the
         rescan moved) and `deleted` (the input positions whose content left the block)."""
-        state: InDelBlock | None = seq.block.rule_state
+        state: InDelBlock | None = seq.state.rule_state
         outcome = state.last if state is not None else None
         if outcome is None:
             return None
-        first = max(seq.block.start, seq.prompt_len) - seq.prompt_len
+        first = max(seq.state.start, seq.prompt_len) - seq.prompt_len
         event: StepEvent = {"step": seq.step_counter, "positions": shown,
                             "token_ids": [outcome.writes[g - first] for g in shown]}
         if outcome.rescanned:

@@ -53,29 +53,29 @@ class SubBlockDecoding(BlockDiffusionDecoding):
     @staticmethod
     def _inheriting(seq: Sequence) -> bool:
         """The block's first position is generated and not revealed yet (its token is inherited)."""
-        block = seq.block
+        block = seq.state
         return bool(block.masked) and block.masked[0] == block.start
 
     def _current_sub_block(self, seq: Sequence) -> list[int]:
         """The masked positions of the leftmost sub-block that still holds a mask."""
-        masked, s = seq.block.masked, self.sub_block_length
-        first = masked[0] - (masked[0] - seq.block.start) % s
+        masked, s = seq.state.masked, self.sub_block_length
+        first = masked[0] - (masked[0] - seq.state.start) % s
         return [p for p in masked if p < first + s]
 
     def plan_feeds(self, seqs: list[Sequence]) -> list[Feed]:
         """The block with its masks, or -- when its first token is inherited -- the tokens before it (the
         prefill, or the commit of the previous block, whose last row picks that token)."""
         window = 2 * self.block_length
-        return [(seq.block.start if self._inheriting(seq) else seq.block.end, True,
-                 seq.block.end - seq.num_computed <= window, seq.block.start) for seq in seqs]
+        return [(seq.state.start if self._inheriting(seq) else seq.state.end, True,
+                 seq.state.end - seq.num_computed <= window, seq.state.start) for seq in seqs]
 
     def cacheable_prefix(self, seq: Sequence) -> int:
         # an inherited token needs row kB-1 computed in this forward
-        return seq.block.start - 1 if self._inheriting(seq) else seq.block.start
+        return seq.state.start - 1 if self._inheriting(seq) else seq.state.start
 
     def sample_positions(self, seq: Sequence, end: int) -> list[int]:
         if self._inheriting(seq):
-            return [seq.block.start - 1]
+            return [seq.state.start - 1]
         return [p - 1 for p in self._current_sub_block(seq)]
 
     def row_params(self, seq: Sequence) -> GenerationConfig:
@@ -87,11 +87,11 @@ class SubBlockDecoding(BlockDiffusionDecoding):
     def write_step(self, seq: Sequence, rows: PickedRows, rule: DecodingRule) -> list[int]:
         """The inherited token, or the current sub-block's candidates above the threshold (else its most
         confident one); the rule is `low_confidence_dynamic`, whose threshold this reads."""
-        block = seq.block
+        block = seq.state
         if self._inheriting(seq):
             chosen = [0]
         else:
-            chosen = above_threshold_or_best(rows.confidence, seq.unmasking.confidence_threshold)
+            chosen = above_threshold_or_best(rows.confidence, seq.state.settings.confidence_threshold)
         seq.step_counter += 1
         block.step_index += 1
         revealed = write_tokens(seq, rows.positions, rows, chosen, shift=1)
