@@ -2,11 +2,14 @@
 
 - `app`: `build_app(args)`, the application builder named in serve_config.yaml; `cli`: `blockserve serve`.
 - `engine_server`: the EngineServer deployment (one per data-parallel replica) owning an AsyncEngine.
-- `ingress`: the HTTP ingress (FastAPI via `@serve.ingress`) and the handle API, assembled from:
+- `ingress`: the HTTP ingress (FastAPI via `@serve.ingress`) and the handle API; an ingress replica
+  holds an engine client, the HTTP plumbing and one route group per protocol:
   - `sglang/`: SGLang's `/generate` (`protocol` request models, `serving` conversion and response
-    builders, `routes`); `openai/`: `/v1/completions`, `/v1/chat/completions`, `/v1/models`, likewise;
-  - `rl/`: the RL control routes (`protocol` payloads, `control` the cross-replica two-phase commit,
-    `routes` one table for HTTP routes and handle methods); `admin`: /health, /metrics, OpenAPI;
+    builders, `routes` the route group); `openai/`: `/v1/completions`, `/v1/chat/completions`,
+    `/v1/models`, likewise;
+  - `rl/`: the RL control (`protocol` the one table of control operations and their payloads,
+    `control` the cross-replica two-phase commit, `routes` their HTTP routes and handle methods);
+    `admin`: /health, /metrics, OpenAPI;
   - `generation`: what the generation endpoints share; `engine_client`: calling the EngineServer
     replicas; `http`: error responses, API key, body limit, admission, SSE; `tokens`: the tokenizer.
 - `errors`: ApiError and request validation; `wire`: the ingress <-> EngineServer protocol's types.

@@ -1,6 +1,7 @@
-"""Admin routes: /health, /metrics (Prometheus), the engine stats handle method, the OpenAPI
-document (FastAPI's, plus the request models the generation routes validate themselves) and its
-Swagger UI at /docs, served from the files `swagger-ui-bundle` ships (no CDN: it works offline)."""
+"""Admin routes (the ingress's route group `AdminRoutes`): /health, /metrics (Prometheus), the engine
+stats handle method; and the OpenAPI document (FastAPI's, plus the request models the generation
+routes validate themselves) and its Swagger UI at /docs, served from the files `swagger-ui-bundle`
+ships (no CDN: it works offline)."""
 
 from __future__ import annotations
 
@@ -20,9 +21,12 @@ from starlette.responses import FileResponse, HTMLResponse, JSONResponse, PlainT
 
 from deployments.engine_client import EngineClient
 from deployments.http import ERRORS, HttpServing, Route
+from deployments.wire import MetricFamilies
 
 
-class AdminRoutes(HttpServing, EngineClient):
+class AdminRoutes:
+    """The ingress's health, metrics and engine stats."""
+
     ROUTES = (
         Route("/health", "http_health", ("GET",), dict(
             responses={503: {"description": "an engine replica is unhealthy, or none runs",
@@ -34,33 +38,38 @@ class AdminRoutes(HttpServing, EngineClient):
                 "schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}},
             response_class=PlainTextResponse, summary="Prometheus metrics (text exposition)")),
     )
+    HANDLES = ("engine_stats",)
+
+    def __init__(self, client: EngineClient, http: HttpServing):
+        self.client = client
+        self.http = http
 
     async def http_health(self, request: Request) -> Response:
         async def health() -> Response:
             try:
-                replicas = await self._broadcast("check_health")
+                replicas = await self.client.broadcast("check_health")
             except Exception as e:  # noqa: BLE001 - any failure is "unhealthy"
                 return JSONResponse({"status": "unhealthy", "error": f"{type(e).__name__}: {e}"}, status_code=503)
             if not replicas:
                 return JSONResponse({"status": "unhealthy", "error": "no engine replica is running"}, status_code=503)
             return JSONResponse({"status": "ok", "engine_replicas": len(replicas)})
 
-        return await self._serve(request, "/health", health, auth=False, body=False)
+        return await self.http.serve(request, "/health", health, auth=False, body=False)
 
     async def http_metrics(self, request: Request) -> Response:
         async def metrics() -> Response:
-            stats, families = await asyncio.gather(self._broadcast("stats", return_exceptions=True),
-                                                   self._broadcast("metric_families", return_exceptions=True))
-            by_replica = {f["replica"]: f["families"] for f in families if isinstance(f, dict)}
-            text = self.metrics.render([s for s in stats if isinstance(s, dict)], by_replica)
+            stats, families = await asyncio.gather(self.client.replica_stats(),
+                                                   self.client.broadcast("metric_families", return_exceptions=True))
+            by_replica = {f.replica: f.families for f in families if isinstance(f, MetricFamilies)}
+            text = self.http.metrics.render(stats, by_replica)
             return Response(text, media_type=CONTENT_TYPE_LATEST)
 
-        return await self._serve(request, "/metrics", metrics, body=False)
+        return await self.http.serve(request, "/metrics", metrics, body=False)
 
     # ---- handle API ------------------------------------------------------------------------
     async def engine_stats(self) -> list[dict[str, Any]]:
-        """Per-replica engine stats (kv_pages_free, running, generated_tokens, ...)."""
-        return await self._broadcast("stats")
+        """Per-replica engine stats (kv_pages_free, running, generated_tokens, ...), as JSON."""
+        return [s.to_dict() for s in await self.client.broadcast("stats")]
 
 
 def openapi_schema(app: FastAPI, request_models: tuple[type[BaseModel], ...]) -> dict[str, Any]:

@@ -27,7 +27,7 @@ from engine.carrier import Response
 log = logging.getLogger(__name__)
 
 ABORT_RETRY_S = 0.25
-Broadcast = Callable[..., Awaitable[list[Any]]]  # EngineClient._broadcast
+Broadcast = Callable[..., Awaitable[list[Any]]]  # EngineClient.broadcast
 
 
 @dataclass

@@ -25,8 +25,9 @@ from typing import Any
 from ray.serve import Application
 
 from deployments.app import build_app_with
-from deployments.engine_server import EngineServer, _fetched, _refusal, weight_source
+from deployments.engine_server import EngineServer, weight_source
 from deployments.ingress import Ingress
+from deployments.rl.protocol import UpdateWeightsFromDistributedRequest, WeightUpdate
 from deployments.wire import ControlAnswer, EngineRequest, Rejection
 from engine.carrier import OutputChunk
 
@@ -52,17 +53,16 @@ class DrillEngineServer(EngineServer.func_or_class):
                     self._cut.discard(item.request_id)
                     return
 
-    async def stage_weights(self, update_id: str, kind: str, payload: dict[str, Any]) -> ControlAnswer:
+    async def stage_weights(self, update_id: str, update: WeightUpdate) -> ControlAnswer:
         if self._fail_next_stage is None:
-            return await super().stage_weights(update_id, kind, payload)
+            return await super().stage_weights(update_id, update)
         message, self._fail_next_stage = self._fail_next_stage, None
         try:
-            if kind == "distributed":  # the trainer's broadcast must still complete
-                source = weight_source(kind, await _fetched(payload))
-                await self.engine.discard_weights(await self.engine.stage_weights(source))
+            if isinstance(update, UpdateWeightsFromDistributedRequest):  # the trainer's broadcast must still complete
+                await self.engine.discard_weights(await self.engine.stage_weights(weight_source(update)))
             raise RuntimeError(message)
         except Exception as e:  # noqa: BLE001 - reported to the ingress, as a real failure would be
-            return self._answer(_refusal(e))
+            return self._failure(e)
 
     async def debug_stall(self, seconds: float) -> bool:
         """Make the engine loop sleep `seconds` (a hung forward, as far as anyone can tell)."""

@@ -2,7 +2,8 @@
 `generate_batch` call, streams one `generate_stream` each (cancelled when their reader goes away,
 which aborts the request in the engine and frees its KV pages), broadcasts to every replica, and the
 model facts the ingress needs, asked of the engine once (the ingress loads no model code). What
-crosses is `deployments.wire`'s types: the results are the carrier's `OutputChunk` / `Response`."""
+crosses is `deployments.wire`'s types: the results are the carrier's `OutputChunk` / `Response`, the
+stats `ReplicaStats`. The ingress holds one `EngineClient` and gives it to each of its route groups."""
 
 from __future__ import annotations
 
@@ -14,11 +15,13 @@ from typing import Any
 
 from ray import serve
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+from ray.serve.handle import DeploymentHandle
 
 from deployments.batch_calls import BatchCalls
 from deployments.errors import ApiError, unavailable
 from deployments.http import engine_call_error
-from deployments.wire import EngineRequest, ModelInfo, Rejection, Result
+from deployments.metrics import IngressMetrics
+from deployments.wire import EngineRequest, ModelInfo, Rejection, ReplicaStats, Result
 from engine.carrier import OutputChunk, Response
 
 log = logging.getLogger(__name__)
@@ -69,16 +72,16 @@ async def _merge(streams: list[AsyncIterator[OutputChunk]]) -> AsyncIterator[tup
 
 
 class EngineClient:
-    """The ingress's calls into the EngineServer deployment. Needs `engine` (its handle) and
-    `metrics` on the instance; `_init_engine_client()` sets the rest."""
+    """The ingress's calls into the EngineServer deployment (`engine`: its handle); `metrics` counts
+    the batches and the tokens of the finished requests."""
 
-    engine: Any
-    metrics: Any
-
-    def _init_engine_client(self, max_batch_size: int, batch_wait_timeout_s: float) -> None:
+    def __init__(self, engine: DeploymentHandle, metrics: IngressMetrics, max_batch_size: int,
+                 batch_wait_timeout_s: float):
+        self.engine = engine
+        self.metrics = metrics
         self._engine_seen_at = 0.0  # when an engine replica was last seen running
         self._info: ModelInfo | None = None
-        self._batch_calls = BatchCalls(self._broadcast)  # aborts the requests whose callers left
+        self._batch_calls = BatchCalls(self.broadcast)  # aborts the requests whose callers left
         self._batched_generate.set_max_batch_size(max_batch_size)
         self._batched_generate.set_batch_wait_timeout_s(batch_wait_timeout_s)
 
@@ -93,18 +96,18 @@ class EngineClient:
                 log.exception("generate_batch failed")
             return [engine_call_error(e).to_rejection()] * len(requests)
 
-    async def _broadcast(self, method: str, *args: Any, timeout_s: float = 10.0,
-                         return_exceptions: bool = False) -> list[Any]:
+    async def broadcast(self, method: str, *args: Any, timeout_s: float = 10.0,
+                        return_exceptions: bool = False) -> list[Any]:
         """Call `method(*args)` on every running EngineServer replica (Serve's `broadcast`)."""
         return await self.engine.broadcast(method, *args).results_async(timeout_s=timeout_s,
                                                                          return_exceptions=return_exceptions)
 
-    async def _engine_info(self) -> ModelInfo:
+    async def info(self) -> ModelInfo:
         """The model facts of the engine (`EngineServer.model_info`), the same on every replica, asked
         once; 503 while no engine replica runs."""
         if self._info is None:
             try:
-                answers = await self._broadcast("model_info", return_exceptions=True)
+                answers = await self.broadcast("model_info", return_exceptions=True)
             except DeploymentUnavailableError:
                 answers = []
             info = next((a for a in answers if isinstance(a, ModelInfo)), None)
@@ -113,11 +116,14 @@ class EngineClient:
             self._info = info
         return self._info
 
-    async def _weight_version(self) -> str | list[str] | None:
+    async def replica_stats(self) -> list[ReplicaStats]:
+        """The stats of the engine replicas that answer."""
+        return [s for s in await self.broadcast("stats", return_exceptions=True) if isinstance(s, ReplicaStats)]
+
+    async def weight_version(self) -> str | list[str] | None:
         """The weights being served: a list when the replicas disagree (e.g. one restarted since an
         update), None when no replica answers."""
-        stats = await self._broadcast("stats", return_exceptions=True)
-        versions = sorted({s["weight_version"] for s in stats if isinstance(s, dict)})
+        versions = sorted({s.engine.weight_version for s in await self.replica_stats()})
         return versions[0] if len(versions) == 1 else versions or None
 
     def _count(self, out: Result) -> None:
@@ -132,7 +138,7 @@ class EngineClient:
         if time.monotonic() - self._engine_seen_at < ENGINE_CHECK_INTERVAL_S:
             return
         try:
-            answers = await self._broadcast("check_health", return_exceptions=True)
+            answers = await self.broadcast("check_health", return_exceptions=True)
         except DeploymentUnavailableError:  # Serve's word for "no replica of it runs"
             answers = []
         if not answers:
@@ -140,7 +146,7 @@ class EngineClient:
                               "see `serve status`)")
         self._engine_seen_at = time.monotonic()
 
-    async def _unary(self, req: EngineRequest) -> Response:
+    async def unary(self, req: EngineRequest) -> Response:
         """The folded result of one request; ApiError for refusals and engine failures (503: the
         engine replica failed under the request; Serve replaces it, so a retry is the remedy)."""
         await self._require_engine()
@@ -156,7 +162,7 @@ class EngineClient:
             raise unavailable(f"the engine failed this request: {out.error}")
         return out
 
-    async def _stream(self, req: EngineRequest) -> AsyncIterator[OutputChunk]:
+    async def stream(self, req: EngineRequest) -> AsyncIterator[OutputChunk]:
         """The request's deltas. Refusals raise ApiError here, before anything is sent;
         a failure later ends the stream with a finish_reason "error" delta. Closing the iterator
         (client disconnect, cancellation) cancels the engine-side stream."""
@@ -200,10 +206,10 @@ class EngineClient:
 
         return deltas()
 
-    async def _streams(self, reqs: list[EngineRequest]) -> AsyncIterator[tuple[int, OutputChunk]]:
+    async def streams(self, reqs: list[EngineRequest]) -> AsyncIterator[tuple[int, OutputChunk]]:
         """Several requests streamed together as (index, delta); a refusal of any raises ApiError
         before anything is sent (and closes the others)."""
-        started = await asyncio.gather(*(self._stream(r) for r in reqs), return_exceptions=True)
+        started = await asyncio.gather(*(self.stream(r) for r in reqs), return_exceptions=True)
         failed = [e for e in started if isinstance(e, BaseException)]
         if failed:
             for it in started:
@@ -212,5 +218,5 @@ class EngineClient:
             raise failed[0]
         return _merge(started)
 
-    async def _unaries(self, reqs: list[EngineRequest]) -> list[Response]:
-        return list(await asyncio.gather(*(self._unary(r) for r in reqs)))
+    async def unaries(self, reqs: list[EngineRequest]) -> list[Response]:
+        return list(await asyncio.gather(*(self.unary(r) for r in reqs)))

@@ -25,7 +25,7 @@ import asyncio
 import functools
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,8 +36,16 @@ from ray import serve
 from configs import EngineConfig
 from deployments.errors import ApiError, request_error, validation_error
 from deployments.metrics import RequestMetrics
+from deployments.rl.protocol import (
+    CONTROL_OPS,
+    UpdateWeightsFromDiskRequest,
+    UpdateWeightsFromDistributedRequest,
+    UpdateWeightsFromTensorRequest,
+    WeightUpdate,
+)
 from deployments.single_machine import keep_replica_grpc_on_loopback
-from deployments.wire import ControlAnswer, EngineRequest, ModelInfo, Rejection
+from deployments.wire import ControlAnswer, EngineRequest, MetricFamilies, ModelInfo, Rejection, ReplicaStats
+from engine.answers import ControlResult
 from engine.async_engine import AsyncEngine
 from engine.carrier import OutputChunk, Response
 from engine.errors import EngineDeadError, EngineHeldError, RequestError
@@ -66,39 +74,24 @@ def _replica_rank() -> int:
     return int(getattr(rank, "rank", rank))
 
 
-# The RL control methods a replica runs as they are (every replica gets each call: the ingress broadcasts).
-CONTROL_METHODS = ("destroy_weights_update_group", "flush_cache", "pause_generation", "continue_generation",
-                   "release_memory_occupation", "resume_memory_occupation")
+def weight_source(update: WeightUpdate) -> WeightSource:
+    """The engine's weight source for an update from its SGLang payload."""
+    if isinstance(update, UpdateWeightsFromDiskRequest):
+        return disk_source(update.model_path, update.load_format)
+    if isinstance(update, UpdateWeightsFromTensorRequest):
+        return tensor_source(update.named_tensors, update.load_format)
+    if isinstance(update, UpdateWeightsFromDistributedRequest):
+        return broadcast_source(update.names, update.dtypes, update.shapes, update.group_name, update.load_format)
+    raise ValueError(f"not a weight update: {type(update).__name__}")
 
 
-def weight_source(kind: str, payload: dict[str, Any]) -> WeightSource:
-    """The engine's weight source for an update by `kind` ("disk", "tensor" or "distributed") from
-    the fields of its SGLang payload."""
-    if kind == "disk":
-        return disk_source(str(payload["model_path"]), payload.get("load_format"))
-    if kind == "tensor":
-        return tensor_source(payload["named_tensors"], payload.get("load_format"))
-    if kind == "distributed":
-        return broadcast_source(payload["names"], payload["dtypes"], payload["shapes"], payload["group_name"],
-                                payload.get("load_format"))
-    raise ValueError(f"unknown weight source {kind!r}")
-
-
-async def _fetched(payload: dict[str, Any]) -> dict[str, Any]:
-    """The payload with `named_tensors` fetched when they came by reference (`ray.put(named_tensors)`):
+async def _fetched(update: WeightUpdate) -> WeightUpdate:
+    """The update with its `named_tensors` fetched when they came by reference (`ray.put(named_tensors)`):
     such tensors travel from the trainer's object store to each replica and never through the
     ingress, which then loads no torch."""
-    named = payload.get("named_tensors")
-    if isinstance(named, ray.ObjectRef):
-        return payload | {"named_tensors": await named}
-    return payload
-
-
-def _refusal(e: Exception) -> dict[str, Any]:
-    """A control operation's failure as its answer (plain data). `refused`: the input was refused
-    (a ValueError, WeightUpdateError included), rather than the replica failing."""
-    refused = isinstance(e, ValueError)
-    return {"success": False, "message": str(e) if refused else f"{type(e).__name__}: {e}", "refused": refused}
+    if isinstance(update, UpdateWeightsFromTensorRequest) and isinstance(update.named_tensors, ray.ObjectRef):
+        return update.model_copy(update={"named_tensors": await update.named_tensors})
+    return update
 
 
 @serve.deployment(max_ongoing_requests=512, health_check_period_s=5.0, health_check_timeout_s=30.0,
@@ -204,21 +197,27 @@ class EngineServer:
         ids = [r for r in self._live if r == rid or r.startswith((f"{rid}-", f"{rid}_"))] if rid else []
         for request_id in ids:
             self.engine.abort(request_id)
-        return self._answer({"success": True, "message": f"aborted {len(ids)} requests", "requests": len(ids)})
+        return self._answer(ControlResult(f"aborted {len(ids)} requests", requests=len(ids)))
 
     # ---- RL control (the ingress broadcasts each call to every replica) -----------------------
-    def _answer(self, result: dict[str, Any]) -> ControlAnswer:
-        """The engine's answer (`success`, `message` and the call's extras) as this replica's."""
-        return ControlAnswer.of(result, self.replica, self.rank)
+    def _answer(self, result: ControlResult, ranks: Sequence[int] = ()) -> ControlAnswer:
+        """What the operation did on the engine, as this replica's answer."""
+        return ControlAnswer.of(result, self.replica, self.rank, ranks)
+
+    def _failure(self, e: Exception, ranks: Sequence[int] = ()) -> ControlAnswer:
+        """The operation's exception, as this replica's answer (the ingress answers it)."""
+        return ControlAnswer.failure(e, self.replica, self.rank, ranks)
 
     async def control(self, method: str, kwargs: dict[str, Any]) -> ControlAnswer:
-        """Run one of CONTROL_METHODS on this replica's engine: its answer, or `success: False`."""
-        if method not in CONTROL_METHODS:
+        """Run a control operation that every replica runs as it is (`reach` "call" in CONTROL_OPS) on
+        this replica's engine: its answer, or `success: False`."""
+        op = CONTROL_OPS.get(method)
+        if op is None or op.reach != "call":
             raise ValueError(f"{method!r} is not a control method")
         try:
             return self._answer(await getattr(self.engine, method)(**kwargs))
         except Exception as e:  # noqa: BLE001 - every failure is reported to the ingress, which answers it
-            return self._answer(_refusal(e))
+            return self._failure(e)
 
     async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
                                         world_size: int, group_name: str, backend: str,
@@ -227,23 +226,23 @@ class EngineServer:
         A group that has not met within `timeout_s` (None: the engine's default) fails naming who
         did not join."""
         first = rank_offset + self.rank * self.engine.config.tp
+        ranks = list(range(first, first + self.engine.config.tp))
         timeout = {} if timeout_s is None else {"timeout_s": timeout_s}
         try:
-            answer = await self.engine.init_weights_update_group(master_address, master_port, first, world_size,
-                                                                 group_name, backend, **timeout)
+            return self._answer(await self.engine.init_weights_update_group(
+                master_address, master_port, first, world_size, group_name, backend, **timeout), ranks)
         except Exception as e:  # noqa: BLE001 - reported to the ingress
-            answer = _refusal(e)
-        return self._answer(answer | {"ranks": list(range(first, first + self.engine.config.tp))})
+            return self._failure(e, ranks)
 
-    async def stage_weights(self, update_id: str, kind: str, payload: dict[str, Any]) -> ControlAnswer:
+    async def stage_weights(self, update_id: str, update: WeightUpdate) -> ControlAnswer:
         """Phase one of an update across replicas: stage the new weights on every TP rank without
         serving them. `success: False` names what was refused (nothing is staged then)."""
         try:
-            payload = await _fetched(payload)
-            self._staged[update_id] = await self.engine.stage_weights(weight_source(kind, payload))
-            return self._answer({"success": True, "message": "weights staged"})
+            source = weight_source(await _fetched(update))
+            self._staged[update_id] = await self.engine.stage_weights(source)
+            return self._answer(ControlResult("weights staged"))
         except Exception as e:  # noqa: BLE001 - reported to the ingress, which discards everywhere
-            return self._answer(_refusal(e))
+            return self._failure(e)
 
     async def commit_weights(self, update_id: str, weight_version: str | None,
                              abort_all_requests: bool = False) -> ControlAnswer:
@@ -251,24 +250,23 @@ class EngineServer:
         flight finish on the old weights first and new ones wait, unless `abort_all_requests`."""
         token = self._staged.pop(update_id, None)
         if token is None:
-            return self._answer({"success": False, "message": f"no weights staged for update {update_id!r}"})
+            return ControlAnswer(False, f"no weights staged for update {update_id!r}", self.replica, self.rank)
         try:
             return self._answer(await self.engine.commit_weights(token, weight_version, abort_all_requests))
         except Exception as e:  # noqa: BLE001 - reported to the ingress
-            return self._answer(_refusal(e))
+            return self._failure(e)
 
     async def discard_weights(self, update_id: str) -> ControlAnswer:
         token = self._staged.pop(update_id, None)
         if token is None:
-            return self._answer({"success": True, "message": "nothing staged"})
+            return self._answer(ControlResult("nothing staged"))
         return self._answer(await self.engine.discard_weights(token))
 
     # ---- observability ---------------------------------------------------------------------
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> ReplicaStats:
         cfg = self.engine.config
-        return self.engine.stats() | {"replica": self.replica, "rank": self.rank,
-                                             "model_type": self.engine.spec.model_type,
-                                             "tp": cfg.tp, "max_model_len": cfg.max_model_len}
+        return ReplicaStats(self.replica, self.rank, self.engine.spec.model_type, cfg.tp, cfg.max_model_len,
+                            self.engine.stats())
 
     def model_info(self) -> ModelInfo:
         """What the ingress needs to know of the model and the engine (it loads no model code itself)."""
@@ -278,12 +276,12 @@ class EngineServer:
         except (OSError, ValueError):
             architectures = None
         return ModelInfo(self.model_path, spec.model_type, architectures, self.engine.is_dllm, cfg.max_model_len,
-                         cfg.tp, self.engine.stats()["kv_pages_total"] * cfg.kv_block_size, cfg,
+                         cfg.tp, self.engine.stats().load.kv_pages_total * cfg.kv_block_size, cfg,
                          WEIGHT_OP_TIMEOUT_S, self.engine.paradigm)
 
-    def metric_families(self) -> dict[str, Any]:
+    def metric_families(self) -> MetricFamilies:
         """This replica's request histograms (prometheus_client families) for the ingress's /metrics."""
-        return {"replica": self.replica, "families": self.metrics.families()}
+        return MetricFamilies(self.replica, self.metrics.families())
 
     def check_health(self) -> None:
         """Serve's health check: raises when the engine loop is dead or stalled (Serve then replaces

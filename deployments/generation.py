@@ -75,9 +75,13 @@ def logprob_fields(return_logprob: bool, top_logprobs_num: int, logprob_start_le
 
 
 def _sampling(req: SamplingFields) -> dict[str, Any]:
+    """The sampling fields as GenerationConfig's: those the client set, and `do_sample` (the HTTP
+    default temperature, 1.0, samples). A field left unset is left out, so that the engine sees it
+    unset, with the same value (each HTTP default is GenerationConfig's; top_k's -1 is its 0): a rule
+    that only decodes greedily takes an unset temperature as greedy, as offline."""
     stop = [req.stop] if isinstance(req.stop, str) else req.stop
     sample = req.temperature >= SAMPLING_EPS
-    return dict(
+    fields = dict(
         do_sample=sample,
         temperature=req.temperature if sample else 1.0,
         top_p=req.top_p, top_k=max(req.top_k, 0), min_p=req.min_p,
@@ -87,20 +91,23 @@ def _sampling(req: SamplingFields) -> dict[str, Any]:
         include_stop_str_in_output=req.include_stop_str_in_output,
         **{f: getattr(req, f) for f in DllmOverrides.model_fields},
     )
+    given = req.model_fields_set
+    return {k: v for k, v in fields.items() if k == "do_sample" or HTTP_RENAME.get(k, k) in given}
 
 
 def engine_requests(prompt: Prompt, sampling: SamplingFields, rename: Mapping[str, str], prefix: str = "req",
                     request_id: str | None = None, **fields: Any) -> list[EngineRequest]:
     """The engine requests of one prompt: the shared sampling fields plus the endpoint's own
     GenerationConfig fields, one request per sample (`GenerationConfig.samples`: seeds seed, seed+1, ...).
-    Their ids: `request_id` (the caller's, e.g. SGLang's `rid`) or a new one, `-i` appended per sample."""
+    Their ids: `request_id` (the caller's, e.g. SGLang's `rid`) or a new one, `-i` appended per sample.
+    Their params count as given the sampling fields the client set and the endpoint's `fields`."""
     try:
         cfg = GenerationConfig(**(_sampling(sampling) | fields))
     except ValidationError as e:
         raise validation_error(e, rename) from None
     rid = request_id or new_request_id(prefix)
     configs = cfg.samples()
-    return [EngineRequest(prompt=prompt, params=c.model_dump(), request_id=rid if len(configs) == 1 else f"{rid}-{i}",
+    return [EngineRequest(prompt=prompt, params=c, request_id=rid if len(configs) == 1 else f"{rid}-{i}",
                           rename=dict(rename)) for i, c in enumerate(configs)]
 
 

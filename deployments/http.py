@@ -1,6 +1,7 @@
 """HTTP plumbing every route shares: the error response, the API key, the body size limit,
-admission (generation requests in flight), Server-Sent Events, and the route declaration the
-protocol modules use to list their routes for the ingress."""
+admission (generation requests in flight), Server-Sent Events (`HttpServing`, the ingress's one
+instance every route group is given), and the route declaration the route groups list their routes
+with for the ingress."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import math
 import weakref
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar, Protocol
 
 from pydantic import BaseModel
 from ray.exceptions import TaskCancelledError
@@ -21,6 +22,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from deployments.errors import ApiError
+from deployments.metrics import IngressMetrics
 
 log = logging.getLogger(__name__)
 
@@ -30,13 +32,22 @@ RETRY_AFTER_S = 1  # the Retry-After of 429 (ingress full) and 503 (engine repli
 
 @dataclass(frozen=True)
 class Route:
-    """One HTTP route of the ingress: `endpoint` names the ingress method that answers it (declared
-    by a protocol's routes mixin); `options` are FastAPI's `add_api_route` keywords."""
+    """One HTTP route of the ingress: `endpoint` names the method of the route group declaring it that
+    answers it (`(request) -> Response`), and the ingress's method of the same name that FastAPI calls;
+    `options` are FastAPI's `add_api_route` keywords."""
 
     path: str
     endpoint: str
     methods: tuple[str, ...] = ("POST",)
     options: Mapping[str, Any] = field(default_factory=dict)
+
+
+class RouteGroup(Protocol):
+    """A route group's class, as the ingress reads it: its HTTP routes (`ROUTES`) and the names of its
+    methods the ingress offers as its own handle methods (`HANDLES`)."""
+
+    ROUTES: ClassVar[tuple[Route, ...]]
+    HANDLES: ClassVar[tuple[str, ...]]
 
 
 # ---- OpenAPI ----------------------------------------------------------------------------------
@@ -176,14 +187,17 @@ def json_roundtrip(body: Any) -> Any:
 
 # ---- serving one route ------------------------------------------------------------------------
 class HttpServing:
-    """The ingress's request plumbing. Needs `api_key`, `max_body_bytes`, `slots`, `retry_after_s` and
-    `metrics` on the instance."""
+    """The ingress's request plumbing: the API key (None: off), the body size limit, admission
+    (`slots`), the Retry-After of its 429 / 503 answers, and the count of every answer by route and
+    status (`metrics`)."""
 
-    api_key: str | None
-    max_body_bytes: int
-    slots: Slots
-    retry_after_s: int
-    metrics: Any
+    def __init__(self, api_key: str | None, max_body_bytes: int, slots: Slots, retry_after_s: int,
+                 metrics: IngressMetrics):
+        self.api_key = api_key
+        self.max_body_bytes = max_body_bytes
+        self.slots = slots
+        self.retry_after_s = retry_after_s
+        self.metrics = metrics
 
     def _authorize(self, request: Request) -> None:
         if self.api_key is None:
@@ -212,8 +226,8 @@ class HttpServing:
         except RecursionError:
             raise ApiError("the request body is nested too deeply to be a request") from None
 
-    async def _serve(self, request: Request, route: str, handler: Callable, auth: bool = True,
-                     body: bool = True, limited: bool = False) -> Response:
+    async def serve(self, request: Request, route: str, handler: Callable, auth: bool = True,
+                    body: bool = True, limited: bool = False) -> Response:
         """Run one route: API key, admission (generation routes), body, handler; every failure
         becomes the error JSON."""
         status = 500

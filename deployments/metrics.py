@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from deployments.wire import ReplicaStats
+from engine.answers import EngineSnapshot
 
 # `_created` series double every counter and histogram; no dashboard reads them.
 disable_created_metrics()
@@ -88,41 +90,41 @@ class RequestMetrics:
         return list(self.registry.collect())
 
 
-def _engine_gauges(model: str, stats: list[Mapping[str, Any]]) -> Iterable[Metric]:
-    """One series per engine replica for each value of `EngineServer.stats()`."""
+def _engine_gauges(model: str, stats: list[ReplicaStats]) -> Iterable[Metric]:
+    """One series per engine replica for each value of its stats (`EngineServer.stats()`)."""
 
-    def family(kind: type, name: str, doc: str, value: Callable[[Mapping[str, Any]], float]) -> Metric:
+    def family(kind: type, name: str, doc: str, value: Callable[[EngineSnapshot], float]) -> Metric:
         fam = kind(name, doc, labels=["model", "replica"])
         for s in stats:
-            fam.add_metric([model, str(s.get("replica"))], value(s))
+            fam.add_metric([model, s.replica], value(s.engine))
         return fam
 
     gauge, counter = GaugeMetricFamily, CounterMetricFamily
-    yield family(gauge, "blockserve_num_requests_running", "Requests being decoded.", lambda s: s["running"])
-    yield family(gauge, "blockserve_num_requests_waiting", "Requests queued for admission.", lambda s: s["waiting"])
-    yield family(gauge, "blockserve_kv_pages_total", "KV cache pages.", lambda s: s["kv_pages_total"])
-    yield family(gauge, "blockserve_kv_pages_free", "Free KV cache pages.", lambda s: s["kv_pages_free"])
+    yield family(gauge, "blockserve_num_requests_running", "Requests being decoded.", lambda e: e.load.running)
+    yield family(gauge, "blockserve_num_requests_waiting", "Requests queued for admission.", lambda e: e.load.waiting)
+    yield family(gauge, "blockserve_kv_pages_total", "KV cache pages.", lambda e: e.load.kv_pages_total)
+    yield family(gauge, "blockserve_kv_pages_free", "Free KV cache pages.", lambda e: e.load.kv_pages_free)
     yield family(gauge, "blockserve_kv_cache_usage_ratio", "Fraction of KV pages in use (0-1).",
-                 lambda s: 1.0 - s["kv_pages_free"] / max(s["kv_pages_total"], 1))
+                 lambda e: 1.0 - e.load.kv_pages_free / max(e.load.kv_pages_total, 1))
     yield family(counter, "blockserve_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                 lambda s: s["prompt_tokens"])
+                 lambda e: e.prompt_tokens)
     yield family(counter, "blockserve_prefix_cache_hits", "Prompt tokens found in the prefix cache.",
-                 lambda s: s["prefix_hit_tokens"])
+                 lambda e: e.load.prefix_hit_tokens)
     yield family(gauge, "blockserve_prefix_cache_hit_rate", "Prefix-cache hits / queries since start (tokens).",
-                 lambda s: s["prefix_hit_tokens"] / max(s["prompt_tokens"], 1))
-    yield family(counter, "blockserve_engine_steps", "Engine steps.", lambda s: s["steps"])
-    yield family(counter, "blockserve_engine_forwards", "Model forwards.", lambda s: s["forwards"])
+                 lambda e: e.load.prefix_hit_tokens / max(e.prompt_tokens, 1))
+    yield family(counter, "blockserve_engine_steps", "Engine steps.", lambda e: e.steps)
+    yield family(counter, "blockserve_engine_forwards", "Model forwards.", lambda e: e.forwards)
     yield family(counter, "blockserve_engine_prompt_tokens", "Prompt tokens admitted by the engine.",
-                 lambda s: s["prompt_tokens"])
+                 lambda e: e.prompt_tokens)
     yield family(counter, "blockserve_engine_generated_tokens", "Tokens generated (unmasked) by the engine.",
-                 lambda s: s["generated_tokens"])
-    yield family(counter, "blockserve_engine_step_seconds", "Time spent in engine steps.", lambda s: s["step_seconds"])
+                 lambda e: e.generated_tokens)
+    yield family(counter, "blockserve_engine_step_seconds", "Time spent in engine steps.", lambda e: e.step_seconds)
     yield family(counter, "blockserve_engine_forward_seconds", "Time spent in model forwards.",
-                 lambda s: s["forward_seconds"])
+                 lambda e: e.forward_seconds)
     yield family(gauge, "blockserve_engine_tokens_per_step", "Generated tokens per engine step since start.",
-                 lambda s: s["generated_tokens"] / max(s["steps"], 1))
+                 lambda e: e.generated_tokens / max(e.steps, 1))
     yield family(counter, "blockserve_engine_preemptions", "Sequences preempted for KV space.",
-                 lambda s: s.get("preemptions", 0))
+                 lambda e: e.load.preemptions)
 
 
 def _with_replica(model: str, families_by_replica: Mapping[str, list[Metric]]) -> Iterable[Metric]:
@@ -171,7 +173,7 @@ class IngressMetrics:
     def request(self, route: str, status: int) -> None:
         self.requests.labels(self.model, route, str(status)).inc()
 
-    def render(self, stats: list[Mapping[str, Any]], families: Mapping[str, list[Metric]]) -> bytes:
-        """The text exposition, with the engine replicas' `stats()` and histogram families."""
+    def render(self, stats: list[ReplicaStats], families: Mapping[str, list[Metric]]) -> bytes:
+        """The text exposition, with the engine replicas' stats and histogram families (by replica)."""
         self._engines.families = [*_engine_gauges(self.model, stats), *_with_replica(self.model, families)]
         return generate_latest(self.registry)

@@ -8,21 +8,27 @@ What crosses, and which way:
   `Response` when unary (`engine.carrier`; the final one carries `finish_reason`, and with "stop" the
   stop that `matched`), or a single `Rejection` in their place when the request is refused;
 - `ModelInfo`: the model and engine facts the ingress needs (it loads no model code), asked once;
-- `ControlAnswer`: one replica's answer to an RL control call or an abort.
+- `ControlAnswer`: one replica's answer to an RL control call or an abort;
+- `ReplicaStats` and `MetricFamilies`: one replica's stats (the engine's `EngineSnapshot`, typed in
+  `engine.answers`) and its request histograms, for /metrics, /server_info and the handle API.
 
-Every field is a built-in type, a config model or one of these (no tensors: weights sent by reference
-travel beside this protocol, straight to the replicas), so Ray pickles them as they are.
+Every field is a built-in type, a config model, a prometheus_client family or one of these (no tensors:
+weights sent by reference travel beside this protocol, straight to the replicas), so Ray pickles them
+as they are.
 """
 
 from __future__ import annotations
 
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from prometheus_client.metrics_core import Metric
 from pydantic import BaseModel, Field
 
 from configs import EngineConfig, GenerationConfig
+from engine.answers import ControlResult, EngineSnapshot
 from engine.carrier import OutputChunk, Response
 
 Prompt = str | list[int]
@@ -36,8 +42,9 @@ class EngineRequest(BaseModel):
     """One request, as the ingress sends it to an EngineServer (one per sample of a prompt)."""
 
     prompt: Prompt  # the text to tokenize, or the token ids as they are
-    # what the request asks for, validated; built from a whole dump of the endpoint's config, so every
-    # field counts as given (the engine names the given sampling fields when a request's step fails)
+    # what the request asks for, validated; its `model_fields_set` are the fields the client set (and
+    # those the endpoint sets itself): a field left unset stays unset in the engine (a rule that only
+    # decodes greedily takes an unset temperature as greedy; a failed step names the fields given)
     params: GenerationConfig
     request_id: str  # unique among the requests in flight; `abort_request(rid)` finds it by this id
     # engine field name -> this endpoint's field name, so that a refusal names the field as the caller wrote it
@@ -85,11 +92,45 @@ class ControlAnswer:
     weight_version: str | None = None  # commit_weights: the version now served
 
     @classmethod
-    def of(cls, answer: dict[str, Any], replica: str = "local", rank: int | None = None) -> ControlAnswer:
-        """The answer from the engine's own (a dict: `success`, `message` and the call's extras)."""
-        return cls(bool(answer.get("success")), str(answer.get("message", "")), replica, rank,
-                   bool(answer.get("refused", False)), answer.get("requests"), list(answer.get("ranks", ())),
-                   answer.get("weight_version"))
+    def of(cls, result: ControlResult, replica: str = "local", rank: int | None = None,
+           ranks: Sequence[int] = ()) -> ControlAnswer:
+        """A replica's answer from what the operation did on its engine."""
+        return cls(True, result.message, replica, rank, requests=result.requests, ranks=list(ranks),
+                   weight_version=result.weight_version)
+
+    @classmethod
+    def failure(cls, e: Exception, replica: str = "local", rank: int | None = None,
+                ranks: Sequence[int] = ()) -> ControlAnswer:
+        """A replica's answer from the exception of the operation: `refused` when it refused the input
+        (a ValueError, WeightUpdateError included) rather than failed."""
+        refused = isinstance(e, ValueError)
+        return cls(False, str(e) if refused else f"{type(e).__name__}: {e}", replica, rank, refused,
+                   ranks=list(ranks))
+
+
+@dataclass(frozen=True)
+class ReplicaStats:
+    """One replica's stats (`EngineServer.stats`)."""
+
+    replica: str  # the replica's Serve id
+    rank: int  # its rank among the deployment's replicas
+    model_type: str  # config.json's model_type
+    tp: int  # tensor-parallel ranks per replica
+    max_model_len: int  # the most tokens (prompt + output) one request may hold
+    engine: EngineSnapshot  # its engine's load and counters
+
+    def to_dict(self) -> dict[str, Any]:
+        """The handle API's JSON (`Ingress.engine_stats`): the engine's stats, then the replica's facts."""
+        return self.engine.to_dict() | {"replica": self.replica, "rank": self.rank, "model_type": self.model_type,
+                                        "tp": self.tp, "max_model_len": self.max_model_len}
+
+
+@dataclass(frozen=True)
+class MetricFamilies:
+    """One replica's request histograms (`EngineServer.metric_families`), for the ingress's /metrics."""
+
+    replica: str  # the replica's Serve id
+    families: list[Metric]  # its prometheus_client families (RequestMetrics)
 
 
 def new_request_id(prefix: str = "req") -> str:

@@ -11,11 +11,13 @@ from the caller's thread, instead of waiting on a loop that may never come back.
 
 RL control: between rollouts a trainer pauses generation, pushes new weights, frees and restores
 memory (`pause_generation`, `update_weights_from_*`, `release_memory_occupation`, ... one method per
-SGLang route, each run on the loop thread between two steps, every rank or none). The loop steps only
-while *serving*: not paused and nothing released. Requests that arrive otherwise are queued and wait;
-with `hold_timeout_s` set, one that has waited that long without being served ends with
-`EngineHeldError` (the server answers 503 with Retry-After). A control operation may run far longer
-than a forward (a broadcast waits for the trainer): the stall check gives it `WEIGHT_OP_TIMEOUT_S`.
+SGLang route, each run on the loop thread between two steps, every rank or none). They are the
+operations of the `RLControl` the engine holds (`control`, engine.rl_control), offered as the
+engine's own methods. The loop steps only while *serving*: not paused and nothing released.
+Requests that arrive otherwise are queued and wait; with `hold_timeout_s` set, one that has waited
+that long without being served ends with `EngineHeldError` (the server answers 503 with
+Retry-After). A control operation may run far longer than a forward (a broadcast waits for the
+trainer): the stall check gives it `WEIGHT_OP_TIMEOUT_S`.
 
 A weight update that arrives while requests are generating (not paused) waits, as in SGLang: the
 requests in flight finish on the old weights, requests that arrive meanwhile are held, and the update
@@ -38,11 +40,13 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from configs import EngineConfig, GenerationConfig
+from engine.answers import ControlResult, EngineSnapshot
 from engine.carrier import OutputChunk
 from engine.core.llm_engine import LLMEngine
+from engine.delegation import Delegated
 from engine.errors import EngineDeadError, EngineHeldError
 from engine.executor.base import ExecutorFactory
-from engine.rl_control import CommandKind, RLControlMixin
+from engine.rl_control import CommandKind, RLControl
 from engine.worker.update_group import WEIGHT_OP_TIMEOUT_S
 
 log = logging.getLogger(__name__)
@@ -50,7 +54,22 @@ log = logging.getLogger(__name__)
 _Command = tuple[Callable[[], Any], concurrent.futures.Future]
 
 
-class AsyncEngine(RLControlMixin):
+class AsyncEngine:
+    # The trainer's operations (engine.rl_control), offered as the engine's own methods
+    update_weights_from_disk = Delegated("control")
+    update_weights_from_tensor = Delegated("control")
+    init_weights_update_group = Delegated("control")
+    update_weights_from_distributed = Delegated("control")
+    destroy_weights_update_group = Delegated("control")
+    flush_cache = Delegated("control")
+    pause_generation = Delegated("control")
+    continue_generation = Delegated("control")
+    release_memory_occupation = Delegated("control")
+    resume_memory_occupation = Delegated("control")
+    stage_weights = Delegated("control")
+    commit_weights = Delegated("control")
+    discard_weights = Delegated("control")
+
     def __init__(self, model_path: str, config: EngineConfig | None = None,
                  executor_factory: ExecutorFactory | None = None, stall_timeout_s: float = 60.0,
                  hold_timeout_s: float | None = None):
@@ -64,11 +83,8 @@ class AsyncEngine(RLControlMixin):
         self._running = True
         self._heartbeat = time.monotonic()
         self._fatal: BaseException | None = None
-        self._paused: str | None = None  # the pause mode while paused
-        self._released: set[str] = set()  # memory tags released
         self._held: dict[str, float] = {}  # requests that arrived while not serving -> arrival time
-        self._control_since: float | None = None  # when the control operation in progress started
-        self._staged: str | None = None  # the token of the weights staged by stage_weights, not yet committed
+        self.control = RLControl(self.engine, self._call, self._abort_everything, self._held.clear)
         self._thread = threading.Thread(target=self._loop, name="blockserve-engine", daemon=True)
         self._thread.start()
 
@@ -163,11 +179,11 @@ class AsyncEngine(RLControlMixin):
 
     @property
     def serving(self) -> bool:
-        return self._paused is None and not self._released
+        return self.control.serving
 
     @property
     def state(self) -> str:
-        return "released" if self._released else "paused" if self._paused else "serving"
+        return self.control.state
 
     def _busy(self) -> bool:
         return self.serving and self.engine.has_unfinished()
@@ -284,11 +300,11 @@ class AsyncEngine(RLControlMixin):
                 aborted += 1
         return aborted
 
-    async def abort_all(self) -> dict[str, Any]:
+    async def abort_all(self) -> ControlResult:
         """End every request in flight now (finish_reason "abort", with its partial output), as
         SGLang's `/abort_request {"abort_all": true}`."""
         aborted = await asyncio.wrap_future(self._call(self._abort_everything))
-        return {"success": True, "message": f"aborted {aborted} requests", "requests": aborted}
+        return ControlResult(f"aborted {aborted} requests", requests=aborted)
 
     def abort(self, request_id: str) -> None:
         def do_abort() -> None:
@@ -303,21 +319,10 @@ class AsyncEngine(RLControlMixin):
         """Run fn(engine) on the loop thread (for stats that must be read consistently)."""
         return await asyncio.wrap_future(self._call(lambda: fn(self.engine)))
 
-    def stats(self) -> dict[str, Any]:
-        e = self.engine
-        s = e.stats
-        return {
-            **e.load(),
-            "steps": s.steps,
-            "forwards": s.forwards,
-            "prompt_tokens": s.prompt_tokens,
-            "generated_tokens": s.generated_tokens,
-            "unmasking_steps": s.unmasking_steps,
-            "forward_seconds": s.forward_seconds,
-            "step_seconds": s.step_seconds,
-            "state": self.state,
-            "weight_version": e.weight_version,
-        }
+    def stats(self) -> EngineSnapshot:
+        e, s = self.engine, self.engine.stats
+        return EngineSnapshot(e.load(), s.steps, s.forwards, s.prompt_tokens, s.generated_tokens,
+                              s.unmasking_steps, s.forward_seconds, s.step_seconds, self.state, e.weight_version)
 
     def check_health(self) -> None:
         """Raise if the loop died or has been stuck for stall_timeout_s. A stuck loop is declared
@@ -325,7 +330,7 @@ class AsyncEngine(RLControlMixin):
         if not self._thread.is_alive() or not self._running:
             raise EngineDeadError(f"the engine loop is not running: {self._fatal!r}")
         stuck = time.monotonic() - self._heartbeat
-        allowed = self.stall_timeout_s + (WEIGHT_OP_TIMEOUT_S if self._control_since is not None else 0.0)
+        allowed = self.stall_timeout_s + (WEIGHT_OP_TIMEOUT_S if self.control.since is not None else 0.0)
         if stuck > allowed:
             self._fatal = EngineDeadError(f"the engine loop has been stuck for {stuck:.1f}s "
                                           f"(stall_timeout_s={self.stall_timeout_s})")

@@ -49,7 +49,7 @@ def test_bad_request_raises_before_the_first_chunk_and_engine_keeps_serving(engi
 
 
 def test_cancelled_stream_frees_its_pages(engine):
-    start = engine.stats()["kv_pages_free"]
+    start = engine.stats().load.kv_pages_free
 
     async def main():
         stream = engine.generate([1, 2, 3, 4, 5], GenerationConfig(max_new_tokens=200, ignore_eos=True))

@@ -99,7 +99,7 @@ def release_resume_cycle(eng: AsyncEngine) -> None:
     """Release everything with a request arriving meanwhile; it waits and is served after resume."""
     async def main():
         released = await eng.release_memory_occupation(["weights", "kv_cache"])
-        assert released["released"] == ["kv_cache", "weights"] and eng.stats()["state"] == "released"
+        assert released.released == ["kv_cache", "weights"] and eng.stats().state == "released"
         waiting = asyncio.ensure_future(collect(eng, PROMPTS[0]))
         await asyncio.sleep(0.3)
         assert not waiting.done()

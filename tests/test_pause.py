@@ -81,7 +81,7 @@ def test_abort_ends_every_request_with_its_partial_output(served):
         return await eng.pause_generation("abort")
 
     chunks, result = streaming_then(eng, control)
-    assert result["success"] and result["requests"] == len(PROMPTS)
+    assert result.requests == len(PROMPTS)
     for got, want in zip(chunks, reference):
         r = Response.from_chunks(got)
         assert r.finish_reason == "abort"
@@ -100,15 +100,15 @@ def test_paused_and_continued_requests_equal_an_uninterrupted_run(served, mode):
         paused = await eng.pause_generation(mode)
         state = eng.stats()
         await asyncio.sleep(0.3)  # nothing moves while paused
-        assert eng.stats()["generated_tokens"] == state["generated_tokens"]
-        assert state["state"] == "paused"
+        assert eng.stats().generated_tokens == state.generated_tokens
+        assert state.state == "paused"
         if mode == "retract":
-            assert (state["running"], state["waiting"], state["kv_pages_free"]) == (0, len(PROMPTS), 256)
+            assert (state.load.running, state.load.waiting, state.load.kv_pages_free) == (0, len(PROMPTS), 256)
         await eng.continue_generation()
         return paused
 
     chunks, paused = streaming_then(eng, control)
-    assert paused["requests"] == len(PROMPTS)  # retracted, or held where they stand
+    assert paused.requests == len(PROMPTS)  # retracted, or held where they stand
     for got, want in zip(chunks, reference):
         assert sum(c.finished for c in got) == 1 and got[-1].finished  # each ends once, last
         assert_same(Response.from_chunks(got), want)

@@ -21,7 +21,7 @@ from ray import serve
 from configs import EngineConfig, GenerationConfig
 from deployments.app import AppArgs
 from deployments.ingress import app as ingress_app
-from deployments.rl.protocol import CONTROL_REQUESTS
+from deployments.rl.protocol import CONTROL_OPS
 from engine.offline import pipeline
 
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -87,7 +87,7 @@ def test_api_key_guards_every_route_but_health(reliability_apps):
             assert r.json()["error"]["type"] == "authentication_error" and r.headers["www-authenticate"] == "Bearer"
         r = httpx.request(method, url + path, params={"api_key": KEY}, json=body, timeout=30)  # not in the URL
         assert r.status_code == 401, (path, r.text)
-        if path.lstrip("/") in CONTROL_REQUESTS:  # RL control: with the key, it would pause / release this app
+        if path.lstrip("/") in CONTROL_OPS:  # RL control: with the key, it would pause / release this app
             continue
         assert httpx.request(method, url + path, json=body, headers=AUTH, timeout=60).status_code == 200, path
     # the key is checked before the body is even read: streams, garbage and oversized bodies alike

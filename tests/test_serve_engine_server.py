@@ -21,7 +21,7 @@ def test_cancelling_at_any_point_never_kills_the_engine_or_leaks_pages(tiny_chec
     server = EngineServer.func_or_class(str(tiny_checkpoints["sdar"]), SERVE_ENGINE)
     try:
         async def main() -> None:
-            free = server.stats()["kv_pages_free"]
+            free = server.stats().engine.load.kv_pages_free
             for i in range(48):  # cancel while the add is queued, while it runs, and mid-stream
                 stream = server.generate_stream(request(i, max_new_tokens=200, ignore_eos=True))
                 task = asyncio.ensure_future(stream.__anext__())
@@ -34,12 +34,12 @@ def test_cancelling_at_any_point_never_kills_the_engine_or_leaks_pages(tiny_chec
                 await asyncio.gather(task, return_exceptions=True)
                 await stream.aclose()
             for _ in range(200):
-                s = server.stats()
-                if s["running"] + s["waiting"] == 0:
+                s = server.stats().engine.load
+                if s.running + s.waiting == 0:
                     break
                 await asyncio.sleep(0.02)
             server.check_health()
-            assert (s["running"], s["waiting"], s["kv_pages_free"]) == (0, 0, free)
+            assert (s.running, s.waiting, s.kv_pages_free) == (0, 0, free)
             (out,) = await server.generate_batch([request(99, max_new_tokens=8)])
             assert isinstance(out, Response)
             assert out.finish_reason == "length" and len(out.token_ids) == len(out.step_map) == 8
@@ -78,12 +78,12 @@ def test_a_caller_whose_event_loop_closed_mid_stream_does_not_kill_the_engine(ti
         for i in range(4):
             assert asyncio.run(first_delta(i)).finish_reason is None
         for _ in range(200):
-            s = server.stats()
-            if s["running"] + s["waiting"] == 0:
+            s = server.stats().engine.load
+            if s.running + s.waiting == 0:
                 break
             asyncio.run(asyncio.sleep(0.02))
         server.check_health()
-        assert s["running"] + s["waiting"] == 0 and s["kv_pages_free"] == s["kv_pages_total"]
+        assert s.running + s.waiting == 0 and s.kv_pages_free == s.kv_pages_total
         (out,) = asyncio.run(server.generate_batch([request(9, max_new_tokens=4)]))
         assert len(out.token_ids) == 4
     finally:

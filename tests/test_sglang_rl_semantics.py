@@ -30,6 +30,7 @@ import pytest
 from ports import free_port
 
 from engine import EngineConfig, GenerationConfig, Response, pipeline
+from engine.answers import ControlResult
 from engine.async_engine import AsyncEngine
 from engine.errors import WeightUpdateError
 from engine.model.checkpoint import iter_weights
@@ -142,7 +143,7 @@ async def queue_in_order(eng: AsyncEngine, *steps):
 
 
 # ---- flattened_bucket broadcasts ------------------------------------------------------------------
-def flat_update(eng: AsyncEngine, ckpt: str, version: str, bad: str = "", group: str = "flat") -> dict:
+def flat_update(eng: AsyncEngine, ckpt: str, version: str, bad: str = "", group: str = "flat") -> ControlResult:
     """The trainer broadcasts one bucket to every engine rank (ranks 1..tp); AReaL sends the port as a string."""
     port, world = free_port(), 1 + eng.config.tp
     trainer = start_trainer(port, world, ckpt, group, bad)
@@ -168,7 +169,7 @@ def served(eng: AsyncEngine) -> dict[str, Response]:
 
 
 def test_a_flattened_bucket_broadcast_equals_a_fresh_engine(engine, ckpts, expected):
-    assert flat_update(engine, ckpts["b"], "flat")["weight_version"] == "flat"
+    assert flat_update(engine, ckpts["b"], "flat").weight_version == "flat"
     got = served(engine)
     for k in ("long", "short"):
         assert_same(got[k], expected["b"][k], "flat")
@@ -188,7 +189,7 @@ def test_tp2_a_flattened_bucket_reaches_every_rank(serve_cluster, ckpts, expecte
 
     eng = AsyncEngine(ckpts["a"], CONFIG.model_copy(update={"tp": 2}), RayTPExecutor)
     try:
-        assert flat_update(eng, ckpts["b"], "flat-tp2")["weight_version"] == "flat-tp2"
+        assert flat_update(eng, ckpts["b"], "flat-tp2").weight_version == "flat-tp2"
         got = served(eng)
     finally:
         eng.shutdown()
@@ -205,18 +206,18 @@ def test_an_unknown_load_format_is_refused_before_anything_is_received(engine, c
             run(engine.update_weights_from_tensor([("model.norm.weight", None)], load_format=load_format))
     with pytest.raises(WeightUpdateError, match="load_format='pt' is not supported for checkpoints"):
         run(engine.update_weights_from_disk(ckpts["b"], load_format="pt"))
-    assert run(engine.update_weights_from_disk(ckpts["a"], load_format="auto"))["weight_version"] == "default"
+    assert run(engine.update_weights_from_disk(ckpts["a"], load_format="auto")).weight_version == "default"
     assert_same(served(engine)["short"], expected["a"]["short"], "default")
 
 
 # ---- weight_version -------------------------------------------------------------------------------
 def test_an_update_without_a_version_keeps_the_version(engine, ckpts, expected):
     named = [(n, w[...]) for n, w in iter_weights(ckpts["b"])]
-    assert run(engine.update_weights_from_tensor(named[:3], weight_version="v7"))["weight_version"] == "v7"
-    assert run(engine.update_weights_from_tensor(named[3:]))["weight_version"] == "v7"  # one call per bucket
+    assert run(engine.update_weights_from_tensor(named[:3], weight_version="v7")).weight_version == "v7"
+    assert run(engine.update_weights_from_tensor(named[3:])).weight_version == "v7"  # one call per bucket
     assert_same(served(engine)["short"], expected["b"]["short"], "v7")
-    assert run(engine.update_weights_from_disk(ckpts["a"]))["weight_version"] == "v7"
-    assert engine.stats()["weight_version"] == "v7"
+    assert run(engine.update_weights_from_disk(ckpts["a"])).weight_version == "v7"
+    assert engine.stats().weight_version == "v7"
     assert_same(served(engine)["short"], expected["a"]["short"], "v7")
 
 
@@ -227,7 +228,7 @@ def test_an_update_waits_for_requests_in_flight_and_holds_new_ones(engine, ckpts
         engine.update_weights_from_disk(ckpts["b"], weight_version="new"),
         collect(engine, OTHER, SHORT)))
     assert_same(long, expected["a"]["long"], "default")  # generated entirely by the old weights
-    assert update["weight_version"] == "new"
+    assert update.weight_version == "new"
     assert_same(new, expected["b"]["short"], "new")  # held until the update was done
 
 
@@ -239,7 +240,7 @@ def test_a_commit_of_staged_weights_waits_for_requests_in_flight(engine, ckpts, 
         engine, collect(engine, PROMPT, LONG), engine.commit_weights(token, "committed"),
         collect(engine, OTHER, SHORT)))
     assert_same(long, expected["a"]["long"], "default")
-    assert commit["weight_version"] == "committed"
+    assert commit.weight_version == "committed"
     assert_same(new, expected["b"]["short"], "committed")
 
 
@@ -248,7 +249,7 @@ def test_abort_all_requests_ends_the_requests_in_flight_before_the_update(engine
         engine, collect(engine, PROMPT, LONG),
         engine.update_weights_from_disk(ckpts["b"], weight_version="b", abort_all_requests=True)))
     assert long.finish_reason == "abort" and long.weight_version == "default"
-    assert update["weight_version"] == "b"
+    assert update.weight_version == "b"
     assert_same(served(engine)["long"], expected["b"]["long"], "b")
 
 
@@ -256,27 +257,28 @@ def test_abort_all_ends_every_request_held_ones_included(engine, ckpts, expected
     first, update, held, aborted = run(queue_in_order(
         engine, collect(engine, PROMPT, LONG), engine.update_weights_from_disk(ckpts["b"], weight_version="b"),
         collect(engine, OTHER, SHORT), engine.abort_all()))
-    assert aborted == {"success": True, "message": "aborted 2 requests", "requests": 2}
+    assert aborted == ControlResult("aborted 2 requests", requests=2)
     assert first.finish_reason == held.finish_reason == "abort"
-    assert update["weight_version"] == "b"  # nothing left in flight: the update ran
+    assert update.weight_version == "b"  # nothing left in flight: the update ran
     assert_same(served(engine)["short"], expected["b"]["short"], "b")
-    assert run(engine.abort_all())["requests"] == 0
+    assert run(engine.abort_all()).requests == 0
 
 
 # ---- memory tags ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("tags", [None, [], ["weights", "kv_cache", "cuda_graph"]])
 def test_memory_tags_none_and_empty_mean_all_and_cuda_graph_is_accepted(engine, expected, tags):
     released = run(engine.release_memory_occupation(tags))
-    assert released["released"] == ["kv_cache", "weights"] and engine.stats()["state"] == "released"
+    assert released.released == ["kv_cache", "weights"] and engine.stats().state == "released"
     # what the tag did, true of this engine: one without CUDA graphs (CPU) has none to drop
-    held = engine.stats().get("cuda_graphs", {}).get("state") == "on"
+    graphs = engine.stats().load.executor.cuda_graphs
+    held = graphs is not None and graphs.state == "on"
     note = "cuda_graph: captured CUDA graphs dropped" if held else "cuda_graph: nothing to release (no CUDA graphs: "
-    assert note in released["message"], released["message"]
+    assert note in released.message, released.message
     resumed = run(engine.resume_memory_occupation(tags))
-    assert resumed["released"] == [] and engine.stats()["state"] == "serving"
+    assert resumed.released == [] and engine.stats().state == "serving"
     assert_same(served(engine)["short"], expected["a"]["short"], "default")
     only_graphs = run(engine.release_memory_occupation(["cuda_graph"]))
-    assert only_graphs["released"] == [] and engine.stats()["state"] == "serving"
+    assert only_graphs.released == [] and engine.stats().state == "serving"
 
 
 # ---- update groups that do not form ---------------------------------------------------------------
@@ -302,5 +304,5 @@ def test_a_group_missing_an_engine_rank_names_it_and_can_be_formed_again(engine,
     finally:
         trainer.kill()
         trainer.communicate()
-    assert flat_update(engine, ckpts["b"], "v", group="g")["weight_version"] == "v"  # the same name, formed now
+    assert flat_update(engine, ckpts["b"], "v", group="g").weight_version == "v"  # the same name, formed now
     assert_same(served(engine)["short"], expected["b"]["short"], "v")

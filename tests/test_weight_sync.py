@@ -18,6 +18,7 @@ import torch
 from ports import free_port
 
 from engine import EngineConfig, GenerationConfig, Response, pipeline
+from engine.answers import ControlResult
 from engine.async_engine import AsyncEngine
 from engine.errors import WeightUpdateError
 from engine.model.checkpoint import iter_weights
@@ -126,13 +127,13 @@ def test_the_two_checkpoints_differ(expected):
 
 def test_disk_update_answers_like_a_fresh_engine_and_flushes_the_prefix_cache(engine, ckpts, expected):
     assert_same(served(engine), expected["a"], "default")  # prompts now in the prefix cache
-    hits = engine.stats()["prefix_hit_tokens"]
-    assert served(engine) and engine.stats()["prefix_hit_tokens"] > hits  # the cache is warm
+    hits = engine.stats().load.prefix_hit_tokens
+    assert served(engine) and engine.stats().load.prefix_hit_tokens > hits  # the cache is warm
     out = run(engine.update_weights_from_disk(ckpts["b"], weight_version="step-1"))
-    assert out == {"success": True, "message": "weights updated to version 'step-1'", "weight_version": "step-1"}
-    hits = engine.stats()["prefix_hit_tokens"]
+    assert out == ControlResult("weights updated to version 'step-1'", weight_version="step-1")
+    hits = engine.stats().load.prefix_hit_tokens
     assert_same(served(engine), expected["b"], "step-1")
-    assert engine.stats()["prefix_hit_tokens"] == hits, "K/V of the old weights were reused"
+    assert engine.stats().load.prefix_hit_tokens == hits, "K/V of the old weights were reused"
     assert_same(served(engine), expected["b"], "step-1")  # the new weights' K/V are cached and reused
     run(engine.update_weights_from_disk(ckpts["a"]))
     assert_same(served(engine), expected["a"], "step-1")  # no version given: the version stays (SGLang)
@@ -193,7 +194,7 @@ def test_refused_updates_change_nothing(engine, ckpts, expected):
         assert_same(served(engine), before, "good")
     with pytest.raises(WeightUpdateError, match="load_format"):
         run(engine.update_weights_from_tensor(list(good.items()), load_format="direct"))
-    assert engine.stats()["weight_version"] == "good"
+    assert engine.stats().weight_version == "good"
 
 
 def test_missing_tensor_in_a_checkpoint_is_refused(tmp_path, ckpts):
@@ -222,7 +223,7 @@ def test_pipeline_moe_update_by_per_expert_names(tmp_path):
         assert_same(pipe(PROMPTS, PARAMS), fresh(str(a)), "back")
 
 
-def distributed_update(eng: AsyncEngine, ckpt: str, world: int, version: str, bad: str = "") -> dict:
+def distributed_update(eng: AsyncEngine, ckpt: str, world: int, version: str, bad: str = "") -> ControlResult:
     """A trainer subprocess (rank 0) broadcasts `ckpt`; the engine joins, receives, leaves."""
     port, group = free_port(), f"sync-{version}"
     trainer = start_trainer(port, world, ckpt, group, bad)
@@ -240,7 +241,7 @@ def distributed_update(eng: AsyncEngine, ckpt: str, world: int, version: str, ba
 
 
 def test_distributed_update_from_a_trainer_broadcast(engine, ckpts, expected):
-    assert distributed_update(engine, ckpts["b"], 2, "bcast")["weight_version"] == "bcast"
+    assert distributed_update(engine, ckpts["b"], 2, "bcast").weight_version == "bcast"
     assert_same(served(engine), expected["b"], "bcast")
     bad = "model.layers.0.mlp.down_proj.weight"
     with pytest.raises(WeightUpdateError, match=f"tensor '{bad}' has shape"):

@@ -16,7 +16,10 @@ from configs import EngineConfig, GenerationConfig
 from deployments import wire
 from deployments.errors import ApiError
 from deployments.generation import HTTP_RENAME, SamplingFields, engine_requests
-from deployments.wire import ControlAnswer, EngineRequest, ModelInfo, Rejection
+from deployments.metrics import RequestMetrics
+from deployments.wire import ControlAnswer, EngineRequest, MetricFamilies, ModelInfo, Rejection, ReplicaStats
+from engine import answers
+from engine.answers import ControlResult, EngineLoad, EngineSnapshot, ExecutorFacts, GraphFacts, TPFacts
 from engine.carrier import OutputChunk, Response, _CarrierFields
 
 CHUNK = OutputChunk(request_id="r", text="hi", token_ids=[5, 6], step_map=[1, 1], logprobs=[{5: -0.1, 7: -2.0}],
@@ -32,6 +35,11 @@ SAMPLES = [
     Rejection("engine held", None, 503, "engine_held", retry_after_s=2.5),
     ModelInfo("/m", "sdar", ["SDARForCausalLM"], True, 4096, 2, 8192, EngineConfig(), 600.0, "block"),
     ControlAnswer(True, "weights staged", "replica-1", 0, ranks=[1, 2], weight_version="v2"),
+    ReplicaStats("replica-1", 0, "sdar", 2, 4096, EngineSnapshot(
+        EngineLoad(1, 2, 64, 40, 0, 12, ExecutorFacts("ray_tp", "torch", GraphFacts("off", why="tp=2"),
+                                                       TPFacts(1, ["tp-worker-1"], "ns", "gloo"))),
+        10, 10, 30, 40, 20, 0.5, 0.6, "serving", "v2")),
+    MetricFamilies("replica-1", RequestMetrics().families()),
 ]
 
 
@@ -42,12 +50,20 @@ def test_every_wire_type_crosses_a_process_boundary_unchanged(obj):
         assert type(back) is type(obj) and back == obj
 
 
-def test_the_request_params_arrive_with_every_field_given():
-    """The engine names the given sampling fields when a request's step fails: every field of the
-    requests the endpoints build counts as given, on the engine's side too."""
-    reqs = engine_requests("Hi", SamplingFields(), HTTP_RENAME, n=2, max_new_tokens=4)
-    for req in (pickle.loads(pickle.dumps(r)) for r in reqs):
-        assert req.params.model_fields_set == set(GenerationConfig.model_fields)
+def test_the_request_params_arrive_with_the_fields_the_client_set():
+    """A sampling field the client left unset stays unset on the engine's side (a rule that only
+    decodes greedily takes an unset temperature as greedy); the ones it set, and those the endpoint
+    sets itself, count as given (the engine names them when a request's step fails)."""
+    unset = engine_requests("Hi", SamplingFields(), HTTP_RENAME, n=2, max_new_tokens=4)
+    given = engine_requests("Hi", SamplingFields(temperature=0.7, top_k=5, seed=3), HTTP_RENAME, max_new_tokens=4)
+    for req in (pickle.loads(pickle.dumps(r)) for r in unset):
+        assert {"temperature", "top_k", "min_p", "stop_words"}.isdisjoint(req.params.model_fields_set)
+        assert {"do_sample", "max_new_tokens", "n"} <= req.params.model_fields_set
+        assert req.params.do_sample and req.params.temperature == 1.0  # the HTTP default still samples
+    (req,) = (pickle.loads(pickle.dumps(r)) for r in given)
+    assert {"do_sample", "temperature", "top_k", "random_seed", "max_new_tokens"} <= req.params.model_fields_set
+    assert "min_p" not in req.params.model_fields_set
+    assert (req.params.temperature, req.params.top_k, req.params.random_seed) == (0.7, 5, 3)
 
 
 def test_a_rejection_is_the_same_api_error_on_both_sides():
@@ -59,11 +75,37 @@ def test_a_rejection_is_the_same_api_error_on_both_sides():
 
 
 def test_control_answer_of_the_engine_answer_keeps_what_the_ingress_reads():
-    a = ControlAnswer.of({"success": True, "message": "generation paused (abort)", "requests": 3}, "rep", 1)
+    a = ControlAnswer.of(ControlResult("generation paused (abort)", requests=3), "rep", 1)
     assert (a.success, a.message, a.replica, a.rank, a.refused, a.requests) == (True, "generation paused (abort)",
                                                                                   "rep", 1, False, 3)
-    refused = ControlAnswer.of({"success": False, "message": "bad", "refused": True})
-    assert not refused.success and refused.refused and refused.rank is None
+    joined = ControlAnswer.of(ControlResult("joined"), ranks=(3, 4))
+    assert joined.ranks == [3, 4] and joined.weight_version is None
+    refused = ControlAnswer.failure(ValueError("bad"))
+    assert not refused.success and refused.refused and refused.message == "bad" and refused.rank is None
+    failed = ControlAnswer.failure(RuntimeError("gone"), ranks=[1])
+    assert not failed.success and not failed.refused and failed.message == "RuntimeError: gone"
+    assert failed.ranks == [1]
+
+
+def test_replica_stats_are_the_handle_apis_json():
+    """`Ingress.engine_stats` answers each replica's stats as the flat JSON the handle API has always
+    had: the engine's load and its executor's facts, its counters, then the replica's facts."""
+    stats = next(s for s in SAMPLES if isinstance(s, ReplicaStats))
+    assert stats.to_dict() == {
+        "running": 1, "waiting": 2, "kv_pages_total": 64, "kv_pages_free": 40, "preemptions": 0,
+        "prefix_hit_tokens": 12, "executor": "ray_tp", "attention_backend": "torch",
+        "cuda_graphs": {"state": "off", "why": "tp=2"}, "tp_workers": 1, "tp_worker_names": ["tp-worker-1"],
+        "tp_namespace": "ns", "tp_backend": "gloo", "steps": 10, "forwards": 10, "prompt_tokens": 30,
+        "generated_tokens": 40, "unmasking_steps": 20, "forward_seconds": 0.5, "step_seconds": 0.6,
+        "state": "serving", "weight_version": "v2", "replica": "replica-1", "rank": 0, "model_type": "sdar",
+        "tp": 2, "max_model_len": 4096}
+    local = {"executor": "local", "attention_backend": "torch",
+             "cuda_graphs": {"state": "on", "captured": 3, "replays": 9}}
+    load = {"running": 0, "waiting": 0, "kv_pages_total": 8, "kv_pages_free": 8, "preemptions": 0,
+            "prefix_hit_tokens": 0} | local
+    typed = EngineLoad(running=0, waiting=0, kv_pages_total=8, kv_pages_free=8, preemptions=0, prefix_hit_tokens=0,
+                       executor=ExecutorFacts.of(local))
+    assert typed.to_dict() == load  # the JSON keys LLMEngine.load() has always shown
 
 
 def _undocumented_fields(cls: type) -> list[str]:
@@ -84,11 +126,17 @@ WIRE_TYPES = [c for c in vars(wire).values() if isinstance(c, type) and c.__modu
               and (is_dataclass(c) or hasattr(c, "model_fields"))]
 
 
-@pytest.mark.parametrize("cls", [*WIRE_TYPES, _CarrierFields, Response], ids=lambda c: c.__name__)
+ANSWER_TYPES = [c for c in vars(answers).values() if isinstance(c, type) and c.__module__ == answers.__name__]
+
+
+@pytest.mark.parametrize("cls", [*WIRE_TYPES, *ANSWER_TYPES, _CarrierFields, Response], ids=lambda c: c.__name__)
 def test_every_wire_field_says_what_it_holds(cls):
     names = [f.name for f in fields(cls)] if is_dataclass(cls) else list(cls.model_fields)
     assert names and _undocumented_fields(cls) == []
 
 
 def test_the_field_check_sees_every_wire_type():
-    assert {c.__name__ for c in WIRE_TYPES} == {"EngineRequest", "Rejection", "ModelInfo", "ControlAnswer"}
+    assert {c.__name__ for c in WIRE_TYPES} == {"EngineRequest", "Rejection", "ModelInfo", "ControlAnswer",
+                                                "ReplicaStats", "MetricFamilies"}
+    assert {c.__name__ for c in ANSWER_TYPES} == {"ControlResult", "GraphFacts", "TPFacts", "ExecutorFacts",
+                                                  "EngineLoad", "EngineSnapshot"}

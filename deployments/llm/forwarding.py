@@ -3,10 +3,10 @@
 `ModelIngress` is the model's ordinary ingress (every route, protocol and error the single-model
 application has) plus one handle method, `forward`, that runs a request through those routes and
 streams back its ASGI messages; `ForwardedResponse` replays them to the client. Serve allows one HTTP
-ingress per application, so a model's ingress is the Ingress class without Serve's HTTP wrapper: the
-routes of deployments.ingress's FastAPI app, called in-process, find it as the replica's object. The request's body
-and headers pass unchanged, so answers (JSON, Server-Sent Events, errors, status codes) are exactly
-the model's own.
+ingress per application, so a model's ingress is the ingress replica's class without Serve's HTTP
+wrapper (`IngressReplica`): the routes of deployments.ingress's FastAPI app, called in-process, find it
+as the replica's object. The request's body and headers pass unchanged, so answers (JSON, Server-Sent
+Events, errors, status codes) are exactly the model's own.
 """
 
 from __future__ import annotations
@@ -19,10 +19,7 @@ from ray import serve
 from starlette.requests import Request
 from starlette.responses import Response
 
-from deployments.ingress import Ingress, app
-
-# the Ingress class as written, under the HTTP wrapper `@serve.ingress` adds
-IngressRoutes = Ingress.func_or_class.__bases__[0]
+from deployments.ingress import IngressReplica, app
 
 # the parts of an HTTP request's ASGI scope a route reads
 SCOPE_KEYS = ("type", "asgi", "http_version", "method", "scheme", "path", "raw_path", "root_path", "query_string",
@@ -37,7 +34,7 @@ def forwarded_scope(request: Request, **changes: Any) -> dict[str, Any]:
 
 
 @serve.deployment(max_ongoing_requests=1024)
-class ModelIngress(IngressRoutes):
+class ModelIngress(IngressReplica):
     """A model's ingress inside a several-model application."""
 
     async def forward(self, scope: dict[str, Any], body: bytes) -> AsyncIterator[dict[str, Any]]:

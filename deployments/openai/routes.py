@@ -1,4 +1,5 @@
-"""OpenAI's routes: /v1/completions, /v1/chat/completions (unary or SSE chunks), /v1/models."""
+"""OpenAI's routes (the ingress's route group `OpenAIRoutes`): /v1/completions, /v1/chat/completions
+(unary or SSE chunks), /v1/models."""
 
 from __future__ import annotations
 
@@ -22,14 +23,9 @@ from deployments.tokens import TokenText
 from deployments.wire import EngineRequest, new_request_id
 
 
-class OpenAIRoutes(HttpServing, EngineClient):
-    """Needs `served_model_name`, `model_path`, `tokenizer`, `token_text` and `created` on the instance."""
-
-    served_model_name: str
-    model_path: str
-    tokenizer: Any
-    token_text: TokenText
-    created: int
+class OpenAIRoutes:
+    """OpenAI's API for the served model (`served_model_name`, loaded from `model_path`), its tokenizer
+    (and `token_text`, its tokens' texts) and `created`, the time the ingress started."""
 
     ROUTES = (
         generation_route("/v1/completions", "http_completions", "OpenAI completions (echo, logprobs, list prompts, "
@@ -37,13 +33,24 @@ class OpenAIRoutes(HttpServing, EngineClient):
         generation_route("/v1/chat/completions", "http_chat", "OpenAI chat completions", ChatCompletionRequest),
         Route("/v1/models", "http_models", ("GET",), dict(responses={401: ERRORS[401]}, summary="The served model")),
     )
+    HANDLES = ()
+
+    def __init__(self, client: EngineClient, http: HttpServing, served_model_name: str, model_path: str,
+                 tokenizer: Any, token_text: TokenText, created: int):
+        self.client = client
+        self.http = http
+        self.served_model_name = served_model_name
+        self.model_path = model_path
+        self.tokenizer = tokenizer
+        self.token_text = token_text
+        self.created = created
 
     async def http_completions(self, request: Request) -> Response:
-        return await self._serve(request, "/v1/completions", self._completions_route, limited=True)
+        return await self.http.serve(request, "/v1/completions", self._completions_route, limited=True)
 
     async def _completions_route(self, body: Any) -> Response:
         req = parse(CompletionRequest, body)
-        is_dllm = (await self._engine_info()).is_dllm if req.echo else False
+        is_dllm = (await self.client.info()).is_dllm if req.echo else False
         plan = completion_to_engine(req, self.served_model_name, self.tokenizer, is_dllm)
         reqs = [r for _, group in plan for r in group]
         echoes = [echo for echo, group in plan for _ in group]
@@ -52,11 +59,11 @@ class OpenAIRoutes(HttpServing, EngineClient):
         return await self._openai("completion", reqs, choices, req.n, req.stream, req.stream_options)
 
     async def http_chat(self, request: Request) -> Response:
-        return await self._serve(request, "/v1/chat/completions", self._chat_route, limited=True)
+        return await self.http.serve(request, "/v1/chat/completions", self._chat_route, limited=True)
 
     async def _chat_route(self, body: Any) -> Response:
         req = parse(ChatCompletionRequest, body)
-        max_model_len = (await self._engine_info()).max_model_len
+        max_model_len = (await self.client.info()).max_model_len
         reqs = chat_to_engine(req, self.served_model_name, self.tokenizer, max_model_len)
         k = (req.top_logprobs or 0) if req.logprobs else None
         choices = [ChoiceFormatter("chat", i, k, self.token_text) for i in range(len(reqs))]
@@ -69,8 +76,8 @@ class OpenAIRoutes(HttpServing, EngineClient):
                                                                            "chatcmpl"),
                               choices, n, include_usage=bool(stream_options and stream_options.include_usage))
         if not stream:
-            return JSONResponse(fmt.full(await self._unaries(reqs)))
-        merged = await self._streams(reqs)
+            return JSONResponse(fmt.full(await self.client.unaries(reqs)))
+        merged = await self.client.streams(reqs)
 
         async def chunks() -> AsyncIterator[dict[str, Any]]:
             try:
@@ -85,12 +92,12 @@ class OpenAIRoutes(HttpServing, EngineClient):
     async def http_models(self, request: Request) -> Response:
         async def models() -> Response:
             try:
-                max_model_len = (await self._engine_info()).max_model_len
+                max_model_len = (await self.client.info()).max_model_len
             except ApiError:  # no engine replica yet: the list still answers
                 max_model_len = None
             return JSONResponse({"object": "list", "data": [{
                 "id": self.served_model_name, "object": "model", "created": self.created, "owned_by": "blockserve",
                 "root": self.model_path, "max_model_len": max_model_len,
-                "weight_version": await self._weight_version()}]})
+                "weight_version": await self.client.weight_version()}]})
 
-        return await self._serve(request, "/v1/models", models, body=False)
+        return await self.http.serve(request, "/v1/models", models, body=False)

@@ -10,15 +10,17 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from deployments.errors import ApiError, ControlError, parse, unavailable
-from deployments.rl.protocol import CONTROL_REQUESTS
-from deployments.wire import ControlAnswer
+from deployments.rl.protocol import (
+    CONTROL_OPS,
+    InitWeightsUpdateGroupRequest,
+    UpdateWeightsFromTensorRequest,
+    WeightUpdate,
+)
+from deployments.wire import ControlAnswer, ReplicaStats
 
 # Call `method(*args)` on every running EngineServer replica: (method, *args, timeout_s=...,
 # return_exceptions=...) -> each replica's answer.
 Broadcast = Callable[..., Awaitable[list[Any]]]
-
-WEIGHT_SOURCES = {"update_weights_from_disk": "disk", "update_weights_from_tensor": "tensor",
-                  "update_weights_from_distributed": "distributed"}
 # A control broadcast may wait for the trainer (a weight broadcast, a group rendezvous) as long as the
 # engine does (EngineServer's `weight_op_timeout_s`), plus this margin.
 CONTROL_MARGIN_S = 60.0
@@ -53,14 +55,15 @@ class ReplicaControl:
         return await self._broadcast(method, *args, timeout_s=timeout_s, return_exceptions=True)
 
     async def run(self, name: str, body: Any) -> dict[str, Any]:
-        """Run one RL control call (SGLang's name and payload) on every engine replica: its answer
-        `{"success": true, "message", ...}`, or ControlError."""
+        """Run one RL control call (SGLang's name and payload) on every engine replica, as its row of
+        CONTROL_OPS says: its answer `{"success": true, "message", ...}`, or ControlError."""
+        op = CONTROL_OPS[name]
         try:
-            req = parse(CONTROL_REQUESTS[name], {} if body is None else body)
+            req = parse(op.request, {} if body is None else body)
             async with self._lock:
-                if name in WEIGHT_SOURCES:
-                    return await self._update_weights(WEIGHT_SOURCES[name], req)
-                if name == "init_weights_update_group":
+                if op.reach == "update":
+                    return await self._update_weights(req)
+                if op.reach == "join":
                     return await self._init_group(req)
                 return await self._everywhere(name, req.model_dump())
         except ApiError as e:
@@ -76,16 +79,18 @@ class ReplicaControl:
                                             failed), None, _status(failed), "control_failed")
         out: dict[str, Any] = {"success": True, "message": f"{answers[0].message} ({len(answers)} replicas)",
                                "num_replicas": len(answers)}
-        if name == "pause_generation":
-            out["requests"] = sum(a.requests or 0 for a in answers)
+        counts = [a.requests for a in answers if a.requests is not None]
+        if counts:  # an operation on requests (pause_generation): how many it touched
+            out["requests"] = sum(counts)
         return out
 
-    async def _init_group(self, req) -> dict[str, Any]:
+    async def _init_group(self, req: InitWeightsUpdateGroupRequest) -> dict[str, Any]:
         """Every replica joins the trainer's group; replica r's TP ranks at rank_offset + r * tp + tp_rank."""
-        stats = await self._broadcast("stats", timeout_s=await self._op_timeout_s() + CONTROL_MARGIN_S)
+        stats: list[ReplicaStats] = await self._broadcast("stats",
+                                                          timeout_s=await self._op_timeout_s() + CONTROL_MARGIN_S)
         if not stats:
             raise unavailable()
-        replicas, tp = len(stats), stats[0]["tp"]
+        replicas, tp = len(stats), stats[0].tp
         if req.world_size != req.rank_offset + replicas * tp:
             raise ApiError(f"world_size={req.world_size}: {replicas} engine replicas of tp={tp} join at ranks "
                            f"{req.rank_offset}..{req.rank_offset + replicas * tp - 1}, so the group's world_size is "
@@ -100,21 +105,18 @@ class ReplicaControl:
         return {"success": True, "message": f"joined weight update group {req.group_name!r} at ranks {ranks}",
                 "ranks": ranks, "num_replicas": len(answers)}
 
-    async def _update_weights(self, kind: str, req) -> dict[str, Any]:
+    async def _update_weights(self, req: WeightUpdate) -> dict[str, Any]:
         """All or nothing across replicas: stage on every replica; commit on every replica only if all
         staged, else discard everywhere and answer 400 naming the refusal. A broadcast source is
         received by every replica either way (the trainer's collective completes)."""
-        if kind == "tensor":
-            if req.serialized_named_tensors is not None or req.named_tensors is None:
-                raise ApiError("update_weights_from_tensor takes `named_tensors` ([[name, torch.Tensor], ...], or "
-                               "ray.put() of that list so the tensors go straight to the engine replicas) through "
-                               "the Serve handle: serve.get_app_handle(app).update_weights_from_tensor.remote({...}); "
-                               "serialized (pickled) tensors over HTTP are not accepted", "named_tensors")
-            payload = {"named_tensors": req.named_tensors, "load_format": req.load_format}
-        else:
-            payload = req.model_dump(exclude={"weight_version", "abort_all_requests"})
+        if isinstance(req, UpdateWeightsFromTensorRequest) and (req.serialized_named_tensors is not None
+                                                                or req.named_tensors is None):
+            raise ApiError("update_weights_from_tensor takes `named_tensors` ([[name, torch.Tensor], ...], or "
+                           "ray.put() of that list so the tensors go straight to the engine replicas) through "
+                           "the Serve handle: serve.get_app_handle(app).update_weights_from_tensor.remote({...}); "
+                           "serialized (pickled) tensors over HTTP are not accepted", "named_tensors")
         update_id = uuid.uuid4().hex
-        staged = await self._all("stage_weights", update_id, kind, payload)
+        staged = await self._all("stage_weights", update_id, req)
         if not staged:
             raise unavailable()
         refused = [a for a in map(_failed, staged) if a is not None]

@@ -1,8 +1,12 @@
-"""The RL control routes' payloads: SGLang's names and fields, with SGLang's lax types (a port as
-"29500", a `weight_version` as any scalar)."""
+"""The RL control operations, declared once in `CONTROL_OPS`: each one's SGLang name, payload (SGLang's
+fields, with SGLang's lax types: a port as "29500", a `weight_version` as any scalar), HTTP route
+shape and how the ingress runs it on the engine replicas. The HTTP routes and the ingress's handle
+methods (`deployments.rl.routes`), the run across the replicas (`deployments.rl.control`) and the
+replica's own dispatch (`deployments.engine_server`) all come from that table."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
@@ -80,15 +84,42 @@ class MemoryOccupationRequest(_Control):
     tags: list[str] | None = Field(None, description="weights, kv_cache, cuda_graph (none or []: all)")
 
 
-CONTROL_REQUESTS: dict[str, type[_Control]] = {
-    "update_weights_from_disk": UpdateWeightsFromDiskRequest,
-    "update_weights_from_tensor": UpdateWeightsFromTensorRequest,
-    "init_weights_update_group": InitWeightsUpdateGroupRequest,
-    "update_weights_from_distributed": UpdateWeightsFromDistributedRequest,
-    "destroy_weights_update_group": DestroyWeightsUpdateGroupRequest,
-    "flush_cache": EmptyControlRequest,
-    "pause_generation": PauseGenerationRequest,
-    "continue_generation": EmptyControlRequest,
-    "release_memory_occupation": MemoryOccupationRequest,
-    "resume_memory_occupation": MemoryOccupationRequest,
-}
+# A weight update's payload, as the ingress sends it to every replica to stage
+WeightUpdate = UpdateWeightsFromDiskRequest | UpdateWeightsFromTensorRequest | UpdateWeightsFromDistributedRequest
+
+# How the ingress runs an operation on the engine replicas: `call` every replica runs it as it is;
+# `update` a weight update in two phases (stage everywhere, then commit or discard everywhere); `join`
+# every replica joins the trainer's group at ranks of its own
+Reach = Literal["call", "update", "join"]
+
+
+@dataclass(frozen=True)
+class ControlOp:
+    """One RL control operation."""
+
+    name: str  # SGLang's route and method name, the ingress's handle method and the engine's method
+    request: type[_Control]  # its payload
+    summary: str  # its route's summary
+    reach: Reach  # how the ingress runs it on the engine replicas
+    methods: tuple[str, ...] = ("POST",)  # its route's HTTP methods
+    body: bool = True  # whether the route reads a JSON body (those without one take none)
+
+
+CONTROL_OPS: dict[str, ControlOp] = {op.name: op for op in (
+    ControlOp("update_weights_from_disk", UpdateWeightsFromDiskRequest, "RL: load a checkpoint on every replica",
+              "update"),
+    ControlOp("update_weights_from_tensor", UpdateWeightsFromTensorRequest, "RL: handle only (tensors travel by Ray)",
+              "update"),
+    ControlOp("init_weights_update_group", InitWeightsUpdateGroupRequest, "RL: join the trainer's broadcast group",
+              "join"),
+    ControlOp("update_weights_from_distributed", UpdateWeightsFromDistributedRequest,
+              "RL: receive weights by broadcast", "update"),
+    ControlOp("destroy_weights_update_group", DestroyWeightsUpdateGroupRequest, "RL: leave the broadcast group",
+              "call"),
+    ControlOp("flush_cache", EmptyControlRequest, "RL: drop the prefix cache", "call", ("GET", "POST"), body=False),
+    ControlOp("pause_generation", PauseGenerationRequest, "RL: stop generating (abort | retract | in_place)", "call"),
+    ControlOp("continue_generation", EmptyControlRequest, "RL: generate again after pause_generation", "call",
+              body=False),
+    ControlOp("release_memory_occupation", MemoryOccupationRequest, "RL: free weights and/or KV cache", "call"),
+    ControlOp("resume_memory_occupation", MemoryOccupationRequest, "RL: restore weights and/or KV cache", "call"),
+)}

@@ -1,6 +1,7 @@
-"""SGLang's routes: `/generate` with the handle methods `generate` / `generate_stream` (exactly the
-HTTP JSON, unary, and the SSE chunks, streamed), `/server_info`, `/model_info`, `/health_generate`
-and `/abort_request` (with the handle method `abort_request`)."""
+"""SGLang's routes (the ingress's route group `SGLangRoutes`): `/generate` with the handle methods
+`generate` / `generate_stream` (exactly the HTTP JSON, unary, and the SSE chunks, streamed),
+`/server_info`, `/model_info`, `/health_generate` and `/abort_request` (with the handle methods
+`server_info` and `abort_request`)."""
 
 from __future__ import annotations
 
@@ -29,15 +30,10 @@ def _streamed(body: Any, stream: bool) -> Any:
     return body | {"stream": stream} if isinstance(body, dict) else body
 
 
-class SGLangRoutes(HttpServing, EngineClient):
-    """Needs `served_model_name`, `version`, `token_text`, `incremental_streaming_output` and
-    `enable_memory_saver` on the instance."""
-
-    served_model_name: str
-    version: str
-    token_text: TokenText
-    incremental_streaming_output: bool
-    enable_memory_saver: bool
+class SGLangRoutes:
+    """SGLang's API for the served model (`served_model_name`; `token_text`: its tokens' texts), from an
+    ingress of API `version`; `incremental_streaming_output` and `enable_memory_saver`: SGLang's
+    server flags (see deployments.app)."""
 
     ROUTES = (
         generation_route("/generate", "http_generate", "Generate (SGLang-style: the flat body or SGLang's native "
@@ -55,11 +51,22 @@ class SGLangRoutes(HttpServing, EngineClient):
         Route("/abort_request", "http_abort_request", options=dict(
             include_in_schema=False, summary="Abort a request by rid, or all (abort_all)")),
     )
+    HANDLES = ("generate", "generate_stream", "server_info", "abort_request")
+
+    def __init__(self, client: EngineClient, http: HttpServing, served_model_name: str, version: str,
+                 token_text: TokenText, incremental_streaming_output: bool, enable_memory_saver: bool):
+        self.client = client
+        self.http = http
+        self.served_model_name = served_model_name
+        self.version = version
+        self.token_text = token_text
+        self.incremental_streaming_output = incremental_streaming_output
+        self.enable_memory_saver = enable_memory_saver
 
     async def http_generate(self, request: Request) -> Response:
         query_model = request.query_params.get("model")
-        return await self._serve(request, "/generate", lambda body: self._generate_route(body, query_model),
-                                 limited=True)
+        return await self.http.serve(request, "/generate", lambda body: self._generate_route(body, query_model),
+                                     limited=True)
 
     async def _generate_route(self, body: Any, query_model: str | None) -> Response:
         stream, answer = await self._generate(body, query_model)
@@ -76,11 +83,11 @@ class SGLangRoutes(HttpServing, EngineClient):
         params = [r.params for r in reqs]
         token_text = self.token_text if plan.text_in_logprobs else None
         if not plan.stream:
-            outs = await self._unaries(reqs)
+            outs = await self.client.unaries(reqs)
             bodies = [_indexed(generate_body(o, p, token_text, plan.meta), i, plan.as_list)
                       for i, (o, p) in enumerate(zip(outs, params))]
             return False, bodies if plan.as_list else bodies[0]
-        merged = await self._streams(reqs)
+        merged = await self.client.streams(reqs)
         cumulative = None if self.incremental_streaming_output else [CumulativeStream() for _ in reqs]
 
         async def chunks() -> AsyncIterator[dict[str, Any]]:
@@ -100,15 +107,15 @@ class SGLangRoutes(HttpServing, EngineClient):
         async def info() -> Response:
             return JSONResponse(await self.server_info())
 
-        return await self._serve(request, request.url.path, info, body=False)
+        return await self.http.serve(request, request.url.path, info, body=False)
 
     async def server_info(self) -> dict[str, Any]:
         """SGLang's `/server_info`: its server-args names for what this deployment has. `dp_size` is
         the number of engine replicas and `tp_size` each one's, so a trainer's broadcast group for
         this URL has 1 + dp_size * tp_size ranks. The fields slime's engine discovery and server-args
         check read are all here, at SGLang's values for a plain (not disaggregated) server."""
-        info = await self._engine_info()
-        replicas = [s for s in await self._broadcast("stats", return_exceptions=True) if isinstance(s, dict)]
+        info = await self.client.info()
+        replicas = await self.client.replica_stats()
         engine = info.engine
         facts = {"model_type": info.model_type, "is_dllm": info.is_dllm, "dllm_paradigm": info.paradigm,
                  "engine": engine.model_dump(mode="json")}
@@ -121,43 +128,42 @@ class SGLangRoutes(HttpServing, EngineClient):
             "max_running_requests": engine.max_batch_size, "chunked_prefill_size": engine.max_prefill_token_num,
             "page_size": engine.kv_block_size, "disable_radix_cache": not engine.enable_prefix_caching,
             "skip_tokenizer_init": False, "incremental_streaming_output": self.incremental_streaming_output,
-            "weight_version": await self._weight_version(), "version": self.version,
+            "weight_version": await self.client.weight_version(), "version": self.version,
             # one per engine replica: the model facts, and how its forwards run (attention backend, CUDA
             # graphs on with their counts, or off and why -- a capture that failed says so here)
-            "internal_states": [{**facts, "attention_backend": s.get("attention_backend"),
-                                 "cuda_graphs": s.get("cuda_graphs")} for s in replicas] or [facts],
+            "internal_states": [{**facts, **s.engine.load.executor.forwards()} for s in replicas] or [facts],
         }
 
     async def http_model_info(self, request: Request) -> Response:
         async def info() -> Response:
-            engine = await self._engine_info()
+            engine = await self.client.info()
             return JSONResponse({
                 "model_path": engine.model_path, "tokenizer_path": engine.model_path, "is_generation": True,
-                "preferred_sampling_params": None, "weight_version": await self._weight_version(),
+                "preferred_sampling_params": None, "weight_version": await self.client.weight_version(),
                 "has_image_understanding": False, "has_audio_understanding": False,
                 "model_type": engine.model_type, "architectures": engine.architectures})
 
-        return await self._serve(request, request.url.path, info, body=False)
+        return await self.http.serve(request, request.url.path, info, body=False)
 
     async def http_health_generate(self, request: Request) -> Response:
         async def health() -> Response:
             plan = generate_plan({"input_ids": [0], "max_tokens": 1, "temperature": 0})
-            await self._unaries([r for group in plan.groups for r in group])
+            await self.client.unaries([r for group in plan.groups for r in group])
             return Response(status_code=200)
 
-        return await self._serve(request, "/health_generate", health, body=False)
+        return await self.http.serve(request, "/health_generate", health, body=False)
 
     async def http_abort_request(self, request: Request) -> Response:
         async def abort(body: Any) -> Response:
             return JSONResponse(await self.abort_request(body))
 
-        return await self._serve(request, "/abort_request", abort)
+        return await self.http.serve(request, "/abort_request", abort)
 
     async def abort_request(self, body: dict[str, Any]) -> dict[str, Any]:
         """`{"rid"}` or `{"abort_all": true}` on every engine replica: the requests end with
         finish_reason "abort" and what they generated so far."""
         req = parse(AbortRequest, body)
-        answers = await self._broadcast("abort_request", req.rid, req.abort_all, return_exceptions=True)
+        answers = await self.client.broadcast("abort_request", req.rid, req.abort_all, return_exceptions=True)
         aborted = sum(a.requests or 0 for a in answers if isinstance(a, ControlAnswer))
         return {"success": True, "message": f"aborted {aborted} requests", "requests": aborted}
 
@@ -168,7 +174,7 @@ class SGLangRoutes(HttpServing, EngineClient):
         max_concurrent_requests). `stream` in the body is ignored: use generate_stream."""
         release = None
         try:
-            release = self.slots.acquire()
+            release = self.http.slots.acquire()
             _, answer = await self._generate(_streamed(json_roundtrip(body), False))
             return answer
         except ApiError as e:
@@ -176,13 +182,13 @@ class SGLangRoutes(HttpServing, EngineClient):
         finally:
             if release is not None:
                 release()
-            self.metrics.request("handle:generate", 0)
+            self.http.metrics.request("handle:generate", 0)
 
     async def generate_stream(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         """Same chunks as the SSE /generate stream (one error JSON for refusals)."""
-        self.metrics.request("handle:generate_stream", 0)
+        self.http.metrics.request("handle:generate_stream", 0)
         try:
-            release = self.slots.acquire()
+            release = self.http.slots.acquire()
         except ApiError as e:
             yield e.to_dict()
             return
