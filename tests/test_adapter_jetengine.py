@@ -139,7 +139,7 @@ def test_tensor_parallel_size_2_runs_on_ray_and_equals_tp1(serve_cluster, dllm_c
     prompts = ["Explain reinforcement learning.", [5, 6, 7, 8, 9, 10]]
     sharded = LLM(dllm_ckpt, tensor_parallel_size=2, mask_token_id=mask_id(dllm_ckpt), block_length=4, **KV)
     try:
-        assert sharded._pipe.engine.load()["executor"] == "ray_tp"
+        assert sharded._pipe.engine.load().executor.executor == "ray_tp"
         outs = sharded.generate(prompts, sp)
     finally:
         sharded.shutdown()

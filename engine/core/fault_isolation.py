@@ -1,19 +1,22 @@
 """Fault isolation: a step that raises is re-run one request at a time (K/V writes are idempotent and
 sampling draws are counter-based, so a re-run reproduces exactly what that request would have got in
-the batch); only the request(s) that still fail end, with an error naming their parameters. Mixed into
-`LLMEngine`."""
+the batch); only the request(s) that still fail end, with an error naming their parameters. Held by
+`LLMEngine` as `isolation`."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from configs.knobs import request_knobs
 from engine.carrier import OutputChunk
 from engine.core.model_settings import EngineStats
 from engine.core.sequence import Sequence
 from engine.core.step_plan import ScheduledSeq
+
+if TYPE_CHECKING:
+    from engine.core.overlap import LaunchedForward
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -25,13 +28,18 @@ _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalt
 
 
 class FaultIsolation:
-    """Runs a step's forward so that one request's failure ends that request only. Uses the engine's
-    `_forward`, `_apply` and `fail`."""
+    """Runs a step's forward so that one request's failure ends that request only."""
 
-    seqs: dict[str, Sequence]
-    stats: EngineStats
+    def __init__(self, seqs: dict[str, Sequence], stats: EngineStats,
+                 forward: Callable[[list[ScheduledSeq]], LaunchedForward],
+                 apply: Callable[[LaunchedForward], list[OutputChunk]],
+                 fail: Callable[[str, str], OutputChunk | None]):
+        """The engine's requests in flight and stats, and its steps: `forward` (run items' forward and
+        sampling), `apply` (apply a forward) and `fail` (end a request with an error)."""
+        self.seqs, self.stats = seqs, stats
+        self._forward, self._apply, self._fail = forward, apply, fail
 
-    def _guarded(self, items: list[ScheduledSeq], run: Callable[[], T]) -> tuple[T | None, list[OutputChunk]]:
+    def guarded(self, items: list[ScheduledSeq], run: Callable[[], T]) -> tuple[T | None, list[OutputChunk]]:
         """(run(), []); when it raises, (None, the chunks of re-running `items` one by one). A fatal
         executor error goes up."""
         try:
@@ -54,15 +62,16 @@ class FaultIsolation:
             except Exception as e:  # noqa: BLE001 - this request's own failure
                 if getattr(e, "fatal", False):
                     raise
-                chunks += self._fail_alone(it.seq, e)
+                chunks += self.fail_alone(it.seq, e)
             else:
                 chunks += self._apply(fwd)
         return chunks
 
-    def _fail_alone(self, seq: Sequence, error: Exception) -> list[OutputChunk]:
+    def fail_alone(self, seq: Sequence, error: Exception) -> list[OutputChunk]:
+        """End `seq`, whose own step raised `error`, with an error message naming its sampling parameters."""
         log.error("request %s failed in its own step: %s: %s", seq.request_id, type(error).__name__, error)
         self.stats.isolated_failures += 1
-        chunk = self.fail(seq.request_id, self._failure_message(seq, error))
+        chunk = self._fail(seq.request_id, self._failure_message(seq, error))
         return [chunk] if chunk is not None else []
 
     @staticmethod

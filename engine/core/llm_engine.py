@@ -7,9 +7,10 @@ half's, which the device ran meanwhile). The engine only orchestrates: what to f
 strategy's (`engine.core.decoding`), where an output ends is the stop rule's (`engine.core.stopping`),
 batch layout and scoring rows live in `engine.core.batch` / `engine.core.scoring`.
 
-Two concerns live in mixins of their own: fault isolation (`engine.core.fault_isolation`: a failing
-step is re-run one request at a time) and the operations on every rank (`engine.core.rank_operations`:
-memory, the trainer's update group, weight updates).
+Two concerns are collaborators the engine holds: fault isolation (`isolation`,
+`engine.core.fault_isolation`: a failing step is re-run one request at a time) and the operations on
+every rank (`ranks`, `engine.core.rank_operations`: memory, the trainer's update group, weight
+updates, offered as the engine's own methods).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from functools import partial
 from typing import Any
 
 from configs import EngineConfig, GenerationConfig
+from engine.answers import EngineLoad, ExecutorFacts
 from engine.carrier import OutputChunk, Response
 from engine.core.batch import build_batch
 from engine.core.decoding.base import DecodingStrategy, PickedRows
@@ -46,6 +48,7 @@ from engine.core.step_plan import ScheduledSeq
 from engine.core.stopping import StopChecker
 from engine.core.trajectory import TrajectoryOutput, scoring_done, take_view_rows
 from engine.core.trajectory_plan import context_tokens, plan_trajectory
+from engine.delegation import Delegated
 from engine.errors import RequestError
 from engine.executor.base import Executor, ExecutorFactory
 from engine.executor.local import LocalExecutor
@@ -66,7 +69,7 @@ def _merged(chunks: list[OutputChunk]) -> OutputChunk:
     return OutputChunk(**fields)
 
 
-class LLMEngine(RankOperations, FaultIsolation):
+class LLMEngine:
     def __init__(self, model_path: str, config: EngineConfig | None = None,
                  executor_factory: ExecutorFactory | None = None):
         """`model_path`: a checkpoint directory, or a Hugging Face model id (local cache first)."""
@@ -94,9 +97,25 @@ class LLMEngine(RankOperations, FaultIsolation):
         self.seqs: dict[str, Sequence] = {}
         self.outputs: dict[str, OutputBuilder] = {}
         self.stats = EngineStats()
-        self.weight_version = "default"  # names the weights in every output; an update sets it
+        self.ranks = RankOperations(self.executor, spec, self.stats, self._land_all, self.retract_all, self.flush_cache)
+        self.isolation = FaultIsolation(self.seqs, self.stats, self._forward, self._apply, self.fail)
         self._ids = itertools.count()
         self.overlap = OverlapSchedule()
+
+    # the operations on every rank (memory, the trainer's update group, weight updates): `ranks`'
+    release_memory = Delegated("ranks")
+    resume_memory = Delegated("ranks")
+    init_update_group = Delegated("ranks")
+    destroy_update_group = Delegated("ranks")
+    stage_weights = Delegated("ranks")
+    commit_weights = Delegated("ranks")
+    discard_weights = Delegated("ranks")
+    update_weights = Delegated("ranks")
+
+    @property
+    def weight_version(self) -> str:
+        """The name of the weights served now (every output carries it)."""
+        return self.ranks.weight_version
 
     # ---- requests ----------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: GenerationConfig | None = None,
@@ -196,16 +215,13 @@ class LLMEngine(RankOperations, FaultIsolation):
         self._land_all()
         return self.scheduler.retract_all()
 
-    def load(self) -> dict[str, int]:
-        """What the replica holds now: requests running and waiting, KV pages, preemptions, prefix hits."""
-        return {
-            "running": len(self.scheduler.running),
-            "waiting": len(self.scheduler.waiting),
-            "kv_pages_total": self.kv.num_pages,
-            "kv_pages_free": self.kv.num_free_pages,
-            "preemptions": self.scheduler.num_preemptions,
-            "prefix_hit_tokens": self.kv.prefix_hit_tokens,
-        } | self.executor.describe()
+    def load(self) -> EngineLoad:
+        """What the replica holds now: requests running and waiting, KV pages, preemptions, prefix hits,
+        and how its executor runs."""
+        return EngineLoad(running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
+                          kv_pages_total=self.kv.num_pages, kv_pages_free=self.kv.num_free_pages,
+                          preemptions=self.scheduler.num_preemptions, prefix_hit_tokens=self.kv.prefix_hit_tokens,
+                          executor=ExecutorFacts.of(self.executor.describe()))
 
     def shutdown(self) -> None:
         self.executor.shutdown()
@@ -230,21 +246,21 @@ class LLMEngine(RankOperations, FaultIsolation):
         items = self.scheduler.schedule()
         if not items:
             return False
-        fwd, failed = self._guarded(items, lambda: self._forward(items))
+        fwd, failed = self.isolation.guarded(items, lambda: self._forward(items))
         chunks += failed if fwd is None else self._apply(fwd)
         return True
 
     def _overlapped_step(self, chunks: list[OutputChunk]) -> bool:
         half = (min(len(self.seqs), self.config.max_batch_size) + 1) // 2
         made, worked = self.overlap.step(lambda busy, n: self.scheduler.schedule(busy, max_seqs=n),
-                                         lambda items: self._guarded(items, lambda: self._launch(items)),
+                                         lambda items: self.isolation.guarded(items, lambda: self._launch(items)),
                                          self._land, half)
         chunks += made
         return worked
 
     def _land(self, launched: LaunchedForward) -> list[OutputChunk]:
         """Read a launched forward's picks back and apply them."""
-        fwd, failed = self._guarded(launched.items, lambda: self._read(launched))
+        fwd, failed = self.isolation.guarded(launched.items, lambda: self._read(launched))
         return failed if fwd is None else self._apply(fwd)
 
     def _land_all(self) -> None:
@@ -324,7 +340,7 @@ class LLMEngine(RankOperations, FaultIsolation):
         chunks: list[OutputChunk] = []
         for seq, error in self.decoding.apply([(sl.seq, rows) for sl, rows in zip(fwd.slices, fwd.rows)],
                                               self._finalize):
-            chunks += self._fail_alone(seq, error)
+            chunks += self.isolation.fail_alone(seq, error)
         for it in fwd.items:  # scoring-only requests end with their prefill
             seq = it.seq
             if seq.params.max_new_tokens == 0 and scoring_done(seq):

@@ -1,9 +1,11 @@
 """The engine's operations on every rank: memory release and resume, the trainer's update group, and
-two-phase weight updates (see engine.worker.weight_staging). Mixed into `LLMEngine`, whose step loop
-they run between steps; forwards in flight are applied first (`_land_all`), so none runs on weights or
-pages that change under it."""
+two-phase weight updates (see engine.worker.weight_staging). Held by `LLMEngine` (as `ranks`, its
+methods offered as the engine's own), whose step loop runs them between steps; forwards in flight are
+applied first (`land_all`), so none runs on weights or pages that change under it."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from engine.core.model_settings import EngineStats
 from engine.errors import WeightUpdateError
@@ -15,13 +17,16 @@ from engine.worker.weight_sources import DiskWeights, WeightSource, check_same_a
 
 
 class RankOperations:
-    """What a trainer asks of every rank of one replica (the engine's part of RL control). Uses the
-    engine's `_land_all`, `retract_all` and `flush_cache`."""
+    """What a trainer asks of every rank of one replica (the engine's part of RL control), and the name
+    of the weights it serves."""
 
-    executor: Executor
-    spec: ModelSpec
-    stats: EngineStats
-    weight_version: str
+    def __init__(self, executor: Executor, spec: ModelSpec, stats: EngineStats, land_all: Callable[[], None],
+                 retract_all: Callable[[], int], flush_cache: Callable[[], None]):
+        """`land_all`, `retract_all`, `flush_cache`: the engine's (apply the forwards in flight; give
+        back every running request's pages; drop the prefix cache)."""
+        self.executor, self.spec, self.stats = executor, spec, stats
+        self._land_all, self._retract_all, self._flush_cache = land_all, retract_all, flush_cache
+        self.weight_version = "default"  # names the weights in every output; an update sets it
 
     # ---- memory and the trainer's update group, on every rank ---------------------------------
     def release_memory(self, tags: list[str]) -> None:
@@ -29,8 +34,8 @@ class RankOperations:
         the running requests and flushes the prefix cache."""
         self._land_all()
         if "kv_cache" in tags:
-            self.retract_all()
-            self.flush_cache()
+            self._retract_all()
+            self._flush_cache()
         self.executor.run_on_ranks("release_memory", tags)
 
     def resume_memory(self, tags: list[str]) -> None:
@@ -76,7 +81,7 @@ class RankOperations:
         trainer sending one update per bucket names the version on the last)."""
         self._land_all()
         self.executor.run_on_ranks("commit_weights")
-        self.flush_cache()
+        self._flush_cache()
         self.stats.weight_updates += 1
         if weight_version is not None:
             self.weight_version = str(weight_version)

@@ -17,16 +17,19 @@ if TYPE_CHECKING:
 
 @dataclass
 class ForwardBatch:
-    input_ids: list[int]
-    positions: list[int]
-    q_lens: list[int]
-    kv_lens: list[int]
-    slot_mapping: list[int]
-    page_tables: list[list[int]]
-    sample_rows: list[int] = field(default_factory=list)
-    score_rows: list[int] = field(default_factory=list)
-    score_targets: list[int] = field(default_factory=list)
-    score_top_k: int = 0
+    """One forward over the step's sequences, laid out flat: sequence after sequence, each one's query
+    rows in position order (`engine.core.batch.build_batch` makes it from the step's plan)."""
+
+    input_ids: list[int]  # the token fed at every query row
+    positions: list[int]  # the absolute position of every query row
+    q_lens: list[int]  # per sequence: its query rows in this forward
+    kv_lens: list[int]  # per sequence: the keys its queries see (its cached tokens plus its rows)
+    slot_mapping: list[int]  # per query row: the flat cache slot its K/V are written to
+    page_tables: list[list[int]]  # per sequence: its pages, read up to its kv_lens (not copied)
+    sample_rows: list[int] = field(default_factory=list)  # query rows whose logits pick tokens, in order
+    score_rows: list[int] = field(default_factory=list)  # query rows whose logits score input tokens
+    score_targets: list[int] = field(default_factory=list)  # per score row: the token it scores
+    score_top_k: int = 0  # top logprobs per score row (the most any scoring request asked for)
     # processing of scored rows into the sampler's distribution (processed logprobs modes)
     score_penalties: list[RowPenalty] = field(default_factory=list)
     score_filters: list[RowFilter] = field(default_factory=list)
