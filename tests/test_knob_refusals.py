@@ -31,6 +31,7 @@ from engine.jetengine.params import SamplingParams as JetSamplingParams
 from engine.lmdeploy.configs import PytorchEngineConfig
 from engine.model.families import FAMILIES, family_of
 from engine.model.families.diffusion_gemma.tiny import write_tiny_diffusion_gemma
+from engine.model.families.nemotron_labs_diffusion.tiny import write_tiny_nemotron_labs_diffusion
 from tools.tiny_checkpoint import write_tiny_checkpoint
 from tools.tiny_fast_dllm import write_tiny_fast_dllm
 from tools.tiny_llada2 import write_tiny_llada2
@@ -51,6 +52,7 @@ WRITERS = {
     "llada2_moe": lambda path: write_tiny_llada2(path, seed=0),
     "Fast_dLLM_Qwen": lambda path: write_tiny_fast_dllm(path, seed=0),
     "diffusion_gemma": lambda path: write_tiny_diffusion_gemma(path / "tiny"),
+    "nemotron_labs_diffusion": lambda path: write_tiny_nemotron_labs_diffusion(path, seed=0),
 }
 
 

@@ -12,7 +12,16 @@ from __future__ import annotations
 
 from torch import nn
 
-from engine.model.families import diffusion_gemma, fast_dllm_qwen, llada2_moe, qwen3, qwen3_moe, sdar, sdar_moe
+from engine.model.families import (
+    diffusion_gemma,
+    fast_dllm_qwen,
+    llada2_moe,
+    nemotron_labs_diffusion,
+    qwen3,
+    qwen3_moe,
+    sdar,
+    sdar_moe,
+)
 from engine.model.family import ModelFamily
 from engine.model.layers.parallel import TPContext
 from engine.model.spec import ModelSpec
@@ -25,6 +34,7 @@ FAMILIES: dict[str, ModelFamily] = {f.model_type: f for f in (
     llada2_moe.FAMILY,
     fast_dllm_qwen.FAMILY,
     diffusion_gemma.FAMILY,
+    nemotron_labs_diffusion.FAMILY,
 )}
 
 __all__ = ["FAMILIES", "ModelFamily", "build_network", "family_of"]

@@ -1,0 +1,21 @@
+"""Nemotron-Labs-Diffusion (`model_type: nemotron_labs_diffusion`, NVIDIA's `NemotronLabsDiffusionModel`):
+a Ministral-3 decoder (network.py) whose one head serves three decoding modes -- autoregressive,
+block diffusion anchored at the prompt end, and LinearSpec self-speculation (a diffusion draft of a
+block verified by one causal forward).
+
+The engine serves it autoregressively for now (paradigm AUTOREGRESSIVE: every committed K/V of every
+mode is causal, and AR decoding needs nothing else); the two diffusion modes exist as reference loops
+(reference.py) until the engine has their passes. The row records the checkpoint's block length
+(config.json `block_size`, 32 in the release) for them.
+"""
+
+from __future__ import annotations
+
+from configs.knobs import Paradigm
+from engine.model.families.nemotron_labs_diffusion.config import nemotron_fields
+from engine.model.families.nemotron_labs_diffusion.network import NemotronLabsDiffusionLM
+from engine.model.family import ModelFamily
+
+FAMILY = ModelFamily("nemotron_labs_diffusion", Paradigm.AUTOREGRESSIVE, predicts_next=True,
+                     block_length_keys=("block_size",), default_block_length=32,
+                     config_fields=nemotron_fields, network=NemotronLabsDiffusionLM)
