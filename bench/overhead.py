@@ -1,4 +1,4 @@
-"""`python -m bench.overhead`: engine overhead per step at short vs long outputs.
+"""`python -m bench.overhead`: engine overhead per sequence-step, short vs long outputs or every paradigm.
 
 Engine overhead = a step's wall time minus the time inside the model forward (scheduling, batch
 building, sampling, unmasking, stop checks, detokenisation, output chunks). It must not grow with
@@ -17,6 +17,24 @@ function calls per step (deterministic: constant work per step gives equal count
 in a long run), and a short run whose forward also sweeps as much memory as the long run's KV cache
 (a long-context forward evicts the CPU caches the engine's bookkeeping then runs on).
 `--device cuda` runs the forward on the GPU, where it leaves the CPU caches to the engine.
+
+`python -m bench.overhead --paradigms [--concurrency 128] [--tokens 128] [--only NAME[,NAME]]`: the
+same figure at one shape for every decoding paradigm -- block diffusion (SDAR, block length 4) under
+each of its unmasking rules, LLaDA2 token editing (`joint_threshold`), Fast-dLLM v2 sub-blocks,
+DiffusionGemma canvases (seeded sampling; the tiny checkpoint's 16-position canvas and step count)
+and AR (Qwen3) -- each on a tiny random-weight model with one layer (DiffusionGemma: two, one
+sliding-window and one full-attention layer, the least its layer groups run with; the LLaDA2 layer is
+a MoE one), every paradigm at the same output length, one torch thread, a warm-up run first. Prints
+one JSON object; per paradigm: `overhead_us_per_seq_step` over the steps that ran the whole batch
+(editing and canvas requests finish at different steps, so these can be few:
+`overhead_us_per_seq_step_all_steps` is the same over every timed step), `python_calls_per_seq_step`
+over `--profile-steps` steps (cProfile; not timed) in the middle of the run (where the warm-up run,
+decoding the same requests, had its middle), steps, full_batch_steps, generated_tokens (the engine's
+count: editing and canvas steps count every token they write) and forward_cpu_ms_per_step. `--only`
+takes names or prefixes (`block_diffusion`: each of its rules). At the defaults the whole list takes
+about 2.5 minutes on two shared CPU cores, DiffusionGemma's ~400 steps most of it. The mode uses only
+engine interfaces that older checkouts also have, so the file can be copied into one to compare
+revisions.
 """
 
 from __future__ import annotations
@@ -29,7 +47,10 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -40,6 +61,7 @@ from tools.tiny_checkpoint import DLLM_TEST_LOGIT_SCALE, write_tiny_checkpoint
 PROMPT_LEN = 16
 TAIL_STEPS = 256
 CALLS_AT = 32  # profiled steps (early and late in a long run)
+NEVER = ["\x00never\x00"]  # a stop string that never matches keeps the stop-string search on the hot path
 
 
 def _pages(output_len: int, concurrency: int) -> int:
@@ -113,36 +135,192 @@ def measure(path: Path, output_len: int, concurrency: int, stop_words: list[str]
         }
 
 
+def _prompt(i: int) -> list[int]:
+    return [(7 * i + 3 * k) % 200 + 10 for k in range(PROMPT_LEN)]
+
+
+def _sdar(path: Path, max_len: int) -> Path:
+    return write_tiny_checkpoint(path, model_type="sdar", num_hidden_layers=1, logit_scale=DLLM_TEST_LOGIT_SCALE,
+                                 max_position_embeddings=max_len)
+
+
+def _qwen3(path: Path, max_len: int) -> Path:
+    return write_tiny_checkpoint(path, model_type="qwen3", num_hidden_layers=1, max_position_embeddings=max_len)
+
+
+def _llada2(path: Path, max_len: int) -> Path:
+    from engine.model.families.llada2_moe.tiny import write_tiny_llada2
+
+    # first_k_dense_replace=0: the one layer is a MoE layer, as all but the first of a release's
+    return write_tiny_llada2(path, num_hidden_layers=1, first_k_dense_replace=0, max_position_embeddings=max_len)
+
+
+def _fast_dllm(path: Path, max_len: int) -> Path:
+    from engine.model.families.fast_dllm_qwen.tiny import FAST_DLLM_TEST_LOGIT_SCALE, write_tiny_fast_dllm
+
+    return write_tiny_fast_dllm(path, num_hidden_layers=1, logit_scale=FAST_DLLM_TEST_LOGIT_SCALE,
+                                max_position_embeddings=max_len)
+
+
+def _diffusion_gemma(path: Path, max_len: int) -> Path:
+    from engine.model.families.diffusion_gemma.tiny import FULL, SLIDING, write_tiny_diffusion_gemma
+
+    # one layer of each type: transformers makes a last layer full-attention, and the engine's
+    # sliding-window K/V group needs a sliding layer
+    return write_tiny_diffusion_gemma(path, layer_types=(SLIDING, FULL), max_position_embeddings=max_len)
+
+
+@dataclass(frozen=True)
+class Paradigm:
+    """One row of `--paradigms`: the checkpoint it decodes (`write(directory, max_position_embeddings)`),
+    the unmasking rule its requests name (None: the family's own), the engine settings it needs, and
+    whether its requests are seeded (the rule or the paradigm samples)."""
+
+    family: str
+    write: Callable[[Path, int], Path]
+    rule: str | None = None
+    engine: Mapping[str, Any] = field(default_factory=dict)
+    seeded: bool = False
+
+
+PARADIGMS: dict[str, Paradigm] = {
+    **{f"block_diffusion/{rule}": Paradigm("sdar", _sdar, rule, {"dllm_block_length": 4}, seeded=rule == "random")
+       for rule in ("low_confidence_dynamic", "low_confidence_static", "sequential", "entropy_bounded", "random")},
+    "token_editing/joint_threshold": Paradigm("llada2_moe", _llada2, "joint_threshold"),
+    "sub_block/low_confidence_dynamic": Paradigm("fast_dllm_qwen", _fast_dllm),
+    "renoising/diffusion_gemma": Paradigm("diffusion_gemma", _diffusion_gemma, seeded=True),
+    "ar": Paradigm("qwen3", _qwen3),
+}
+
+
+def select_paradigms(only: str | None) -> list[str]:
+    """The names `--only` picks, in table order: each of its comma-separated items is a name or a
+    prefix ending at a `/` (`block_diffusion` picks every block-diffusion rule)."""
+    if not only:
+        return list(PARADIGMS)
+    items = [item.strip().rstrip("/") for item in only.split(",") if item.strip()]
+    unknown = [item for item in items if not any(n == item or n.startswith(item + "/") for n in PARADIGMS)]
+    if unknown:
+        raise SystemExit(f"--only: unknown {', '.join(unknown)}; names: {', '.join(PARADIGMS)}")
+    return [n for n in PARADIGMS if any(n == item or n.startswith(item + "/") for item in items)]
+
+
+def measure_paradigm(path: Path, paradigm: Paradigm, tokens: int, concurrency: int, device: str,
+                     profile_at: int | None, profile_steps: int) -> dict:
+    """One run of `concurrency` requests of `tokens` output tokens. The `profile_steps` steps from step
+    `profile_at` run under cProfile (their calls counted per sequence-step) and are left out of the
+    timings; `profile_at=None` profiles none (the warm-up run)."""
+    pages = concurrency * (-(-(PROMPT_LEN + tokens + 64) // 16) + 2)  # + two blocks / canvases of slack
+    config = EngineConfig(device=device, num_kv_blocks=pages, kv_block_size=16, max_batch_size=concurrency,
+                          **paradigm.engine)
+    rule = {"dllm_unmasking_strategy": paradigm.rule} if paradigm.rule else {}
+    with pipeline(str(path), config) as pipe:
+        engine = pipe.engine
+        freeze_startup_heap()  # as a Serve engine replica does
+        clock = engine.executor.execute = _ForwardClock(engine.executor.execute, device)
+        for i in range(concurrency):
+            engine.add_request(_prompt(i), GenerationConfig(max_new_tokens=tokens, ignore_eos=True, stop_words=NEVER,
+                                                            random_seed=i if paradigm.seeded else None, **rule))
+        full, seconds, sequences = [], 0.0, 0  # per full-batch step: overhead / sequences; all timed steps' sums
+        profile, profiled_sequences, steps = cProfile.Profile(), 0, 0
+        while engine.has_unfinished():
+            running = len(engine.scheduler.running) + len(engine.scheduler.waiting)
+            if profile_at is not None and profile_at <= steps < profile_at + profile_steps:
+                profile.enable()
+                engine.step()
+                profile.disable()
+                profiled_sequences += running
+                steps += 1
+                continue
+            forward0, t0 = clock.seconds, time.thread_time()
+            engine.step()
+            overhead = (time.thread_time() - t0) - (clock.seconds - forward0)
+            steps += 1
+            seconds, sequences = seconds + overhead, sequences + running
+            if running == concurrency:
+                full.append(overhead / running)
+        calls = pstats.Stats(profile).total_calls / profiled_sequences if profiled_sequences else None
+        return {
+            "tokens": tokens,
+            "steps": steps,
+            "full_batch_steps": len(full),
+            "generated_tokens": engine.stats.generated_tokens,
+            "overhead_us_per_seq_step": round(1e6 * statistics.fmean(full), 2) if full else None,
+            "overhead_us_per_seq_step_all_steps": round(1e6 * seconds / sequences, 2) if sequences else None,
+            "python_calls_per_seq_step": round(calls, 2) if calls is not None else None,
+            "profiled_steps": [profile_at, profile_at + profile_steps] if profile_at is not None else None,
+            "forward_cpu_ms_per_step": round(1e3 * clock.seconds / steps, 4) if steps else None,
+        }
+
+
+def run_paradigms(names: list[str], tokens: int, concurrency: int, device: str, profile_steps: int) -> dict:
+    """`--paradigms`: each named paradigm once to warm up, then measured with its profiled steps in
+    the middle of the warm-up run's step count. A paradigm's `rule` is null where its requests name
+    none (the family's own: Fast-dLLM v2 low_confidence_dynamic, DiffusionGemma and AR have no rule)."""
+    out: dict = {"mode": "paradigms", "device": device, "concurrency": concurrency, "tokens": tokens,
+                 "prompt_len": PROMPT_LEN, "torch_threads": torch.get_num_threads(), "profile_steps": profile_steps,
+                 "paradigms": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        written: dict[str, Path] = {}
+        for name in names:
+            paradigm = PARADIGMS[name]
+            if paradigm.family not in written:
+                written[paradigm.family] = paradigm.write(Path(tmp) / paradigm.family, PROMPT_LEN + tokens + 256)
+            path = written[paradigm.family]
+            config = json.loads((path / "config.json").read_text())
+            layers = config.get("num_hidden_layers") or config["text_config"]["num_hidden_layers"]
+            print(f"[overhead] {name}: warm-up", file=sys.stderr, flush=True)
+            warm = measure_paradigm(path, paradigm, tokens, concurrency, device, None, profile_steps)
+            middle = max(0, (warm["steps"] - profile_steps) // 2)
+            print(f"[overhead] {name}: {warm['steps']} steps, profiling {middle}..{middle + profile_steps}",
+                  file=sys.stderr, flush=True)
+            result = measure_paradigm(path, paradigm, tokens, concurrency, device, middle, profile_steps)
+            out["paradigms"][name] = {"family": paradigm.family, "rule": paradigm.rule, "layers": layers, **result}
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--short", type=int, default=64)
-    ap.add_argument("--long", type=int, default=4096)
-    ap.add_argument("--concurrency", type=int, default=32)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 epilog="--paradigms: every paradigm at one shape (--concurrency, --tokens); "
+                                        "otherwise block diffusion and AR at --short and --long outputs")
+    ap.add_argument("--short", type=int, default=64, help="short output length (growth mode)")
+    ap.add_argument("--long", type=int, default=4096, help="long output length (growth mode)")
+    ap.add_argument("--concurrency", type=int, default=None,
+                    help="concurrent requests (default 32; with --paradigms 128)")
+    ap.add_argument("--paradigms", action="store_true",
+                    help="measure every paradigm and unmasking rule at one shape instead of the growth runs")
+    ap.add_argument("--tokens", type=int, default=128, help="--paradigms: output tokens per request (default 128)")
+    ap.add_argument("--only", default=None, metavar="NAME[,NAME]",
+                    help=f"--paradigms: run only these (or a prefix such as block_diffusion): {', '.join(PARADIGMS)}")
+    ap.add_argument("--profile-steps", type=int, default=16,
+                    help="--paradigms: steps profiled with cProfile in the middle of the run")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                     help="cuda: the forward runs on the GPU (bf16) and leaves the CPU caches to the engine")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
+    if args.paradigms:
+        command = "python -m bench.overhead " + " ".join(sys.argv[1:] if argv is None else argv)
+        result = run_paradigms(select_paradigms(args.only), args.tokens, args.concurrency or 128, args.device,
+                               args.profile_steps)
+        print(json.dumps({"command": command, **result}, indent=2))
+        return
+    if args.only:
+        ap.error("--only needs --paradigms")
+    args.concurrency = args.concurrency or 32
     out: dict = {"device": args.device, "concurrency": args.concurrency, "short": args.short, "long": args.long}
     with tempfile.TemporaryDirectory() as tmp:
-        models = {
-            "block_diffusion": write_tiny_checkpoint(Path(tmp) / "sdar", model_type="sdar", num_hidden_layers=1,
-                                                     logit_scale=DLLM_TEST_LOGIT_SCALE,
-                                                     max_position_embeddings=args.long + 64),
-            "ar": write_tiny_checkpoint(Path(tmp) / "qwen3", model_type="qwen3", num_hidden_layers=1,
-                                        max_position_embeddings=args.long + 64),
-        }
+        models = {"block_diffusion": _sdar(Path(tmp) / "sdar", args.long + 64),
+                  "ar": _qwen3(Path(tmp) / "qwen3", args.long + 64)}
         for name, path in models.items():
             runs = {}
-            # a stop string that never matches keeps the stop-string search on the hot path
-            never = ["\x00never\x00"]
             # warm-up: first-use costs of kernels and allocator
-            measure(path, args.short, args.concurrency, never, device=args.device)
+            measure(path, args.short, args.concurrency, NEVER, device=args.device)
             for length in (args.short, args.long):
                 print(f"[overhead] {name} {length}-token outputs", file=sys.stderr, flush=True)
-                runs[str(length)] = measure(path, length, args.concurrency, never, device=args.device)
+                runs[str(length)] = measure(path, length, args.concurrency, NEVER, device=args.device)
             kv_bytes = _pages(args.long, args.concurrency) * 16 * 2 * 2 * 16 * 4  # pages x tokens x K,V x heads x dim
             print(f"[overhead] {name} {args.short}-token outputs + {kv_bytes >> 20} MiB sweep", file=sys.stderr)
-            runs[f"{args.short}+sweep"] = measure(path, args.short, args.concurrency, never, sweep_bytes=kv_bytes,
+            runs[f"{args.short}+sweep"] = measure(path, args.short, args.concurrency, NEVER, sweep_bytes=kv_bytes,
                                                   device=args.device)
             short, long = runs[str(args.short)], runs[str(args.long)]
             out[name] = {

@@ -111,6 +111,30 @@ def test_overhead():
         assert r[paradigm]["ratio_long_vs_short"] > 0
 
 
+PARADIGM_FIGURES = {"family", "rule", "layers", "tokens", "steps", "full_batch_steps", "generated_tokens",
+                    "overhead_us_per_seq_step", "overhead_us_per_seq_step_all_steps", "python_calls_per_seq_step",
+                    "profiled_steps", "forward_cpu_ms_per_step"}
+
+
+@pytest.mark.system  # the bench command as a user types it, in a process of its own
+def test_overhead_paradigms():
+    """`--paradigms` at toy size: a prefix in `--only` picks every rule under it, and the whole list
+    (every paradigm and rule, each family's tiny checkpoint) runs to the end with every figure."""
+    r = _run_module("bench.overhead", "--paradigms", "--concurrency", "4", "--tokens", "8", "--profile-steps", "2",
+                    "--only", "block_diffusion,ar")
+    assert r["mode"] == "paradigms" and r["concurrency"] == 4 and r["tokens"] == 8
+    assert list(r["paradigms"]) == [*(f"block_diffusion/{rule}" for rule in (
+        "low_confidence_dynamic", "low_confidence_static", "sequential", "entropy_bounded", "random")), "ar"]
+    r = _run_module("bench.overhead", "--paradigms", "--concurrency", "4", "--tokens", "16", "--profile-steps", "2")
+    assert {"token_editing/joint_threshold", "sub_block/low_confidence_dynamic", "renoising/diffusion_gemma",
+            "ar"} <= set(r["paradigms"])
+    for name, figures in r["paradigms"].items():
+        assert set(figures) == PARADIGM_FIGURES, name
+        assert figures["steps"] >= figures["full_batch_steps"] > 0, (name, figures)
+        assert figures["generated_tokens"] >= 4 * 16, (name, figures)
+        assert figures["python_calls_per_seq_step"] > 0 and figures["overhead_us_per_seq_step"] is not None, name
+
+
 @pytest.mark.system  # the bench command as a user types it, in a process of its own
 def test_fused_elementwise():
     r = _run_module("bench.fused_elementwise", "--toy")
