@@ -392,3 +392,15 @@ def test_prefix_caching_reuses_committed_pages_exactly(ckpt, oracle):
     before = eng.kv.prefix_hit_tokens
     _check(run(eng, {"again": (ref["prompt"], params(max_new_tokens=16, random_seed=0))})["again"], ref, 16)
     assert eng.kv.prefix_hit_tokens == before
+
+
+@pytest.mark.parametrize("layer_types", [("full_attention",), ("sliding_attention", "sliding_attention")])
+def test_a_network_with_one_kind_of_layer_serves(tmp_path, layer_types):
+    """A checkpoint whose layers are all full (or all sliding) attention has one K/V pool: its requests
+    are admitted and decode as transformers' `generate()` does (no empty pool holds them back)."""
+    path = converging_checkpoint(tmp_path / "tiny", CANVAS, layer_types=layer_types)
+    prompt = [5, 6, 7, 8, 9]
+    tokens, drafts = _transformers(path, prompt, 3, KNOBS)
+    result = run(_engine(path), {"r": (prompt, params(max_new_tokens=3 * CANVAS, random_seed=3))})["r"]
+    assert result.token_ids == tokens
+    assert result.step_map == settle_steps(drafts)

@@ -82,7 +82,8 @@ class GemmaAttentionMeta:
     def prepare(self) -> None:
         """Every group's plan, once per forward for all layers of the group."""
         self.backend = self.backend or GemmaTorchAttention()
-        for kind in (SLIDING, FULL):
+        present = self.passes[0].page_tables if self.passes else {}
+        for kind in (k for k in (SLIDING, FULL) if k in present):  # a network may lack one kind of layer
             committed, committed_from, rows, write_rows, write_slots, row = [], [], [], [], [], 0
             for p in self.passes:
                 lo, hi = self.committed_range(p, kind)

@@ -46,12 +46,13 @@ class KVLayout:
     def pool_sizes(self, budget_bytes: int, dtype: torch.dtype, max_sequences: int, max_new_tokens: int,
                    max_full_pages: int) -> dict[str, int]:
         """Pages per group for a memory budget: the sliding group what `max_sequences` sequences can
-        hold at once, the full group the rest (at most `max_full_pages`, at least one page each)."""
+        hold at once, the full group the rest (at most `max_full_pages`, at least one page each). A
+        group without layers has no pool (a group of no pages could never hold a sequence)."""
         sliding = max(1, max_sequences * self.window_pages(max_new_tokens)) if self.layers(SLIDING) else 0
         rest = budget_bytes - sliding * self.page_bytes(SLIDING, dtype)
         full_bytes = self.page_bytes(FULL, dtype)
         full = max(1, min(max_full_pages, rest // full_bytes if full_bytes else max_full_pages))
-        return {SLIDING: sliding, FULL: full}
+        return {kind: n for kind, n in ((SLIDING, sliding), (FULL, full)) if self.layers(kind)}
 
     def allocate(self, pools: dict[str, int], dtype: torch.dtype, device: torch.device
                  ) -> list[tuple[torch.Tensor, torch.Tensor]]:
