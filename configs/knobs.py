@@ -11,13 +11,15 @@ resolved settings (`settings_of`: the unmasking and the renoising settings), the
 
 A *paradigm* (`Paradigm`) is how a model family decodes (its family's registry row names it):
 `autoregressive` (one token per forward), `block` (block diffusion: every masked position of a block is
-a candidate at every step), `sub_block` (a token shift and sub-blocks decoded left to right) or
+a candidate at every step), `sub_block` (a token shift and sub-blocks decoded left to right),
 `renoising` (DiffusionGemma: a canvas of random tokens refined as a whole, every position rewritten each
-step). A knob a paradigm does not read is refused on its models: per request with a 400 naming the field, and
-engine-wide at engine start when set to anything but its default (an autoregressive engine logs them
-as ignored instead: see `ENGINE_WIDE_IGNORED`). Token editing's knobs are refused on a request whose
-rule does not edit. A family's published defaults
-(`decoding_defaults` of its registry row) replace the engine-wide default of the knobs it reads.
+step) or `seeded_block` (Nemotron-Labs-Diffusion: per request autoregressive, or blocks anchored at the
+prompt end, each opened by a causal seed token; `dllm_mode` chooses). A knob a paradigm does not read is
+refused on its models: per request with a 400 naming the field, and engine-wide at engine start when
+set to anything but its default (an autoregressive engine logs them as ignored instead: see
+`ENGINE_WIDE_IGNORED`). Token editing's knobs are refused on a request whose rule does not edit. A
+family's published defaults (`decoding_defaults` of its registry row) replace the engine-wide default of
+the knobs it reads.
 """
 
 from __future__ import annotations
@@ -27,9 +29,9 @@ import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, Field, create_model
+from pydantic import BaseModel, BeforeValidator, Field, create_model
 
 _T = TypeVar("_T")
 
@@ -43,6 +45,7 @@ class Paradigm(str, Enum):
     BLOCK = "block"
     SUB_BLOCK = "sub_block"
     RENOISING = "renoising"
+    SEEDED_BLOCK = "seeded_block"
 
     __str__ = str.__str__
     __format__ = str.__format__
@@ -54,9 +57,15 @@ PARADIGMS: dict[Paradigm, str] = {
     Paradigm.SUB_BLOCK: "a token shift and sub-blocks of the block decoded left to right",
     Paradigm.RENOISING: "uniform-state renoising: every position of a canvas is resampled or re-noised at every "
                         "step",
+    Paradigm.SEEDED_BLOCK: "per request (dllm_mode) autoregressive, or blocks anchored at the prompt end, each opened "
+                           "with the causal prediction before it, denoised bidirectionally over the causal prefix and "
+                           "committed by a causal forward",
 }
 _BLOCK, _SUB_BLOCK, _RENOISING = (Paradigm.BLOCK,), (Paradigm.SUB_BLOCK,), (Paradigm.RENOISING,)
+_SEEDED = (Paradigm.SEEDED_BLOCK,)
 DIFFUSION: tuple[Paradigm, ...] = (Paradigm.BLOCK, Paradigm.SUB_BLOCK)
+# paradigms whose blocks start as mask tokens (the engine resolves the model's mask token for them)
+MASKED: tuple[Paradigm, ...] = (*DIFFUSION, Paradigm.SEEDED_BLOCK)
 # Paradigms whose engines accept (and log as ignored) engine-wide knobs they do not read: one engine
 # config is written for whichever checkpoint a deployment serves, and an autoregressive model has no
 # diffusion decoding for them to misconfigure. Other paradigms refuse them at engine start.
@@ -115,7 +124,8 @@ class Knob:
     request's settings for whichever rule it decodes with, accepted under every rule of their paradigms.
     `fixed`: the model's own value, which a request may only repeat (so it is no setting a request
     resolves or a page offers). `flag`: its `python -m engine.trace` flag and `label`: its caption in the
-    viewer's knob row, both derived from `setting` unless given."""
+    viewer's knob row, both derived from `setting` unless given. `aliases`: other engines' names for its
+    values (SGLang's algorithm names for a mode), accepted wherever the knob is and read as the table's."""
 
     name: str
     type: Any
@@ -131,6 +141,7 @@ class Knob:
     fixed: bool = False
     flag: str = ""
     label: str = ""
+    aliases: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "flag", self.flag or "--" + self.setting.replace("_", "-"))
@@ -140,6 +151,10 @@ class Knob:
     def setting(self) -> str:
         """The knob's name among a request's resolved settings (`dllm_unmasking_strategy`: `strategy`)."""
         return self.name.removeprefix("dllm_").removeprefix("unmasking_")
+
+    def canonical(self, value: Any) -> Any:
+        """`value` under the table's name for it (an alias replaced; anything else as it is)."""
+        return self.aliases.get(value, value) if isinstance(value, str) else value
 
     @property
     def value_type(self) -> Any:
@@ -163,7 +178,7 @@ class Knob:
 _UNIT = {"ge": 0.0, "le": 1.0}
 KNOBS: dict[str, Knob] = {k.name: k for k in (
     Knob("dllm_block_length", int | None, None, "positions per diffusion block; default: the checkpoint's, else "
-         "the family's", DIFFUSION, {"ge": 1}, fixed=True,
+         "the family's", (*DIFFUSION, *_SEEDED), {"ge": 1}, fixed=True,
          request_doc="must equal the model's block length if given (it cannot change per request)",
          upstream={"lmdeploy": "dllm_block_length", "jetengine.sampling": "block_length",
                    "jetengine.config": "block_length", "sglang.algorithm": "block_size"}),
@@ -175,7 +190,9 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
          upstream={"lmdeploy": "dllm_denoising_steps", "jetengine.sampling": "denoising_steps"},
          flag="--steps", label="Steps / block"),
     Knob("dllm_confidence_threshold", float, 0.85, "low_confidence_dynamic: reveal every position at least this "
-         "confident (joint_threshold and joint_threshold_indel: strictly more)", DIFFUSION, _UNIT,
+         "confident (joint_threshold and joint_threshold_indel: strictly more; seeded_block's diffusion mode: the "
+         "most confident position and every other at least this confident, one position per step when neither the "
+         "request nor the engine config sets it)", (*DIFFUSION, *_SEEDED), _UNIT,
          rules=("low_confidence_dynamic", "joint_threshold", "joint_threshold_indel"),
          upstream={"lmdeploy": "dllm_confidence_threshold", "jetengine.sampling": "dynamic_threshold",
                    "sglang.algorithm": "threshold"}, flag="--threshold", label="Threshold"),
@@ -198,11 +215,15 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
     Knob("dllm_commit_fusion", bool, True, "fuse a block's commit forward with the next block's first step",
          _BLOCK, per_request=False),
     Knob("dllm_mask_token_id", int | None, None, "mask token of a block-diffusion model whose checkpoint names none",
-         DIFFUSION, {"ge": 0}, per_request=False, upstream={"jetengine.config": "mask_token_id"}),
+         MASKED, {"ge": 0}, per_request=False, upstream={"jetengine.config": "mask_token_id"}),
     Knob("dllm_delete_token_id", int | None, None, "joint_threshold_indel's DELETE token, for a checkpoint whose "
          "config.json names no delete_token_id", _BLOCK, {"ge": 0}, per_request=False),
     Knob("dllm_split_token_id", int | None, None, "joint_threshold_indel's SPLIT token, for a checkpoint whose "
          "config.json names no split_token_id", _BLOCK, {"ge": 0}, per_request=False),
+    Knob("dllm_mode", Literal["ar", "diffusion", "linear_spec"], "diffusion", "seeded_block: how a request decodes: "
+         "ar (one causal token per forward), diffusion (blocks anchored at the prompt end, each opened with a causal "
+         "seed and denoised over the causal prefix) or linear_spec (self-speculation; not served yet)", _SEEDED,
+         aliases={"FastDiffuser": "diffusion", "LinearSpec": "linear_spec"}),
     # renoising (DiffusionGemma); the checkpoint's generation_config.json replaces these defaults
     Knob("dllm_max_denoising_steps", int, 48, "renoising: steps per canvas at most (N of the temperature schedule)",
          _RENOISING, {"ge": 1}, label="Steps / canvas",
@@ -293,6 +314,8 @@ def knob_model(name: str, doc: str, per_request: bool) -> type[BaseModel]:
         if per_request and not k.per_request:
             continue
         annotation = (k.type | None) if per_request else k.type
+        if k.aliases:  # the knob's own method: the engine and request models' fields carry equal metadata
+            annotation = Annotated[annotation, BeforeValidator(k.canonical)]
         description = (k.request_doc or k.doc) if per_request else k.doc
         fields[k.name] = (annotation, Field(None if per_request else k.default, description=description, **k.bounds))
     return create_model(name, __doc__=doc, __module__=__name__, **fields)

@@ -62,7 +62,7 @@ def released_tensors(cfg: dict) -> dict[str, tuple[int, ...]]:
 def test_release_config_builds_the_released_tensors(tmp_path, size):
     cfg = {**(RELEASE_8B if size == "8B" else RELEASE_14B), "num_hidden_layers": 2}
     spec = load_model_spec(write_config(tmp_path / size, cfg, {"eos_token_id": 11}))
-    assert not spec.is_dllm and spec.family.predicts_next and spec.family.paradigm == "autoregressive"
+    assert spec.is_dllm and spec.family.predicts_next and spec.family.paradigm == "seeded_block"
     assert (spec.head_dim, spec.qk_norm, spec.attention_bias, spec.tie_word_embeddings) == (128, False, False, False)
     assert (spec.block_size, spec.mask_token_id, spec.eos_token_ids) == (32, 100, {11})
     assert spec.rope_theta == cfg["rope_parameters"]["rope_theta"]

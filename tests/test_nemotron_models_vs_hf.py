@@ -1,6 +1,6 @@
-"""Nemotron-Labs-Diffusion served autoregressively, against transformers' `Ministral3ForCausalLM` built
-from the same tiny checkpoint (released names mapped: `encoder.` -> `model.`, `diffusion_head` ->
-`lm_head`), float32 on the CPU.
+"""Nemotron-Labs-Diffusion served autoregressively (`dllm_mode="ar"`), against transformers'
+`Ministral3ForCausalLM` built from the same tiny checkpoint (released names mapped: `encoder.` ->
+`model.`, `diffusion_head` -> `lm_head`), float32 on the CPU.
 
 The tiny checkpoint's original context is 32 positions (YaRN factor 8), so prompts and continuations
 past it exercise the YaRN frequencies and the Llama-4 query factor, which changes at 32, 64 and 96.
@@ -88,7 +88,7 @@ def test_pipeline_greedy_equals_transformers_generate(ckpt, hf):
     of 1, 7 and 40 tokens (the last crosses the original context while it decodes)."""
     prompts = [make_prompt(n, 10 + i) for i, n in enumerate((1, 7, 40))]
     want = [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
-    gen = GenerationConfig(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    gen = GenerationConfig(max_new_tokens=NEW_TOKENS, ignore_eos=True, dllm_mode="ar")
     with pipeline(str(ckpt), EngineConfig(max_model_len=128, kv_block_size=8)) as pipe:
         alone = [pipe(p, gen) for p in prompts]
         batch = pipe(prompts, gen)
@@ -99,7 +99,7 @@ def test_pipeline_greedy_equals_transformers_generate(ckpt, hf):
 
 def test_raw_logprobs_equal_transformers(ckpt, hf):
     prompt = make_prompt(30, 20)  # decodes across position 32
-    gen = GenerationConfig(max_new_tokens=NEW_TOKENS, ignore_eos=True, logprobs=3)
+    gen = GenerationConfig(max_new_tokens=NEW_TOKENS, ignore_eos=True, logprobs=3, dllm_mode="ar")
     with pipeline(str(ckpt), EngineConfig(max_model_len=128, logprobs_mode="raw_logprobs")) as pipe:
         out = pipe(prompt, gen)
     ids = torch.tensor([prompt + out.token_ids])

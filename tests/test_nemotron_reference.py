@@ -92,7 +92,8 @@ def test_reference_ar_equals_the_engine(ckpt, model):
     prompt = make_prompt(40)
     want = ref.ar_generate(model, prompt, max_new_tokens=NEW_TOKENS, eos_ids=set()).token_ids
     with pipeline(str(ckpt), EngineConfig(max_model_len=128)) as pipe:
-        assert pipe(prompt, GenerationConfig(max_new_tokens=NEW_TOKENS, ignore_eos=True)).token_ids == want
+        out = pipe(prompt, GenerationConfig(max_new_tokens=NEW_TOKENS, ignore_eos=True, dllm_mode="ar"))
+    assert out.token_ids == want
 
 
 @pytest.mark.parametrize("threshold", [None, 0.9, 0.5])

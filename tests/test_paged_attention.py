@@ -1,5 +1,6 @@
 """Paged KV write and the reference paged attention (`ops.attention.TorchAttention`) against dense
-SDPA, per sequence, with causal and block-causal masks, random page tables and GQA."""
+SDPA, per sequence, with causal, block-causal and bidirectional rows, random page tables and GQA;
+bidirectional rows beside causal ones also through the flex and triton backends, and the flash plan."""
 
 from __future__ import annotations
 
@@ -23,12 +24,14 @@ MIXES = [
 ]
 
 
-def dense_reference(q, keys, values, first_pos, block_length):
-    """SDPA over one sequence: q [Q, H, D] at positions first_pos.., keys/values [L, KVH, D]."""
+def dense_reference(q, keys, values, first_pos, block_length, bidirectional=False):
+    """SDPA over one sequence: q [Q, H, D] at positions first_pos.., keys/values [L, KVH, D]
+    (`bidirectional`: every row sees every key)."""
     q_len, kv_len = q.shape[0], keys.shape[0]
     p = torch.arange(first_pos, first_pos + q_len)[:, None]
     j = torch.arange(kv_len)[None, :]
     visible = j <= p if block_length is None else (j // block_length) <= (p // block_length)
+    visible = visible | bidirectional
     group = HEADS // KV_HEADS
     k = keys.repeat_interleave(group, dim=1)  # GQA: query head h reads kv head h // group
     v = values.repeat_interleave(group, dim=1)
@@ -37,7 +40,9 @@ def dense_reference(q, keys, values, first_pos, block_length):
     return out.transpose(0, 1)
 
 
-def run_case(mix, page_size, block_length, seed):
+def run_case(mix, page_size, block_length, seed, bidirectional=None, backend=None):
+    """`bidirectional`: per sequence whether its rows see all of its keys; `backend`: TorchAttention's
+    stand-in (the reference by default)."""
     g = torch.Generator().manual_seed(seed)
     pages_per_seq = [math.ceil(kv / page_size) for _, kv in mix]
     num_pages = sum(pages_per_seq) + 5  # a few pages nobody owns
@@ -76,16 +81,18 @@ def run_case(mix, page_size, block_length, seed):
         page_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
         page_size=page_size,
         dllm_block_length=block_length,
+        bidirectional=bidirectional,
     )
     before = (k_cache.clone(), v_cache.clone())
-    backend = TorchAttention()
+    backend = backend or TorchAttention()
     backend.prepare(meta)
     out = backend.forward(torch.cat(qs), torch.cat(ks), torch.cat(vs), k_cache, v_cache, meta, HEAD_DIM**-0.5)
     assert out.shape == (sum(q for q, _ in mix), HEADS, HEAD_DIM)
 
     row = 0
     for s, ((q_len, kv_len), q) in enumerate(zip(mix, qs, strict=True)):
-        want = dense_reference(q, full_k[s], full_v[s], kv_len - q_len, block_length)
+        want = dense_reference(q, full_k[s], full_v[s], kv_len - q_len, block_length,
+                               bidirectional is not None and bidirectional[s])
         torch.testing.assert_close(out[row : row + q_len], want, atol=1e-5, rtol=1e-5,
                                    msg=lambda m, s=s: f"sequence {s}: {m}")
         row += q_len
@@ -147,6 +154,47 @@ def test_block_causal_queries_see_later_keys_of_their_block(block_length):
     later = attend(k, v3)
     torch.testing.assert_close(base[:b], later[:b])  # block 0 never sees block 1
     assert not torch.allclose(base[b:], later[b:])
+
+
+# per sequence of each mix: its rows bidirectional (a block denoised over its prefix) or causal
+BIDIRECTIONAL_MIXES = [
+    ([(8, 8), (1, 9), (8, 20), (5, 13), (1, 1)], [True, False, True, False, True]),
+    ([(32, 45), (3, 3), (16, 16)], [True, False, False]),
+]
+
+
+@pytest.mark.parametrize("seed", range(2))
+@pytest.mark.parametrize("page_size", [4, 16])
+@pytest.mark.parametrize("backend", ["torch", "flex", "triton"])
+@pytest.mark.parametrize(("mix", "bidirectional"), BIDIRECTIONAL_MIXES, ids=["bidirectional0", "bidirectional1"])
+def test_bidirectional_rows_beside_causal_ones_equal_dense_sdpa(mix, bidirectional, backend, page_size, seed):
+    """A bidirectional sequence's rows see every key below its kv_len; the others stay causal (the Triton
+    kernel, under its interpreter here: its pass mode, canvas tiles reading all their keys from the cache)."""
+    chosen = {"torch": TorchAttention, "flex": lambda: attention.FlexAttention(compiled=False),
+              "triton": lambda: attention.TritonAttention(HEADS // KV_HEADS)}[backend]()
+    run_case(mix, page_size, None, seed, bidirectional, chosen)
+
+
+def test_triton_plans_pass_kinds_padded_and_refuses_block_causal_rows_beside_bidirectional_ones():
+    backend = attention.TritonAttention(HEADS // KV_HEADS)
+    plan = backend.plan([8, 1], [8, 9], [[0, 1], [2, 3]], 4, None, 16, [True, False]).arrays
+    assert len(plan["tile_kind"]) == 16 and plan["tile_kind"][:2] == [1, 0] and plan["tile_rows"][2:] == [0] * 14
+    assert plan["tile_lo"] == plan["tile_own_len"] == [0] * 16
+    with pytest.raises(ValueError, match="block-causal"):
+        backend.plan([8, 1], [8, 9], [[0, 1], [2, 3]], 4, 4, None, [True, False])
+
+
+def test_flash_plans_bidirectional_rows_as_one_entry_and_causal_rows_alone():
+    """The flash kernel takes one causal flag per call: beside a bidirectional sequence every causal row
+    is an entry of its own, seeing the keys up to its position."""
+    kernel = type("Kernel", (), {"key_lengths": "seqused_k"})()
+    plan = attention.FlashAttention(kernel).plan([3, 4, 1], [5, 12, 7], [[0], [1], [2]], 16, None, None,
+                                                 [False, True, False])
+    assert plan.scalars["causal"] is False
+    assert plan.arrays["cu_seqlens_q"] == [0, 1, 2, 3, 7, 8]
+    assert plan.arrays["key_lengths"] == [3, 4, 5, 12, 7] and plan.arrays["table_rows"] == [0, 0, 0, 1, 2]
+    causal = attention.FlashAttention(kernel).plan([3, 1], [5, 7], [[0], [2]], 16, None, None, [False, False])
+    assert causal.scalars["causal"] is True and causal.arrays["cu_seqlens_q"] == [0, 3, 4]
 
 
 def test_decode_rows_in_block_causal_batch_match_dense():

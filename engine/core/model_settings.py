@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from configs import EngineConfig
-from configs.knobs import DIFFUSION, ENGINE_WIDE_IGNORED, PARADIGMS, rules_of, unusable
+from configs.knobs import ENGINE_WIDE_IGNORED, MASKED, PARADIGMS, rules_of, unusable
 from engine.core.decoding import DecodingStrategy, describe_paradigm, paradigm_of, strategy_for
 from engine.model.checkpoint import ModelSpec, load_model_spec
 from engine.model.families import build_network
@@ -128,7 +128,7 @@ def engine_setup(config: EngineConfig, spec: ModelSpec, tokenizer) -> EngineSetu
     resolved = with_family_defaults(config, spec).model_copy(update={
         "max_model_len": resolve_max_model_len(config, spec), "dllm_block_length": block_length})
     paradigm = paradigm_of(spec.family)
-    masked = paradigm in DIFFUSION  # a paradigm that unmasks (renoising has no mask token)
+    masked = paradigm in MASKED  # a paradigm that unmasks (renoising has no mask token)
     mask_id = resolve_mask_token_id(spec, tokenizer, resolved) if masked else None
     return EngineSetup(resolved, frozenset(config.model_fields_set), block_length, paradigm, mask_id,
                        strategy_for(spec, resolved, mask_id))

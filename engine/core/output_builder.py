@@ -18,13 +18,13 @@ class OutputBuilder:
     def __init__(self, seq: Sequence, is_dllm: bool, replay: Callable[[Sequence, int], dict[str, Any]] | None = None):
         """`replay`: the final-block replay fields of a finished request (its decoding strategy's)."""
         self.seq = seq
-        self.is_dllm = is_dllm
+        self.is_dllm = is_dllm and not seq.decodes_autoregressively
         self.replay = replay
         p = seq.params
         self.want_logprobs = p.logprobs is not None
-        self.want_trace = is_dllm and p.return_step_trace
-        self.want_block_steps = is_dllm and p.return_block_step_map
-        self.want_replay = is_dllm and p.return_dllm_replay
+        self.want_trace = self.is_dllm and p.return_step_trace
+        self.want_block_steps = self.is_dllm and p.return_block_step_map
+        self.want_replay = self.is_dllm and p.return_dllm_replay
         self.sent_tokens = 0
         self.sent_text = 0  # characters of text sent
         self.pending_trace: list[StepEvent] = []

@@ -48,6 +48,27 @@ class ForwardBatch:
     # per sequence: keep (key, temperature): this canvas pass's logits / temperature, as next step's input
     keep_conditioning: list[tuple[str, float] | None] = field(default_factory=list)
     drop_conditioning: list[str] = field(default_factory=list)  # kept self-conditioning no longer needed
+    # Per sequence, for a strategy that names each sequence's attention (`MASK_KINDS`): "causal" (row p
+    # sees the keys at positions <= p) or "bidirectional" (every row sees every key below its kv_lens,
+    # unmasked: a block denoised over its causal prefix; the block's K/V this writes are not final, a
+    # causal forward rewrites them before they are). Empty: every sequence has the engine's mask (causal,
+    # or block-causal with the engine's block length); set: the engine's block length plays no part.
+    mask_kinds: list[str] = field(default_factory=list)
+
+
+MASK_CAUSAL, MASK_BIDIRECTIONAL = "causal", "bidirectional"
+MASK_KINDS = (MASK_CAUSAL, MASK_BIDIRECTIONAL)
+
+
+def bidirectional_rows(batch: ForwardBatch) -> list[bool] | None:
+    """Per sequence whether its rows are bidirectional, when the batch names its sequences' masks (None:
+    it does not); a ValueError names a kind that is none of `MASK_KINDS`."""
+    if not batch.mask_kinds:
+        return None
+    unknown = set(batch.mask_kinds) - set(MASK_KINDS)
+    if unknown:
+        raise ValueError(f"mask kind {sorted(unknown)[0]!r} is none of {', '.join(MASK_KINDS)}")
+    return [kind == MASK_BIDIRECTIONAL for kind in batch.mask_kinds]
 
 
 @dataclass

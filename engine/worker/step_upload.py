@@ -20,7 +20,7 @@ from itertools import chain
 import torch
 
 from engine.worker.cuda_graphs import pad_tokens
-from engine.worker.forward_batch import ForwardBatch
+from engine.worker.forward_batch import ForwardBatch, bidirectional_rows
 from ops.attention import AttentionBackend, AttentionMetadata
 
 
@@ -41,8 +41,12 @@ def upload_step(batch: ForwardBatch, backend: AttentionBackend, uploader: StepUp
     at the width the step uses, whatever `max_model_len` is."""
     fed = batch if padding is None else pad_tokens(batch, padding.tokens, padding.null_page, page_size)
     tables = fed.page_tables
+    bidirectional = bidirectional_rows(batch)
+    if bidirectional is not None:  # the batch names every sequence's mask: the others are causal
+        block_length = None
+        bidirectional += [False] * (len(fed.q_lens) - len(bidirectional))  # the padding sequence
     pad_tiles = None if padding is None else backend.tiles_for(padding.tokens, padding.max_seqs)
-    plan = backend.plan(fed.q_lens, fed.kv_lens, tables, page_size, block_length, pad_tiles)
+    plan = backend.plan(fed.q_lens, fed.kv_lens, tables, page_size, block_length, pad_tiles, bidirectional)
     width = max(len(t) for t in tables)
     step = uploader.upload({
         "input_ids": fed.input_ids, "positions": fed.positions, "slot_mapping": fed.slot_mapping,
@@ -57,6 +61,7 @@ def upload_step(batch: ForwardBatch, backend: AttentionBackend, uploader: StepUp
         page_tables=step["page_tables"].view(len(tables), width),
         page_size=page_size,
         dllm_block_length=block_length,
+        bidirectional=bidirectional,
         page_table_lists=tables,
         plan=plan,
         planned={name: step[f"plan.{name}"] for name in plan.arrays},

@@ -7,6 +7,10 @@ page table. Two masks exist:
 * causal (AR): query at position p sees keys at positions <= p;
 * block-causal (DLLM, block length B): query at p sees keys at positions j with j // B <= p // B.
 
+Besides either, a forward may name sequences whose rows are bidirectional
+(`AttentionMetadata.bidirectional`): every row of such a sequence sees every key it holds (a block
+denoised over its causal prefix, beside causal rows of other sequences). Every backend computes it.
+
 Backends:
 
 * `TorchAttention` -- the reference: gathers each sequence's keys into a padded tensor and runs

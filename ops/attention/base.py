@@ -23,6 +23,9 @@ class AttentionMetadata:
     page_tables: torch.Tensor  # [S, max_pages] int64, padded with 0
     page_size: int
     dllm_block_length: int | None  # None = causal
+    # per sequence: its rows see every key below its kv_len, unmasked (a block denoised over its causal
+    # prefix); the others follow `dllm_block_length`. None: no sequence of the forward is named
+    bidirectional: list[bool] | None = None
     # Derived, filled by the backend's `prepare` once per forward and reused by every layer.
     extra: dict | None = None
     # The page tables as host lists (unpadded), when the caller has them: `plan` reads these.
@@ -48,7 +51,8 @@ def planned(backend: AttentionBackend, meta: AttentionMetadata) -> dict[str, tor
         if tables is None and backend.plans_from_page_tables:  # read back, each cut to its keys' pages
             tables = [row[: -(-kv // meta.page_size)]
                       for row, kv in zip(meta.page_tables.tolist(), meta.kv_lens, strict=True)]
-        meta.plan = backend.plan(meta.q_lens, meta.kv_lens, tables or [], meta.page_size, meta.dllm_block_length)
+        meta.plan = backend.plan(meta.q_lens, meta.kv_lens, tables or [], meta.page_size, meta.dllm_block_length,
+                                 None, meta.bidirectional)
         device = meta.positions.device
         meta.planned = {name: torch.tensor(values, dtype=torch.long, device=device)
                         for name, values in meta.plan.arrays.items()}
@@ -66,7 +70,8 @@ class AttentionBackend:
     graph_safe = False
 
     def plan(self, q_lens: list[int], kv_lens: list[int], page_tables: list[list[int]], page_size: int,
-             block_length: int | None, pad_tiles: int | None = None) -> StepPlan:
+             block_length: int | None, pad_tiles: int | None = None, bidirectional: list[bool] | None = None
+             ) -> StepPlan:
         """Host-side metadata of a forward from the batch's lists alone (as `AttentionMetadata`'s fields;
         `page_tables` unpadded). A graph-safe backend pads its per-tile arrays to `pad_tiles` tiles."""
         return StepPlan()

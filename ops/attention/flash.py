@@ -21,19 +21,24 @@ class FlashAttention(AttentionBackend):
         self.kernel = kernel
 
     def plan(self, q_lens: list[int], kv_lens: list[int], page_tables: list[list[int]], page_size: int,
-             block_length: int | None, pad_tiles: int | None = None) -> StepPlan:
+             block_length: int | None, pad_tiles: int | None = None, bidirectional: list[bool] | None = None
+             ) -> StepPlan:
+        """One varlen entry per sequence when every row is causal. Otherwise the kernel runs non-causally
+        (one flag for the call), so each entry is a run of query rows that see the same keys: a block of
+        a block-causal sequence (keys to its end), a bidirectional sequence whole (keys to its length),
+        each row of a causal sequence alone (keys to its own position)."""
         b = block_length
-        entry_q, k_lens, tables, causal = [], [], [], b is None
+        bidirectional = bidirectional or [False] * len(q_lens)
+        entry_q, k_lens, tables, causal = [], [], [], b is None and not any(bidirectional)
         for s, (q_len, kv_len) in enumerate(zip(q_lens, kv_lens, strict=True)):
-            if causal:
+            if causal or bidirectional[s]:
                 entry_q.append(q_len)
                 k_lens.append(kv_len)
                 tables.append(s)
                 continue
-            # one entry per DLLM block of queries, seeing keys up to that block's end
             pos = kv_len - q_len
             while pos < kv_len:
-                block_end = min((pos // b + 1) * b, kv_len)
+                block_end = pos + 1 if b is None else min((pos // b + 1) * b, kv_len)
                 entry_q.append(block_end - pos)
                 k_lens.append(block_end)
                 tables.append(s)

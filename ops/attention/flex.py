@@ -30,7 +30,8 @@ class FlexAttention(AttentionBackend):
     `i // page_size`, which is page number `logical[seq, page]` of the query's sequence (-1: not one
     of its pages), i.e. key position `logical * page_size + i % page_size`, visible when below the
     row's key limit (causal: position + 1; block-causal: the end of the row's DLLM block, at most the
-    sequence's length). Padded rows of the last tile have limit 0 and see nothing."""
+    sequence's length; a bidirectional sequence's rows: its length). Padded rows of the last tile have
+    limit 0 and see nothing."""
 
     name = "flex"
     plans_from_page_tables = True
@@ -41,12 +42,16 @@ class FlexAttention(AttentionBackend):
         self.fallback: TorchAttention | None = None  # serves instead once the compiled kernel failed
 
     def plan(self, q_lens: list[int], kv_lens: list[int], page_tables: list[list[int]], page_size: int,
-             block_length: int | None, pad_tiles: int | None = None) -> StepPlan:
+             block_length: int | None, pad_tiles: int | None = None, bidirectional: list[bool] | None = None
+             ) -> StepPlan:
         b, page, tables = block_length, page_size, page_tables
         q_seq: list[int] = []
         q_limit: list[int] = []
         for s, (q_len, kv_len) in enumerate(zip(q_lens, kv_lens, strict=True)):
             q_seq += [s] * q_len
+            if bidirectional is not None and bidirectional[s]:
+                q_limit += [kv_len] * q_len
+                continue
             q_limit += (range(kv_len - q_len + 1, kv_len + 1) if b is None else
                         (min((p // b + 1) * b, kv_len) for p in range(kv_len - q_len, kv_len)))
         total, starts = len(q_seq), [0, *accumulate(q_lens)]

@@ -67,6 +67,10 @@ class TorchAttention(AttentionBackend):
         else:
             b = meta.dllm_block_length
             visible = (j // b)[None, None, :] <= (q_pos // b)[:, :, None]
+        if meta.bidirectional is not None and any(meta.bidirectional[s] for s in seqs):
+            # a bidirectional sequence's rows see every key it holds
+            sees_all = torch.tensor([meta.bidirectional[s] for s in seqs], device=device)
+            visible = visible | sees_all[:, None, None]
         # padded query rows see key 0 alone, so softmax stays finite
         mask = torch.where((q_pos >= 0)[:, :, None], visible & valid_key[:, None, :], j == 0)
         return {

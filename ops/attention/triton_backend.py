@@ -53,8 +53,22 @@ class TritonAttention(AttentionBackend):
         return self.kernel.max_tiles(tokens, max_seqs, self.rows_per_tile)
 
     def plan(self, q_lens: list[int], kv_lens: list[int], page_tables: list[list[int]], page_size: int,
-             block_length: int | None, pad_tiles: int | None = None) -> StepPlan:
-        return StepPlan(arrays=self.kernel.plan_tiles(q_lens, kv_lens, self.rows_per_tile, pad_tiles))
+             block_length: int | None, pad_tiles: int | None = None, bidirectional: list[bool] | None = None
+             ) -> StepPlan:
+        """The tiles; with `bidirectional` (every sequence's mask named) also each tile's pass kind for
+        the kernel's PASSES mode: a bidirectional sequence's tiles are canvas tiles reading all of their
+        keys from the cache (from key 0, none of their own beside it), the others encoder (causal)
+        tiles. That mode is used for every forward that names its masks, so that a CUDA graph captured
+        on one such forward replays the others."""
+        arrays = self.kernel.plan_tiles(q_lens, kv_lens, self.rows_per_tile, pad_tiles)
+        if bidirectional is not None:
+            if block_length is not None:
+                raise ValueError("the triton backend attends bidirectional rows beside causal ones only: "
+                                 f"block-causal rows (block length {block_length}) cannot share their forward")
+            kernel, tiles = self.kernel, arrays["tile_seq"]
+            arrays["tile_kind"] = [kernel.PASS_CANVAS if bidirectional[s] else kernel.PASS_ENCODE for s in tiles]
+            arrays["tile_lo"] = arrays["tile_own_row0"] = arrays["tile_own_len"] = [0] * len(tiles)
+        return StepPlan(arrays=arrays)
 
     def prepare(self, meta: AttentionMetadata) -> None:
         meta.extra = planned(self, meta)
@@ -62,6 +76,9 @@ class TritonAttention(AttentionBackend):
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                scale: float) -> torch.Tensor:
         block = meta.dllm_block_length
-        mode = self.kernel.CAUSAL if block is None else self.kernel.BLOCK_CAUSAL
+        if meta.bidirectional is not None:
+            mode = self.kernel.PASSES
+        else:
+            mode = self.kernel.CAUSAL if block is None else self.kernel.BLOCK_CAUSAL
         return self.kernel.run_paged_attention(q, k_cache, v_cache, meta.page_tables, meta.positions, meta.extra,
                                                scale, mode, dllm_block=block or 1)

@@ -1,6 +1,7 @@
 """Decoding paradigms behind one interface (`DecodingStrategy`): autoregressive, block diffusion and
-sub-block decoding, each running the request's unmasking rule (`engine.core.decoding.rules`), and
-renoising (a canvas refined as a whole).
+sub-block decoding, each running the request's unmasking rule (`engine.core.decoding.rules`),
+renoising (a canvas refined as a whole) and seeded blocks (per request autoregressive or block diffusion
+anchored at the prompt end).
 
 `strategy_for` picks a model family's strategy by its paradigm (`paradigm_of`: its registry row's
 `paradigm`), the name the knob table (`configs.knobs`) declares knobs for.
@@ -14,12 +15,14 @@ from engine.core.decoding.autoregressive import AutoregressiveDecoding
 from engine.core.decoding.base import DecodingStrategy, PickedRows
 from engine.core.decoding.block_diffusion import BlockDiffusionDecoding
 from engine.core.decoding.canvas_renoising import RenoisingDecoding
+from engine.core.decoding.seeded_block import SeededBlockDecoding
 from engine.core.decoding.sub_block import SubBlockDecoding
 from engine.model.families import ModelFamily
 from engine.model.spec import ModelSpec
 
 STRATEGIES: dict[str, type[DecodingStrategy]] = {
-    s.paradigm: s for s in (AutoregressiveDecoding, BlockDiffusionDecoding, SubBlockDecoding, RenoisingDecoding)}
+    s.paradigm: s for s in (AutoregressiveDecoding, BlockDiffusionDecoding, SubBlockDecoding, RenoisingDecoding,
+                            SeededBlockDecoding)}
 
 
 def paradigm_of(family: ModelFamily) -> Paradigm:
@@ -44,4 +47,4 @@ def strategy_for(spec: ModelSpec, config: EngineConfig, mask_id: int | None) -> 
 
 
 __all__ = ["AutoregressiveDecoding", "BlockDiffusionDecoding", "DecodingStrategy", "PickedRows", "RenoisingDecoding",
-           "SubBlockDecoding", "paradigm_of", "strategy_for"]
+           "SeededBlockDecoding", "SubBlockDecoding", "paradigm_of", "strategy_for"]

@@ -3,10 +3,10 @@ a Ministral-3 decoder (network.py) whose one head serves three decoding modes --
 block diffusion anchored at the prompt end, and LinearSpec self-speculation (a diffusion draft of a
 block verified by one causal forward).
 
-The engine serves it autoregressively for now (paradigm AUTOREGRESSIVE: every committed K/V of every
-mode is causal, and AR decoding needs nothing else); the two diffusion modes exist as reference loops
-(reference.py) until the engine has their passes. The row records the checkpoint's block length
-(config.json `block_size`, 32 in the release) for them.
+The engine serves it with seeded block decoding (engine.core.decoding.seeded_block): per request
+(`dllm_mode`) autoregressively or by block diffusion anchored at the prompt end; every K/V it keeps is
+causal. LinearSpec exists as a reference loop (reference.py) until the engine serves it. The block
+length is the checkpoint's (config.json `block_size`, 32 in the release).
 """
 
 from __future__ import annotations
@@ -16,6 +16,6 @@ from engine.model.families.nemotron_labs_diffusion.config import nemotron_fields
 from engine.model.families.nemotron_labs_diffusion.network import NemotronLabsDiffusionLM
 from engine.model.family import ModelFamily
 
-FAMILY = ModelFamily("nemotron_labs_diffusion", Paradigm.AUTOREGRESSIVE, predicts_next=True,
+FAMILY = ModelFamily("nemotron_labs_diffusion", Paradigm.SEEDED_BLOCK, predicts_next=True,
                      block_length_keys=("block_size",), default_block_length=32,
                      config_fields=nemotron_fields, network=NemotronLabsDiffusionLM)

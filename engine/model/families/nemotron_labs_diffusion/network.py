@@ -11,8 +11,9 @@ and biases (config.py). Two things differ from `PreNormDecoderLM` as it is:
   the attention backend; this network gives them a view of the backend that scales each query row
   first, so the shared attention sublayer stays as it is.
 
-Only causal attention is needed to decode autoregressively, and causal attention is the backend's
-business (no block length).
+Which keys a row sees is the attention backend's business: causal rows, and the bidirectional rows of a
+diffusion block's denoising pass, which the decoding strategy names per sequence
+(engine.core.decoding.seeded_block).
 """
 
 from __future__ import annotations

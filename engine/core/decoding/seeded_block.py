@@ -1,0 +1,299 @@
+"""Seeded block decoding (Nemotron-Labs-Diffusion): one causal decoder, decoded per request as its
+`dllm_mode` says. Every K/V the cache keeps is causal, whatever the mode.
+
+- `ar`: autoregressive decoding, handed to `AutoregressiveDecoding` (the request's outputs carry no
+  step map, as an autoregressive model's).
+- `diffusion`: the release's block diffusion. Blocks of B positions start at the prompt end (not at
+  multiples of B). A *seeding forward* is causal up to a block's start and draws the block's first
+  token, its *seed*, from its last row: the prompt prefill for block 0, then the forward that commits
+  the previous block (it writes that block's causal K/V). The block opens as [seed, MASK x (B-1)]. Each
+  *denoising pass* feeds the whole block, its rows attending bidirectionally to the block and to the
+  causal prefix (`mask_kinds`); row i proposes token i. The pass writes the block's K/V slots, which
+  the commit rewrites before they are final (after a pass the request's K/V are final up to the
+  block's start only, and only final K/V reach the prefix cache, which also never lends a request a
+  page holding its open block: `cacheable_prefix` ends before it). Per pass, as the release's
+  `_get_transfer_index`:
+  each masked position's candidate is the argmax of its logits, or at temperature T > 0 the argmax of
+  `exp(l) / (-ln u)^T` in float64 (u uniform: a draw from softmax(l / T)); its confidence is the
+  temperature-1 probability of the candidate; the mask id is a legal candidate (written back, it
+  reveals nothing). Without a threshold the step's quota of most confident masked positions is
+  revealed (the block's masks spread over B passes: one per pass); with one, the most confident and
+  every other at least that confident. A block ends when no mask is left or after B passes (a
+  position still masked then keeps the mask id, step 0, no logprob). Revealed tokens never change,
+  so the output grows with the revealed prefix of the block: an eos the stop rule reads ends the
+  request at the pass where no mask is left before it, as the release's early break does.
+
+`step_map`: the request's counter rises on every forward that draws a seed or denoises; a seed gets
+the counter of its seeding forward (block 0's: 1), every other token that of the pass revealing it.
+`num_steps` is the counter when the request ends. `block_step_map`: 1 for a seed, k + 1 for the k-th
+pass of its block. Logprobs come from the row that revealed the token (a seed's from the causal row
+before its block). Sampled requests draw from their own generator, seeded by the request, in the
+release's order: per seed one multinomial over the causal row, per denoising pass one float64
+uniform tensor [B, vocab]; so a request draws the same whatever its batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from configs import EngineConfig, GenerationConfig
+from engine.core.decoding.autoregressive import AutoregressiveDecoding
+from engine.core.decoding.base import DecodingStrategy, Finalize, PickedRows
+from engine.core.decoding.renoising import request_generator
+from engine.core.decoding.unmasking import tokens_this_step
+from engine.core.input_processing import check_knobs
+from engine.core.sampler import RowGroup, token_logprobs
+from engine.core.sequence import Sequence
+from engine.core.step_plan import Feed, SampleSlice
+from engine.errors import RequestError
+from engine.model.spec import ModelSpec
+from engine.worker.forward_batch import MASK_BIDIRECTIONAL, MASK_CAUSAL, ForwardBatch
+from engine.worker.runner import resolve_device
+
+NOT_SERVED = "linear_spec"
+# what a diffusion-mode request may not ask for: the release's loop has no such processing
+_DIFFUSION_REFUSES = {
+    "repetition_penalty": lambda p: p.repetition_penalty != 1.0, "min_new_tokens": lambda p: p.min_new_tokens > 0,
+    "top_k": lambda p: p.top_k > 0, "top_p": lambda p: p.top_p < 1.0, "min_p": lambda p: p.min_p > 0.0}
+
+
+@dataclass(frozen=True)
+class SeededSettings:
+    """A request's mode, and its diffusion threshold (None: the step's quota, one position per pass)."""
+
+    mode: str
+    threshold: float | None
+
+
+@dataclass
+class SeededState:
+    """A diffusion-mode request's open block and how its tokens are drawn."""
+
+    block_length: int
+    threshold: float | None
+    temperature: float  # 0: argmax
+    generator: torch.Generator | None  # the request's draws (temperature > 0)
+    start: int  # the open block's first position (while `seeding`: the next block's)
+    seeding: bool = True  # the next forward is causal up to `start`; its last row draws the seed
+    masked: list[int] = field(default_factory=list)  # the open block's positions holding the mask id
+    num_masked_at_start: int = 0  # the open block's masks when it opened (the passes' quota spreads them)
+    passes: int = 0  # denoising passes of the open block
+
+    @property
+    def end(self) -> int:
+        return self.start + self.block_length
+
+    @property
+    def block_done(self) -> bool:
+        """The open block is denoised: no mask left, or its B passes spent."""
+        return not self.seeding and (not self.masked or self.passes >= self.block_length)
+
+
+def _diffusing(seq: Sequence) -> bool:
+    return isinstance(seq.state, SeededState)
+
+
+class SeededBlockDecoding(DecodingStrategy):
+    paradigm = "seeded_block"
+    needs_confidence = False
+    has_pass_fields = True
+
+    def __init__(self, block_length: int, mask_id: int, logprobs_mode: str | None, device: str = "cpu"):
+        self.block_length, self.mask_id = block_length, mask_id
+        self.logprobs_mode, self.device = logprobs_mode, device
+        self.ar = AutoregressiveDecoding()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, spec: ModelSpec, mask_id: int) -> SeededBlockDecoding:
+        """ValueError naming `dllm_mode` when the engine's default mode is not served."""
+        if config.dllm_mode == NOT_SERVED:
+            raise ValueError(f"dllm_mode={NOT_SERVED!r} is not served yet; use 'diffusion' or 'ar'")
+        return cls(config.dllm_block_length, mask_id, config.logprobs_mode, str(resolve_device(config)))
+
+    # ---- the request ----------------------------------------------------------------------------
+    def request_settings(self, params: GenerationConfig, config: EngineConfig,
+                         engine_set: frozenset[str] = frozenset()) -> SeededSettings:
+        """The request's mode over the engine's; its threshold, else the engine's when its user set one,
+        else none (the release's default: one position per pass)."""
+        threshold = params.dllm_confidence_threshold
+        if threshold is None and "dllm_confidence_threshold" in engine_set:
+            threshold = config.dllm_confidence_threshold
+        return SeededSettings(params.dllm_mode or config.dllm_mode, threshold)
+
+    def check_request(self, params: GenerationConfig, settings: SeededSettings) -> None:
+        check_knobs(params, self.paradigm, None)
+        if params.dllm_block_length is not None and params.dllm_block_length != self.block_length:
+            raise RequestError(f"dllm_block_length={params.dllm_block_length}: this model decodes blocks of "
+                               f"{self.block_length} tokens and the block length cannot change per request; leave "
+                               "it unset", "dllm_block_length")
+        if settings.mode == NOT_SERVED:
+            raise RequestError(f"dllm_mode={NOT_SERVED!r} (self-speculation) is not served yet; use dllm_mode="
+                               "'diffusion' or 'ar'", "dllm_mode")
+        if params.dllm_trajectory is not None:
+            raise RequestError("dllm_trajectory is not served for this model yet (its blocks start at the prompt "
+                               "end, each seeded by a causal forward); leave it unset", "dllm_trajectory")
+        if settings.mode == "ar":
+            if params.dllm_confidence_threshold is not None:
+                raise RequestError("dllm_confidence_threshold is read by dllm_mode='diffusion' only and this "
+                                   "request decodes with dllm_mode='ar'; leave it unset", "dllm_confidence_threshold")
+            return
+        for name, given in _DIFFUSION_REFUSES.items():
+            if given(params):
+                raise RequestError(f"{name} does not apply to dllm_mode='diffusion': its tokens are the argmax or "
+                                   "a draw at the request's temperature of the model's own logits; leave it unset, "
+                                   "or use dllm_mode='ar'", name)
+
+    def start(self, seq: Sequence, settings: SeededSettings) -> None:
+        if settings.mode == "ar":
+            seq.decodes_autoregressively = True
+            self.ar.start(seq, None)
+            return
+        p = seq.params
+        temperature = 0.0 if p.is_greedy else p.temperature
+        seq.state = SeededState(self.block_length, settings.threshold, temperature,
+                                request_generator(seq.seed, self.device) if temperature else None, len(seq.tokens))
+        seq.stop_bound = p.max_new_tokens
+
+    def cacheable_prefix(self, seq: Sequence) -> int:
+        if not _diffusing(seq):
+            return self.ar.cacheable_prefix(seq)
+        # the row before the block is computed in the forward after admission: a seeding forward draws
+        # from it, and before a denoising pass it is a causal forward the prefill budget may cut
+        return seq.state.start - 1
+
+    def sample_positions(self, seq: Sequence, end: int) -> list[int]:
+        if not _diffusing(seq):
+            return self.ar.sample_positions(seq, end)
+        state = seq.state
+        return [state.start - 1] if state.seeding else list(state.masked)
+
+    # ---- the step, over all its sequences ------------------------------------------------------
+    def plan_feeds(self, seqs: list[Sequence]) -> list[Feed]:
+        """A seeding forward up to the block's start (the prefill, or the previous block's commit), or
+        the block for a denoising pass -- after a causal forward up to its start if its K/V were lost."""
+        feeds = []
+        for seq in seqs:
+            state = seq.state
+            if not _diffusing(seq):
+                feeds += self.ar.plan_feeds([seq])
+            elif state.seeding:
+                commit = seq.step_counter > 0 and state.start - seq.num_computed <= self.block_length
+                feeds.append((state.start, True, commit, state.start))
+            elif seq.num_computed < state.start:
+                feeds.append((state.start, False, False, state.start))
+            else:
+                feeds.append((state.end, True, True, state.start))
+        return feeds
+
+    def pass_fields(self, batch: ForwardBatch, seq: Sequence, sample: bool) -> None:
+        """A denoising pass is bidirectional, every other forward causal."""
+        denoising = sample and _diffusing(seq) and not seq.state.seeding
+        batch.mask_kinds.append(MASK_BIDIRECTIONAL if denoising else MASK_CAUSAL)
+
+    def row_groups(self, slices: list[SampleSlice]) -> list[RowGroup]:
+        """An autoregressive request's rows as `AutoregressiveDecoding` samples them; a diffusion request's
+        come back as raw logits, from which `apply` draws as the release does."""
+        groups = []
+        for sl in slices:
+            seq = sl.seq
+            if _diffusing(seq):
+                groups.append(RowGroup(seq.params, seq.seed, seq.num_draws, [], [], seq.stop_ids, want_logits=True))
+            else:
+                groups += self.ar.row_groups([sl])
+        return groups
+
+    def apply(self, picked: list[tuple[Sequence, PickedRows]], finalize: Finalize
+              ) -> list[tuple[Sequence, Exception]]:
+        failed = self.ar.apply([(seq, rows) for seq, rows in picked if not _diffusing(seq)], finalize)
+        for seq, rows in picked:
+            if not _diffusing(seq):
+                continue
+            try:
+                state = seq.state
+                written = self._seed(seq, rows) if state.seeding else self._denoise(seq, rows)
+                done = state.block_done
+                if done:  # a position still masked keeps the mask id: never revealed (a seed keeps its step)
+                    for g in (p - seq.prompt_len for p in state.masked):
+                        if seq.out_steps[g] is None:
+                            seq.out_steps[g] = seq.out_block_steps[g] = 0
+                final = state.masked[0] if state.masked and not done else state.end
+                if not finalize(seq, written, final - seq.prompt_len) and done:
+                    state.seeding, state.start = True, state.end
+            except Exception as e:  # noqa: BLE001 - ends this request only
+                failed.append((seq, e))
+        return failed
+
+    # ---- one sequence's forward ------------------------------------------------------------------
+    def _seed(self, seq: Sequence, rows: PickedRows) -> list[int]:
+        """Open the block with the seed drawn from the causal row before it."""
+        state, b = seq.state, self.block_length
+        logits = rows.logits.float()
+        if state.temperature:
+            probs = torch.softmax(logits / state.temperature, -1).to(state.generator.device)
+            seed = int(torch.multinomial(probs, 1, generator=state.generator)[0, 0])
+        else:
+            seed = int(logits[0].argmax())
+        block = [seed] + [self.mask_id] * (b - 1)
+        seq.tokens += block
+        seq.out_steps += [None] * b
+        seq.out_block_steps += [None] * b
+        seq.out_logprobs += [None] * b
+        seq.step_counter += 1
+        state.seeding, state.passes = False, 0
+        state.masked = [state.start + i for i, token in enumerate(block) if token == self.mask_id]
+        state.num_masked_at_start = len(state.masked)
+        g = state.start - seq.prompt_len  # the seed's step is recorded even when it is the mask id, as the release does
+        seq.out_steps[g], seq.out_block_steps[g] = seq.step_counter, 1
+        seq.out_logprobs[g] = self._logprobs(seq, logits, [0], [seed])[0]
+        return [g]
+
+    def _denoise(self, seq: Sequence, rows: PickedRows) -> list[int]:
+        """One denoising pass over the block: the release's transfer rule on the masked positions' rows."""
+        state, b = seq.state, self.block_length
+        logits = rows.logits.float()  # one row per masked position, in order
+        offsets = [p - state.start for p in state.masked]
+        candidates = self._candidates(logits, offsets, state)
+        confidence = torch.full((b,), -torch.inf, device=logits.device)
+        confidence[offsets] = torch.softmax(logits, -1).gather(-1, candidates[:, None])[:, 0]
+        if state.threshold is None:
+            # the release's `_get_num_transfer_tokens`: the block's masks spread over its B passes
+            quota = tokens_this_step(state.num_masked_at_start, b, state.passes)
+            chosen = torch.topk(confidence, quota).indices.tolist()
+        else:
+            ranked = torch.topk(confidence, len(offsets)).indices.tolist()
+            sure = (confidence >= state.threshold).tolist()  # compared in float32, as the release does
+            chosen = ranked[:1] + [j for j in ranked[1:] if sure[j]]
+        state.passes += 1
+        seq.step_counter += 1
+        row_of = {j: i for i, j in enumerate(offsets)}
+        picks = candidates.tolist()
+        revealed = sorted(j for j in chosen if picks[row_of[j]] != self.mask_id)  # a mask id written back: none
+        tokens = [picks[row_of[j]] for j in revealed]
+        entries = self._logprobs(seq, logits, [row_of[j] for j in revealed], tokens)
+        base = state.start - seq.prompt_len
+        for j, token, entry in zip(revealed, tokens, entries, strict=True):
+            seq.tokens[state.start + j] = token
+            seq.out_steps[base + j], seq.out_block_steps[base + j] = seq.step_counter, state.passes + 1
+            seq.out_logprobs[base + j] = entry
+        done = {state.start + j for j in revealed}
+        state.masked = [p for p in state.masked if p not in done]
+        return [base + j for j in revealed]
+
+    def _candidates(self, logits: torch.Tensor, offsets: list[int], state: SeededState) -> torch.Tensor:
+        """Per masked row its candidate: the argmax, or at temperature T the argmax of
+        exp(l) / (-ln u)^T in float64 with u drawn for every position of the block."""
+        if not state.temperature:
+            return logits.argmax(-1)
+        noise = torch.rand((self.block_length, logits.shape[-1]), dtype=torch.float64, generator=state.generator,
+                           device=state.generator.device)[offsets].to(logits.device)
+        return (logits.double().exp() / (-torch.log(noise)) ** state.temperature).argmax(-1)
+
+    def _logprobs(self, seq: Sequence, logits: torch.Tensor, rows: list[int], tokens: list[int]) -> list[dict | None]:
+        """The logprob entries of `tokens` in `rows` of the raw logits (processed modes: over the logits at
+        the request's temperature, the distribution its tokens are drawn from)."""
+        temperature = seq.state.temperature
+        if temperature and self.logprobs_mode in ("processed_logprobs", "processed_logits"):
+            logits = logits / temperature
+        return token_logprobs(logits, rows, tokens, seq.params.logprobs, self.logprobs_mode)
