@@ -121,3 +121,22 @@ def test_chat_template_is_the_release_layout(ckpt):
     head = "<|im_start|>system\n<|im_end|>\n<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n"
     assert text == head + "<think></think>"
     assert thinking == head + "<think>\n"
+
+
+def test_input_token_scoring_in_ar_mode_equals_transformers(ckpt, hf):
+    """A request decoded with dllm_mode='ar' is an autoregressive model's: it may score its input tokens
+    (max_new_tokens=0, logprob_start_len), the values transformers' log_softmax gives; a diffusion-mode
+    request may not, naming the field."""
+    prompt = make_prompt(30, 7)
+    gen = GenerationConfig(max_new_tokens=0, logprob_start_len=4, logprobs=2, dllm_mode="ar")
+    with pipeline(str(ckpt), EngineConfig(max_model_len=128, kv_block_size=PAGE, logprobs_mode="raw_logprobs")) as pipe:
+        out = pipe(prompt, gen)
+        with pytest.raises(ValueError, match="logprob_start_len"):
+            pipe(prompt, gen.model_copy(update={"dllm_mode": "diffusion", "max_new_tokens": 8}))
+    with torch.no_grad():
+        expected = hf(torch.tensor([prompt])).logits[0].float().log_softmax(-1)
+    rows = out.input_token_logprobs
+    assert [t for _, t in rows] == prompt[5:]
+    got = torch.tensor([v for v, _ in rows])
+    want = torch.stack([expected[p, prompt[p + 1]] for p in range(4, len(prompt) - 1)])
+    torch.testing.assert_close(got, want, atol=TOL, rtol=0)

@@ -19,7 +19,7 @@ import itertools
 import logging
 import secrets
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from functools import partial
 from typing import Any
 
@@ -94,6 +94,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.kv, self.decoding)
         self.limits = ModelLimits(spec.vocab_size, config.max_model_len, config.kv_block_size, self.kv.num_pages,
                                   self.block_length, config.logprobs_mode)
+        self.token_by_token_limits = replace(self.limits, block_length=None)  # a request decoded as AR's
         self.seqs: dict[str, Sequence] = {}
         self.outputs: dict[str, OutputBuilder] = {}
         self.stats = EngineStats()
@@ -128,8 +129,10 @@ class LLMEngine:
         if params.n != 1:
             raise RequestError(f"n={params.n}: the engine runs one sample per request; expand the request with "
                                "GenerationConfig.samples() (the offline pipeline and the servers do)", "n")
-        prompt_ids = process_input(self.tokenizer, self.limits, prompt, params)
         settings = self.decoding.request_settings(params, self.config, self.knobs_set)
+        # a request its paradigm decodes token by token is checked as an autoregressive model's
+        limits = self.token_by_token_limits if self.decoding.autoregressive(settings) else self.limits
+        prompt_ids = process_input(self.tokenizer, limits, prompt, params)
         self.decoding.check_request(params, settings)
         params = self.decoding.decoding_params(params, settings)
         stop_ids = set(params.stop_token_ids or [])

@@ -108,6 +108,11 @@ class DecodingStrategy(ABC):
         None by default: the paradigm reads the request's parameters as they are."""
         return None
 
+    def autoregressive(self, settings: Any) -> bool:
+        """Whether a request with these settings decodes one causal token per forward (its input is then
+        checked as an autoregressive model's: input-token scoring allowed, no block rounding)."""
+        return self.paradigm == "autoregressive"
+
     def check_request(self, params: GenerationConfig, settings: Any) -> None:
         """Raise RequestError naming the field when a request asks for what this strategy cannot do:
         by default, what the knob table refuses for its paradigm."""

@@ -122,6 +122,9 @@ class SeededBlockDecoding(DecodingStrategy):
             threshold = config.dllm_confidence_threshold
         return SeededSettings(params.dllm_mode or config.dllm_mode, threshold)
 
+    def autoregressive(self, settings: SeededSettings) -> bool:
+        return settings.mode == "ar"
+
     def check_request(self, params: GenerationConfig, settings: SeededSettings) -> None:
         check_knobs(params, self.paradigm, None)
         if params.dllm_block_length is not None and params.dllm_block_length != self.block_length:
