@@ -106,12 +106,13 @@ def _engine_gauges(model: str, stats: list[ReplicaStats]) -> Iterable[Metric]:
     yield family(gauge, "blockserve_kv_pages_free", "Free KV cache pages.", lambda e: e.load.kv_pages_free)
     yield family(gauge, "blockserve_kv_cache_usage_ratio", "Fraction of KV pages in use (0-1).",
                  lambda e: 1.0 - e.load.kv_pages_free / max(e.load.kv_pages_total, 1))
-    yield family(counter, "blockserve_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                 lambda e: e.prompt_tokens)
-    yield family(counter, "blockserve_prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+    yield family(counter, "blockserve_prefix_cache_queries",
+                 "Tokens looked up in the prefix cache (a preempted request looks its tokens up again).",
+                 lambda e: e.load.prefix_query_tokens)
+    yield family(counter, "blockserve_prefix_cache_hits", "Tokens found in the prefix cache.",
                  lambda e: e.load.prefix_hit_tokens)
     yield family(gauge, "blockserve_prefix_cache_hit_rate", "Prefix-cache hits / queries since start (tokens).",
-                 lambda e: e.load.prefix_hit_tokens / max(e.prompt_tokens, 1))
+                 lambda e: e.load.prefix_hit_tokens / max(e.load.prefix_query_tokens, 1))
     yield family(counter, "blockserve_engine_steps", "Engine steps.", lambda e: e.steps)
     yield family(counter, "blockserve_engine_forwards", "Model forwards.", lambda e: e.forwards)
     yield family(counter, "blockserve_engine_prompt_tokens", "Prompt tokens admitted by the engine.",

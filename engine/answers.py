@@ -94,7 +94,8 @@ class EngineLoad:
     kv_pages_total: int  # KV cache pages
     kv_pages_free: int  # free KV cache pages
     preemptions: int  # sequences preempted for KV space since start
-    prefix_hit_tokens: int  # prompt tokens found in the prefix cache since start
+    prefix_hit_tokens: int  # tokens found in the prefix cache since start, over every lookup
+    prefix_query_tokens: int  # tokens looked up in the prefix cache since start (a preempted request again)
     executor: ExecutorFacts  # how its ranks run
 
     def to_dict(self) -> dict[str, Any]:

@@ -45,6 +45,24 @@ def test_free_list_accounting():
     assert kv.num_free_pages == 8
 
 
+def test_every_lookup_counts_its_queried_tokens_so_hits_never_exceed_them():
+    """A preempted sequence looks its tokens up again (and finds more of them: its committed output
+    too): the lookups' queried tokens count each time, so the hit rate stays a rate; a lookup undone
+    (the sequence was not admitted after all) counts neither."""
+    kv = KVPageManager(num_pages=16, page_size=4, enable_prefix_caching=True)
+    prompt = toks(14)
+    a = filled(kv, prompt)
+    for _ in range(3):  # admitted, preempted, admitted again ...
+        b = PageTable()
+        kv.match_prefix(b, prompt, max_tokens=13)
+        kv.free(b)
+    assert (kv.prefix_hit_tokens, kv.prefix_query_tokens) == (36, 39)
+    c = PageTable()
+    kv.undo_match(c, kv.match_prefix(c, prompt, max_tokens=13), 13)
+    assert (kv.prefix_hit_tokens, kv.prefix_query_tokens) == (36, 39)
+    kv.free(a)
+
+
 def test_prefix_hit_and_refcount_sharing():
     kv = KVPageManager(num_pages=16, page_size=4, enable_prefix_caching=True)
     prompt = toks(14)

@@ -36,7 +36,7 @@ SAMPLES = [
     ModelInfo("/m", "sdar", ["SDARForCausalLM"], True, 4096, 2, 8192, EngineConfig(), 600.0, "block"),
     ControlAnswer(True, "weights staged", "replica-1", 0, ranks=[1, 2], weight_version="v2"),
     ReplicaStats("replica-1", 0, "sdar", 2, 4096, EngineSnapshot(
-        EngineLoad(1, 2, 64, 40, 0, 12, ExecutorFacts("ray_tp", "torch", GraphFacts("off", why="tp=2"),
+        EngineLoad(1, 2, 64, 40, 0, 12, 20, ExecutorFacts("ray_tp", "torch", GraphFacts("off", why="tp=2"),
                                                        TPFacts(1, ["tp-worker-1"], "ns", "gloo"))),
         10, 10, 30, 40, 20, 0.5, 0.6, "serving", "v2")),
     MetricFamilies("replica-1", RequestMetrics().families()),
@@ -93,7 +93,7 @@ def test_replica_stats_are_the_handle_apis_json():
     stats = next(s for s in SAMPLES if isinstance(s, ReplicaStats))
     assert stats.to_dict() == {
         "running": 1, "waiting": 2, "kv_pages_total": 64, "kv_pages_free": 40, "preemptions": 0,
-        "prefix_hit_tokens": 12, "executor": "ray_tp", "attention_backend": "torch",
+        "prefix_hit_tokens": 12, "prefix_query_tokens": 20, "executor": "ray_tp", "attention_backend": "torch",
         "cuda_graphs": {"state": "off", "why": "tp=2"}, "tp_workers": 1, "tp_worker_names": ["tp-worker-1"],
         "tp_namespace": "ns", "tp_backend": "gloo", "steps": 10, "forwards": 10, "prompt_tokens": 30,
         "generated_tokens": 40, "unmasking_steps": 20, "forward_seconds": 0.5, "step_seconds": 0.6,
@@ -102,10 +102,10 @@ def test_replica_stats_are_the_handle_apis_json():
     local = {"executor": "local", "attention_backend": "torch",
              "cuda_graphs": {"state": "on", "captured": 3, "replays": 9}}
     load = {"running": 0, "waiting": 0, "kv_pages_total": 8, "kv_pages_free": 8, "preemptions": 0,
-            "prefix_hit_tokens": 0} | local
+            "prefix_hit_tokens": 0, "prefix_query_tokens": 0} | local
     typed = EngineLoad(running=0, waiting=0, kv_pages_total=8, kv_pages_free=8, preemptions=0, prefix_hit_tokens=0,
-                       executor=ExecutorFacts.of(local))
-    assert typed.to_dict() == load  # the JSON keys LLMEngine.load() has always shown
+                       prefix_query_tokens=0, executor=ExecutorFacts.of(local))
+    assert typed.to_dict() == load  # the JSON keys LLMEngine.load() shows
 
 
 def _undocumented_fields(cls: type) -> list[str]:

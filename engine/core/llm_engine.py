@@ -224,6 +224,7 @@ class LLMEngine:
         return EngineLoad(running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
                           kv_pages_total=self.kv.num_pages, kv_pages_free=self.kv.num_free_pages,
                           preemptions=self.scheduler.num_preemptions, prefix_hit_tokens=self.kv.prefix_hit_tokens,
+                          prefix_query_tokens=self.kv.prefix_query_tokens,
                           executor=ExecutorFacts.of(self.executor.describe()))
 
     def shutdown(self) -> None:

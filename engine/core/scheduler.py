@@ -126,7 +126,7 @@ class Scheduler:
             seq.num_computed = self.kv.match_prefix(seq.table, seq.tokens, cacheable)
             item = self._try_schedule(seq, budget, out, first=not out, admitting=True)
             if item is None:  # wait without sitting on cached pages others may need
-                self.kv.undo_match(seq.table, seq.num_computed)
+                self.kv.undo_match(seq.table, seq.num_computed, cacheable)
                 seq.num_computed = 0
                 break
             self.waiting.popleft()

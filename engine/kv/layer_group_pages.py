@@ -30,6 +30,7 @@ class LayerGroupPages:
         self.windows = {g: w for g, (_, w) in groups.items()}
         # the groups that keep the whole context bound how long a sequence can be
         self._whole = [m for g, m in self.managers.items() if self.windows[g] is None] or list(self.managers.values())
+        self.prefix_query_tokens = 0  # tokens every lookup asked for
 
     @property
     def prefix_hit_tokens(self) -> int:
@@ -83,6 +84,7 @@ class LayerGroupPages:
         returns the tokens reused."""
         if not self.enable_prefix_caching or any(t.pages for t in table.groups.values()):
             return 0
+        self.prefix_query_tokens += max_tokens
         n = min(m.cached_prefix(tokens, max_tokens) for m in self._whole)
         sliding = [(g, m, w) for g, m in self.managers.items() if (w := self.windows[g]) is not None]
         while n and not all(m.window_cached(tokens, n, w) for _, m, w in sliding):
@@ -96,8 +98,9 @@ class LayerGroupPages:
                 m.match_window(table.groups[g], tokens, n, self.windows[g])
         return n
 
-    def undo_match(self, table: PageTable, reused: int) -> None:
+    def undo_match(self, table: PageTable, reused: int, queried: int = 0) -> None:
         self._whole[0].prefix_hit_tokens -= reused
+        self.prefix_query_tokens -= queried
         self.free(table)
 
     def flush(self) -> None:

@@ -55,7 +55,8 @@ class KVPageManager:
         self._free: list[int] = list(range(num_pages - 1, -1, -1))  # pop() gives low ids first
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached pages with ref 0, LRU first
         self._by_hash: dict[int, int] = {}  # key hash -> page id
-        self.prefix_hit_tokens = 0  # accounting for tests and metrics
+        self.prefix_hit_tokens = 0  # tokens found in the cache by every lookup (accounting for tests and metrics)
+        self.prefix_query_tokens = 0  # tokens every lookup asked for (a preempted sequence asks again)
         self.epoch = 0  # bumped by every flush
 
     def new_table(self) -> PageTable:
@@ -139,6 +140,7 @@ class KVPageManager:
         """Attach cached pages covering at most `max_tokens` leading tokens; returns tokens reused."""
         if not self.enable_prefix_caching or table.pages:
             return 0
+        self.prefix_query_tokens += max_tokens
         table.epoch = self.epoch
         hashes: list[int] = []  # of the attached pages' keys
         p = 0
@@ -217,9 +219,11 @@ class KVPageManager:
         table.registered = len(keys)
         table.parent_hash = hash(keys[-1]) if keys else None
 
-    def undo_match(self, table: PageTable, reused: int) -> None:
-        """Give back what `match_prefix` attached to a sequence that could not be admitted after all."""
+    def undo_match(self, table: PageTable, reused: int, queried: int = 0) -> None:
+        """Give back what `match_prefix` attached to a sequence that could not be admitted after all
+        (`queried`: the tokens that lookup asked for, no longer counted either)."""
         self.prefix_hit_tokens -= reused
+        self.prefix_query_tokens -= queried
         self.free(table)
 
     def register(self, table: PageTable, tokens: list[int], num_committed: int) -> None:
