@@ -1,10 +1,13 @@
 """The interface every decoding paradigm implements; the scheduler and the engine call only this.
 
-A strategy is stateless: a request's decoding state lives on its `Sequence`. Per step the engine
-asks what to feed (`feed_target`) and which positions' logits pick tokens (`sample_positions`),
-hands the picked tokens back (`advance`), then asks how much of the output is final
-(`num_final`) and feeds those tokens to the stop rule; when the request goes on, `after_step`
-prepares the next step (block diffusion: opens the next block).
+A strategy holds no request state: a request's decoding state is its `Sequence.state` (the
+strategy's own class), made by `start` under the request's resolved `request_settings`. A step is
+three calls, each over all of the step's sequences of the paradigm: `plan_feeds` (what each feeds
+next), `row_groups` (how the sampler treats each one's sampled rows, whose positions
+`sample_positions` names) and `apply` (write the picks, hand what became final to the engine's
+`Finalize` -- the stop rule and the trace -- and prepare the next step). The defaults run them over
+per-sequence hooks: `feed_target`, `is_decoding`, `computed_after`; `row_params`, `token_index`,
+`wants_entropy`, `lowered_logits`, `wants_logits`; `advance`, `num_final`, `after_step`.
 
 What a paradigm reads of the request is declared in `configs.knobs` under its `paradigm` name
 (the default `check_request` refuses the rest); what differs between unmasking rules inside a
