@@ -23,21 +23,12 @@ class IncrementalDetokenizer:
         self._pending = 0  # trailing tokens whose text the stream still holds back
         self.text = ""
 
-    def add(self, token_id: int) -> None:
-        self._ids.append(token_id)
-        piece = self._stream.step(self._backend, token_id)
-        if piece is None:  # an incomplete UTF-8 sequence: the stream waits for its next bytes
-            self._pending += 1
-        else:
-            self._pending = 0
-            self.text += piece
-
-    def add_many(self, token_ids: list[int]) -> list[int]:
-        """`add` each token in turn; returns the text's length after each."""
+    def add(self, token_ids: list[int]) -> list[int]:
+        """Add each token in turn; returns the text's length after each."""
         stream, backend, ends = self._stream, self._backend, []
         for token_id in token_ids:
             piece = stream.step(backend, token_id)
-            if piece is None:
+            if piece is None:  # an incomplete UTF-8 sequence: the stream waits for its next bytes
                 self._pending += 1
             else:
                 self._pending = 0

@@ -62,15 +62,15 @@ class StopChecker:
         may_stop = g >= p.min_new_tokens
         if may_stop and token_id in self._stop_ids:
             if p.include_stop_str_in_output:
-                self._detok.add(token_id)
+                self._detok.add([token_id])
             self._detok.flush()
             return self._decide(g + 1, "stop", token_id, len(self.text))
         old_len = len(self._detok.text)
-        self._detok.add(token_id)
+        ends = self._detok.add([token_id])
         if may_stop and self._words:
-            hit = self._find_word(old_len)
+            hit = self._find_word(old_len, ends)
             if hit is not None:
-                start, word = hit
+                _, start, word = hit
                 end = start + (len(word) if p.include_stop_str_in_output else 0)
                 return self._decide(g + 1, "stop", word, end)
         if g + 1 >= p.max_new_tokens:
@@ -99,8 +99,8 @@ class StopChecker:
                     stop_at = i
                     break
         old_len = len(self._detok.text)
-        ends = self._detok.add_many(new[:stop_at])
-        hit = self._find_word_in_run(old_len, ends) if self._words else None
+        ends = self._detok.add(new[:stop_at])
+        hit = self._find_word(old_len, ends) if self._words else None
         if hit is not None:
             k, start, word = hit
             self.num_consumed = first + k + 1
@@ -131,10 +131,10 @@ class StopChecker:
         self.decision = StopDecision(n, reason, matched)
         return self.decision
 
-    def _find_word_in_run(self, old_len: int, ends: list[int]) -> tuple[int, int, str] | None:
-        """The first stop string completed by a run of tokens whose text began at `old_len` and reached
-        `ends[k]` after its k-th token: (k, where the string starts, the string); earliest start wins
-        among the strings the same token completes, as token by token."""
+    def _find_word(self, old_len: int, ends: list[int]) -> tuple[int, int, str] | None:
+        """The first stop string completed by a run of tokens (one or more) whose text began at `old_len`
+        and reached `ends[k]` after its k-th token: (k, where the string starts, the string); earliest
+        start wins among the strings the same token completes."""
         text, best = self._detok.text, None
         for word in self._words:
             start = text.find(word, max(0, old_len - len(word) + 1))
@@ -142,9 +142,3 @@ class StopChecker:
                 hit = (bisect_left(ends, start + len(word)), start, word)
                 best = hit if best is None or hit < best else best
         return best
-
-    def _find_word(self, old_len: int) -> tuple[int, str] | None:
-        """The stop string the text added after `old_len` completes (earliest start wins)."""
-        text = self._detok.text
-        hits = [(i, w) for w in self._words if (i := text.find(w, max(0, old_len - len(w) + 1))) >= 0]
-        return min(hits, default=None)
