@@ -5,9 +5,9 @@ strategy's own class), made by `start` under the request's resolved `request_set
 three calls, each over all of the step's sequences of the paradigm: `plan_feeds` (what each feeds
 next), `row_groups` (how the sampler treats each one's sampled rows, whose positions
 `sample_positions` names) and `apply` (write the picks, hand what became final to the engine's
-`Finalize` -- the stop rule and the trace -- and prepare the next step). The defaults run them over
-per-sequence hooks: `feed_target`, `is_decoding`, `computed_after`; `row_params`, `token_index`,
-`wants_entropy`, `lowered_logits`, `wants_logits`; `advance`, `num_final`, `after_step`.
+`Finalize` -- the stop rule and the trace -- and prepare the next step). The defaults of the first
+and last run over per-sequence hooks: `feed_target`, `is_decoding`, `computed_after`; `advance`,
+`num_final`, `after_step`. `row_groups` has no default: it is where a paradigm's rows meet the sampler.
 
 What a paradigm reads of the request is declared in `configs.knobs` under its `paradigm` name
 (the default `check_request` refuses the rest); what differs between unmasking rules inside a
@@ -31,8 +31,7 @@ canvas ends -- maps onto it as follows:
   the finished canvas' K/V and samples nothing; `computed_after` returns the canvas' start while it
   is being rewritten and the fed end after that commit;
 - `after_step` opens the next canvas once the current one has ended; `cacheable_prefix` is the
-  committed prefix only; `pass_fields` adds what a pass of the network needs beyond its tokens;
-- `lowered_logits` and `row_params` shape the logits and the sampling of each step's rows.
+  committed prefix only; `pass_fields` adds what a pass of the network needs beyond its tokens.
 
 `engine.core.decoding.canvas_renoising` is that paradigm.
 """
@@ -132,8 +131,8 @@ class DecodingStrategy(ABC):
         checked against this paradigm when the engine was built, for the checkpoint `spec`."""
 
     # ---- the step: three calls, each over all of the step's sequences ---------------------------
-    # The defaults run the per-sequence hooks below; a paradigm overrides them to do the step's work
-    # in one pass (block diffusion and autoregressive decoding do).
+    # `plan_feeds` and `apply` default to the per-sequence hooks below; a paradigm overrides them to do
+    # the step's work in one pass (block diffusion and autoregressive decoding do).
 
     def plan_feeds(self, seqs: list[Sequence]) -> list[Feed]:
         """Plan the rows: per sequence its next forward (`step_plan.Feed`: where it ends, whether it
@@ -146,18 +145,10 @@ class DecodingStrategy(ABC):
 
     def row_groups(self, slices: list[SampleSlice]) -> list[RowGroup]:
         """Pick from the logits: how the sampler treats each slice's rows (its sampling parameters, seed
-        and draw counter, penalties, suppressed stop ids, λ-lowered tokens, entropy, raw logits)."""
-        groups = []
-        for sl in slices:
-            seq, positions = sl.seq, sl.positions
-            params = self.row_params(seq)
-            floor = params.min_new_tokens
-            groups.append(RowGroup(
-                params, seq.seed, seq.num_draws,
-                sorted(seq.penalty_ids) if params.repetition_penalty != 1.0 else [],
-                [self.token_index(seq, p) < floor for p in positions] if floor else [],
-                seq.stop_ids, self.wants_entropy(seq), self.lowered_logits(seq, positions), self.wants_logits(seq)))
-        return groups
+        and draw counter, penalties, suppressed stop ids, λ-lowered tokens, entropy, raw logits). Every
+        strategy whose rows the engine's sampler picks writes it; one that samples its raw rows itself
+        (`samples_logits`) is never asked."""
+        raise NotImplementedError(f"{type(self).__name__} names how the sampler treats its rows in row_groups")
 
     def apply(self, picked: list[tuple[Sequence, PickedRows]], finalize: Finalize
               ) -> list[tuple[Sequence, Exception]]:
@@ -200,11 +191,6 @@ class DecodingStrategy(ABC):
     def sample_positions(self, seq: Sequence, end: int) -> list[int]:
         """Positions whose logits pick tokens, in a forward that fed the sequence up to `end`."""
 
-    def token_index(self, seq: Sequence, position: int) -> int:
-        """Index of the generated token that the logits at `position` decide (the default `row_groups`
-        calls it per sampled position when a request sets `min_new_tokens`)."""
-        raise NotImplementedError(f"{type(self).__name__} lays out its rows in row_groups")
-
     def computed_after(self, seq: Sequence, end: int, sampled: bool) -> int:
         """Leading tokens whose K/V are final after a forward that fed up to `end`; the default
         `plan_feeds` calls it per sequence."""
@@ -224,29 +210,16 @@ class DecodingStrategy(ABC):
         """Called by the default `apply` when the request goes on after a step."""
         raise NotImplementedError(f"{type(self).__name__} applies its steps in apply")
 
-    def wants_entropy(self, seq: Sequence) -> bool:
-        return False
-
     def provisional_writes(self, seq: Sequence) -> bool:
         """Whether a step's writes stay provisional until their block ends (token editing). The step
         trace shows such writes inside the token budget, even where the stop rule then ends the output
         before them; final writes it shows inside the output only."""
         return False
 
-    def lowered_logits(self, seq: Sequence, positions: list[int]) -> tuple[float, list[int]] | None:
-        """(amount, per sampled position the token whose logit is lowered by it, -1 for none) when this
-        step's sampling lowers logits (token editing's λ penalty), else None."""
-        return None
-
     def pass_fields(self, batch: ForwardBatch, seq: Sequence, sample: bool) -> None:
         """Add what the network needs of this sequence's pass beyond its tokens and pages (the pass
         kinds of a network with encoder and canvas passes); called only when `has_pass_fields`."""
         return
-
-    def wants_logits(self, seq: Sequence) -> bool:
-        """Whether the sequence's rows come with their logits (`PickedRows.logits`, `logprob_of`) beside
-        the sampler's picks."""
-        return False
 
     def trace_bound(self, seq: Sequence) -> int:
         """Generated indices at or past this stay out of the step trace: past the output once it is

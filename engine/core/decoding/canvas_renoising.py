@@ -118,9 +118,6 @@ class RenoisingDecoding(DecodingStrategy):
         start = seq.state.start
         return list(range(start, start + self.canvas_length))
 
-    def token_index(self, seq: Sequence, position: int) -> int:
-        return position - seq.prompt_len
-
     def computed_after(self, seq: Sequence, end: int, sampled: bool) -> int:
         return seq.state.start if sampled else end
 
