@@ -2,19 +2,47 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import ConfigDict, Field, field_validator, model_validator
+from pydantic import BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 from configs.knobs import GREEDY_RULES, knob_model
-from configs.limits import MAX_N, MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY
+from configs.limits import (
+    MAX_ALLOWED_IDS,
+    MAX_N,
+    MAX_REPETITION_PENALTY,
+    MAX_TEMPLATE,
+    MIN_REPETITION_PENALTY,
+)
 from configs.trajectory import DllmTrajectory
 
 
 # the per-request decoding knobs (None = the engine's setting): the same fields, with the same bounds,
 # in `GenerationConfig` and in every HTTP request model
+def _int_keys(value: Any) -> Any:
+    """A JSON object's keys are strings: `{"3": [...]}` names output position 3."""
+    if isinstance(value, dict):
+        return {int(k) if isinstance(k, str) and k.lstrip("-").isdigit() else k: v for k, v in value.items()}
+    return value
+
+
+AllowedIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1, max_length=MAX_ALLOWED_IDS)]
+
+
 class DllmOverrides(knob_model("DllmOverrides", "", per_request=True)):
-    """Block-diffusion settings a request may override (None = the engine's setting)."""
+    """Block-diffusion settings a request may override (None = the engine's setting), and the typed
+    decision fields: a template over the first output positions, allowed sets at its slots, reads."""
+
+    dllm_template: Annotated[list[Annotated[int, Field(ge=-1)] | None], Field(min_length=1, max_length=MAX_TEMPLATE)] \
+        | None = Field(None, description="token ids laid over the first output positions: a slot (the model's mask id, "
+                       "-1 or null) is decoded, any other id is pinned there (pre-revealed, never rewritten)")
+    dllm_allowed_token_ids: AllowedIds | Annotated[dict[Annotated[int, Field(ge=0)], AllowedIds],
+                                                   BeforeValidator(_int_keys)] | None = Field(
+        None, description="the ids a slot may take: one list for every slot, or {output position: [ids]} per slot "
+        f"(at most {MAX_ALLOWED_IDS} ids a slot); other ids are set to -inf before any rule reads the slot's logits")
+    dllm_read_only: bool | None = Field(None, description="a read: the slots' label logprobs after dllm_max_steps "
+                                        "steps (default 1), the request ending with finish_reason read")
+    dllm_max_steps: int | None = Field(None, ge=1, description="a read's steps (default 1)")
 
     @model_validator(mode="before")
     @classmethod
@@ -85,7 +113,24 @@ class GenerationConfig(DllmOverrides):
         # a trajectory is scored under the min_new_tokens it was generated with
         if self.min_new_tokens > self.max_new_tokens and self.dllm_trajectory is None:
             raise ValueError("min_new_tokens must not exceed max_new_tokens")
+        if self.dllm_read_only:  # a read returns its slots' label logprobs: every id of the largest set
+            sets = self.dllm_allowed_token_ids
+            largest = max((len(ids) for ids in ([sets] if isinstance(sets, list) else (sets or {}).values())),
+                          default=0)
+            if self.logprobs is None or self.logprobs < largest:
+                self.__dict__["logprobs"] = largest
         return self
+
+    @property
+    def is_read(self) -> bool:
+        """A typed read (`dllm_read_only`): its slots' label logprobs, then the request ends."""
+        return bool(self.dllm_read_only)
+
+    @property
+    def has_decisions(self) -> bool:
+        """Whether the request sets any typed-decision field (template, allowed sets, read)."""
+        return (self.dllm_template is not None or self.dllm_allowed_token_ids is not None or self.is_read
+                or self.dllm_max_steps is not None)
 
     def samples(self) -> list[GenerationConfig]:
         """The `n` samples of a request as n single-sample configs: sample i is seeded

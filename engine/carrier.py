@@ -46,6 +46,9 @@ class _CarrierFields:
     input_top_logprobs: list[list[InputRow]] | None = None  # per such prompt token, with logprobs=k: its top-k
     step_trace: list[StepEvent] | None = None  # with return_step_trace: what each step fixed
     block_step_map: list[int] | None = None  # per token: 1-based step index within its own block
+    # per token, when the request has allowed sets (typed decisions): the raw probability mass its slot's
+    # set held when it was written (None where the position had no set)
+    label_mass: list[float | None] | None = None
     finish_reason: FinishReason | None = None  # None until the request's last delta
     matched: int | str | None = None  # with finish_reason "stop": the stop id or stop string
     error: str | None = None  # with finish_reason "error": what failed
@@ -95,6 +98,7 @@ class Response(_CarrierFields):
         self.input_top_logprobs = _extend(self.input_top_logprobs, chunk.input_top_logprobs)
         self.step_trace = _extend(self.step_trace, chunk.step_trace)
         self.block_step_map = _extend(self.block_step_map, chunk.block_step_map)
+        self.label_mass = _extend(self.label_mass, chunk.label_mass)
         self.entropy = _extend(self.entropy, chunk.entropy)
         self.weight_versions = _extend(self.weight_versions, chunk.weight_versions)
         for name in ("finish_reason", "matched", "error", "num_steps", "weight_version", "dllm_replay_token_ids",

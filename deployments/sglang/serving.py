@@ -155,6 +155,8 @@ def finish_reason_json(out: Result) -> dict[str, Any] | None:
         return {"type": "stop", "matched": out.matched}
     if reason == "length":
         return {"type": "length", "length": out.generate_token_len}
+    if reason == "read":  # a typed read: its template's positions are the output
+        return {"type": "read"}
     return {"type": reason, "message": out.error or ("request aborted" if reason == "abort" else None)}
 
 

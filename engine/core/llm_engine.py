@@ -23,10 +23,13 @@ from dataclasses import asdict, replace
 from functools import partial
 from typing import Any
 
+import torch
+
 from configs import EngineConfig, GenerationConfig
 from engine.answers import EngineLoad, ExecutorFacts
 from engine.carrier import OutputChunk, Response
 from engine.core.batch import build_batch
+from engine.core.decisions import Decisions, read_params
 from engine.core.decoding.base import DecodingStrategy, PickedRows
 from engine.core.fault_isolation import FaultIsolation
 from engine.core.input_processing import ModelLimits, process_input
@@ -36,6 +39,8 @@ from engine.core.overlap import LaunchedForward, OverlapSchedule
 from engine.core.rank_operations import RankOperations
 from engine.core.sampler import (
     PickedOnHost,
+    RowGroup,
+    allowed_mask,
     logprob_entries,
     logprob_values,
     pick_tokens,
@@ -44,7 +49,7 @@ from engine.core.sampler import (
 from engine.core.scheduler import Scheduler
 from engine.core.scoring import take_score_rows
 from engine.core.sequence import SeqStatus, Sequence
-from engine.core.step_plan import ScheduledSeq
+from engine.core.step_plan import SampleSlice, ScheduledSeq
 from engine.core.stopping import StopChecker
 from engine.core.trajectory import TrajectoryOutput, scoring_done, take_view_rows
 from engine.core.trajectory_plan import context_tokens, plan_trajectory
@@ -134,6 +139,11 @@ class LLMEngine:
         limits = self.token_by_token_limits if self.decoding.autoregressive(settings) else self.limits
         prompt_ids = process_input(self.tokenizer, limits, prompt, params)
         self.decoding.check_request(params, settings)
+        decisions = Decisions.resolve(params, self.mask_id, self.spec.vocab_size)
+        if decisions is not None:
+            self.decoding.check_decisions(params, settings, decisions)
+            if decisions.read_steps is not None:
+                params = read_params(params, decisions)
         params = self.decoding.decoding_params(params, settings)
         stop_ids = set(params.stop_token_ids or [])
         if not params.ignore_eos:
@@ -150,7 +160,7 @@ class LLMEngine:
             tokens=list(prompt_ids) if trajectory is None else context_tokens(prompt_ids, params, trajectory),
             table=self.kv.new_table(),
             next_score_pos=max(params.logprob_start_len, 0),
-            penalty_ids=set(prompt_ids) - {self.mask_id}, trajectory=trajectory,
+            penalty_ids=set(prompt_ids) - {self.mask_id}, trajectory=trajectory, decisions=decisions,
         )
         self.seqs[request_id] = seq
         if trajectory is None:
@@ -305,8 +315,21 @@ class LLMEngine:
             fwd.ks = [k for sl, g in zip(fwd.slices, groups) for k in [g.params.logprobs] * len(sl.positions)]
             values = picked.processed if processed else fwd.result.logits
             logprobs = logprob_values(values, picked.tokens, max(k for k in fwd.ks if k is not None),
-                                      self.config.logprobs_mode)
+                                      self.config.logprobs_mode, self._allowed_rows(fwd.slices, groups, values))
         fwd.on_host = PickedOnHost(picked, logprobs)
+
+    @staticmethod
+    def _allowed_rows(slices: list[SampleSlice], groups: list[RowGroup], values: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The logits rows with an allowed set and their `allowed_mask` (None: no row has one)."""
+        rows, sets = [], []
+        for sl, g in zip(slices, groups):
+            if g.allowed is not None:
+                for r, ids in enumerate(g.allowed, start=sl.first):
+                    if ids is not None:
+                        rows.append(r)
+                        sets.append(ids)
+        return allowed_mask(rows, sets, values.shape[-1], values.device) if rows else None
 
     def _read(self, fwd: LaunchedForward) -> LaunchedForward:
         """Wait for the picks on the host and cut them per sequence (a strategy that samples its rows
@@ -323,10 +346,12 @@ class LLMEngine:
         entries: list[dict | None] = [None] * len(tokens)
         if chosen_v is not None:
             entries = logprob_entries(tokens, fwd.ks, chosen_v, top_v, top_i)
+        mass = fwd.on_host.label_mass()
         for sl, group in zip(fwd.slices, fwd.groups):
             first, end = sl.first, sl.first + len(sl.positions)
             rows = PickedRows(sl.positions, tokens[first:end], confidence[first:end],
-                              entropy[first:end] if entropy is not None else None, entries[first:end])
+                              entropy[first:end] if entropy is not None else None, entries[first:end],
+                              label_mass=mass[first:end] if mass is not None and group.allowed is not None else None)
             if group.want_logits:
                 rows.logits = fwd.result.logits[first:end]
                 rows.logprob_of = partial(token_logprobs, rows.logits, k=group.params.logprobs,

@@ -25,6 +25,9 @@ class OutputBuilder:
         self.want_trace = self.is_dllm and p.return_step_trace
         self.want_block_steps = self.is_dllm and p.return_block_step_map
         self.want_replay = self.is_dllm and p.return_dllm_replay
+        decisions = seq.decisions
+        #: generated index -> its allowed set's mass, when the request has sets (written by its strategy)
+        self.label_masses = decisions.label_mass if decisions is not None and decisions.has_sets else None
         self.sent_tokens = 0
         self.sent_text = 0  # characters of text sent
         self.pending_trace: list[StepEvent] = []
@@ -78,6 +81,7 @@ class OutputBuilder:
             logprobs=list(seq.out_logprobs[start:end]) if self.want_logprobs else None,
             step_trace=self.pending_trace if self.want_trace else None,
             block_step_map=[int(s) for s in seq.out_block_steps[start:end]] if self.want_block_steps else None,
+            label_mass=None if self.label_masses is None else [self.label_masses.get(g) for g in range(start, end)],
             finish_reason=seq.finish_reason if finished else None,
             matched=seq.matched if finished else None,
             input_token_len=seq.prompt_len,

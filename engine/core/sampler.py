@@ -60,18 +60,23 @@ class RowGroup:
     lowered: tuple[float, list[int]] | None = None
     #: the rows' raw logits go back to the strategy beside the picks (a rule that reads them itself)
     want_logits: bool = False
+    #: per row the ids it may take (None: any); every other logit is set to -inf before the row is read
+    #: (typed decisions' allowed sets); None: no row of the group has a set
+    allowed: list[list[int] | None] | None = None
 
 
 @dataclass
 class Picked:
     """Per row, on the logits' device: the token, its confidence (None when not needed: plain greedy
-    AR), the entropy of the distribution (None unless a group asked; NaN for the others), and the
-    processed logits the sampler drew from (when asked)."""
+    AR), the entropy of the distribution (None unless a group asked; NaN for the others), the
+    processed logits the sampler drew from (when asked), and the raw probability mass of the row's
+    allowed set (None unless a row has one; NaN for the others)."""
 
     tokens: torch.Tensor
     confidence: torch.Tensor | None
     entropy: torch.Tensor | None
     processed: torch.Tensor | None
+    label_mass: torch.Tensor | None = None
 
 
 class PickedOnHost:
@@ -82,7 +87,8 @@ class PickedOnHost:
 
     def __init__(self, picked: Picked, logprobs: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
                  | None = None):
-        tensors = (picked.tokens, picked.confidence, picked.entropy, *(logprobs or (None, None, None)))
+        tensors = (picked.tokens, picked.confidence, picked.entropy, *(logprobs or (None, None, None)),
+                   picked.label_mass)
         self._event = None
         if picked.tokens.device.type == "cuda":
             tensors = tuple(None if t is None else t.to("cpu", non_blocking=True) for t in tensors)
@@ -107,8 +113,13 @@ class PickedOnHost:
     def logprob_lists(self) -> tuple[list[float] | None, list[list[float]] | None, list[list[int]] | None]:
         """(value of each row's chosen token, top-k values, top-k ids) as Python lists; all None when
         no row asked for logprobs."""
-        chosen_v, top_v, top_i = self._on_host()[3:]
+        chosen_v, top_v, top_i = self._on_host()[3:6]
         return chosen_v, top_v, top_i
+
+    def label_mass(self) -> list[float] | None:
+        """Per row the raw probability mass of its allowed set (NaN for a row without one); None when no
+        row has a set."""
+        return self._on_host()[6]
 
 
 def entropy(probs: torch.Tensor) -> torch.Tensor:
@@ -129,7 +140,17 @@ CPU_CHUNK_ROWS = 8  # rows per batched pass on the CPU
 
 
 def _is_plain_greedy(g: RowGroup) -> bool:
-    return g.params.is_greedy and g.params.repetition_penalty == 1.0 and not any(g.suppress) and g.lowered is None
+    return (g.params.is_greedy and g.params.repetition_penalty == 1.0 and not any(g.suppress) and g.lowered is None
+            and g.allowed is None)
+
+
+def allowed_mask(rows: list[int], sets: list[list[int]], vocab: int, device: torch.device
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the rows as a tensor, a [len(rows), vocab] mask True at each row's allowed ids)."""
+    keep = torch.zeros(len(rows), vocab, dtype=torch.bool)
+    at = [r for r, ids in enumerate(sets) for _ in ids]
+    keep[at, [i for ids in sets for i in ids]] = True
+    return torch.tensor(rows, dtype=torch.long).to(device), keep.to(device)
 
 
 def pick_tokens(logits: torch.Tensor, groups: list[tuple[int, int, RowGroup]], need_confidence: bool = True,
@@ -143,6 +164,7 @@ def pick_tokens(logits: torch.Tensor, groups: list[tuple[int, int, RowGroup]], n
     them instead of into a fresh rows x vocab tensor (same values, no page faults)."""
     logits = logits.float()
     want_entropy = any(g.want_entropy for _, _, g in groups)
+    want_mass = any(g.allowed is not None for _, _, g in groups)
     if all(_is_plain_greedy(g) for _, _, g in groups):  # the common case, batched
         processed = logits if keep_processed else None
         if not need_confidence and not want_entropy:
@@ -155,7 +177,7 @@ def pick_tokens(logits: torch.Tensor, groups: list[tuple[int, int, RowGroup]], n
     for first, count, _ in groups:
         tiled, at = tiled and first == at, at + count
     if logits.device.type != "cpu" or not tiled or at != logits.shape[0]:
-        return _pick_batch(logits, groups, want_entropy, keep_processed)
+        return _pick_batch(logits, groups, want_entropy, keep_processed, want_mass)
     # On the CPU a few rows at a time: every pass over them stays in cache, where a batch-wide pass
     # would stream rows x vocabulary floats through memory once per op (no launch overhead to save).
     parts, start = [], 0
@@ -166,9 +188,9 @@ def pick_tokens(logits: torch.Tensor, groups: list[tuple[int, int, RowGroup]], n
             end += 1
         first = groups[start][0]
         parts.append(_pick_batch(logits[first : first + rows], [(f - first, c, g) for f, c, g in groups[start:end]],
-                                 want_entropy, keep_processed))
+                                 want_entropy, keep_processed, want_mass))
         start = end
-    fields = ("tokens", "confidence", "entropy", "processed")
+    fields = ("tokens", "confidence", "entropy", "processed", "label_mass")
     return Picked(*(None if getattr(parts[0], f) is None else torch.cat([getattr(p, f) for p in parts])
                     for f in fields))
 
@@ -193,10 +215,12 @@ class _BatchSettings:
     lowered_values: list[float]
     suppress_rows: list[int]  # stop ids set to -inf: (output row, token id)
     suppress_ids: list[int]
+    allowed_rows: list[int]  # rows with an allowed set (output rows), and their sets
+    allowed_sets: list[list[int]]
 
 
 def _settings(groups: list[tuple[int, int, RowGroup]], vocab: int) -> _BatchSettings:
-    b = _BatchSettings([], [], [], [], [], [], [], [], [], [], [], [], [], [], [], [])
+    b = _BatchSettings([], [], [], [], [], [], [], [], [], [], [], [], [], [], [], [], [], [])
     for first, count, g in groups:
         p, out = g.params, len(b.rows)
         b.rows += range(first, first + count)
@@ -225,11 +249,16 @@ def _settings(groups: list[tuple[int, int, RowGroup]], vocab: int) -> _BatchSett
             if suppressed and stop:
                 b.suppress_rows += [r] * len(stop)
                 b.suppress_ids += stop
+        if g.allowed is not None:
+            for r, ids in enumerate(g.allowed, start=out):
+                if ids is not None:
+                    b.allowed_rows.append(r)
+                    b.allowed_sets.append(ids)
     return b
 
 
 def _pick_batch(logits: torch.Tensor, groups: list[tuple[int, int, RowGroup]], want_entropy: bool,
-                keep_processed: bool) -> Picked:
+                keep_processed: bool, want_mass: bool = False) -> Picked:
     """Every group at once: per-row settings as columns, the same per-row arithmetic as one group at a
     time (penalty, temperature, top-k, top-p, min-p, softmax, greedy max or inverse-CDF draw), so a
     row's results do not depend on what else is in the batch. Filters run on the sampled rows only, the
@@ -261,6 +290,14 @@ def _pick_batch(logits: torch.Tensor, groups: list[tuple[int, int, RowGroup]], w
         x[low_r, low_i] -= low_v.float()
     if n_sup:
         x[sup_r, sup_i] = float("-inf")
+    mass = None
+    if want_mass:
+        mass = torch.full((n,), float("nan"), device=device)
+        if b.allowed_rows:  # the set's raw (temperature-1) mass, then every other id of the row to -inf
+            rows_a, keep = allowed_mask(b.allowed_rows, b.allowed_sets, vocab, device)
+            raw = logits.index_select(0, rows_a if in_order else rows_i.index_select(0, rows_a))
+            mass.index_copy_(0, rows_a, (raw.softmax(-1) * keep).sum(-1))
+            x.index_copy_(0, rows_a, x.index_select(0, rows_a).masked_fill(~keep, float("-inf")))
     every_row = n_s == n
     if sampled:
         xs = x if every_row else x.index_select(0, sampled_i)
@@ -280,7 +317,7 @@ def _pick_batch(logits: torch.Tensor, groups: list[tuple[int, int, RowGroup]], w
     processed = None
     if keep_processed:  # laid out like the logits, as the rows they came from
         processed = x if in_order else torch.zeros_like(logits).index_copy_(0, rows_i, x)
-    return Picked(tok, conf, ent, processed)
+    return Picked(tok, conf, ent, processed, mass)
 
 
 def _filter_rows(x: torch.Tensor, temperature: torch.Tensor, top_k_list: list[int], top_k: torch.Tensor,
@@ -315,19 +352,26 @@ def draw(probs: torch.Tensor, us: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, us[:, None] * cdf[:, -1:], right=True).clamp_(max=probs.shape[-1] - 1)[:, 0]
 
 
-def logprob_values(values: torch.Tensor, chosen: torch.Tensor, k: int, mode: str | None
+def logprob_values(values: torch.Tensor, chosen: torch.Tensor, k: int, mode: str | None,
+                   allowed: tuple[torch.Tensor, torch.Tensor] | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """(value of each row's chosen token, top-k values, top-k ids), on the values' device.
 
     `values` are the raw logits (modes raw_*) or the processed logits the sampler drew from (modes
-    processed_*); *_logits modes report them as they are, the others their log_softmax."""
+    processed_*); *_logits modes report them as they are, the others their log_softmax. `allowed`
+    (rows, their `allowed_mask`): the top-k of those rows ranks only their allowed ids (the others
+    come back as -inf, which `logprob_entries` drops)."""
     rows = values.float()
     if mode not in ("raw_logits", "processed_logits"):
         rows = rows.log_softmax(-1)
     chosen_v = rows.gather(1, chosen[:, None])[:, 0]
     if k == 0:
         return chosen_v, None, None
-    top_v, top_i = rows.topk(k, dim=-1)
+    ranked = rows
+    if allowed is not None:
+        at, keep = allowed
+        ranked = rows.index_copy(0, at, rows.index_select(0, at).masked_fill(~keep, float("-inf")))
+    top_v, top_i = ranked.topk(min(k, rows.shape[-1]), dim=-1)
     return chosen_v, top_v, top_i
 
 
@@ -342,7 +386,8 @@ def logprob_entries(chosen: list[int], ks: list[int | None], chosen_v: list[floa
         entry = {chosen[i]: chosen_v[i]}
         if k:
             for v, t in zip(top_v[i][:k], top_i[i][:k]):
-                entry.setdefault(t, v)
+                if v != float("-inf"):  # outside the row's allowed set
+                    entry.setdefault(t, v)
         out[i] = entry
     return out
 

@@ -12,6 +12,7 @@ from configs import GenerationConfig
 from engine.kv.page_manager import PageTable
 
 if TYPE_CHECKING:
+    from engine.core.decisions import Decisions
     from engine.core.stopping import StopChecker
     from engine.core.trajectory_plan import TrajectoryState
 
@@ -55,6 +56,7 @@ class Sequence:
     next_score_pos: int = 0
     num_preemptions: int = 0
     trajectory: TrajectoryState | None = None  # a trajectory to score instead of generating
+    decisions: Decisions | None = None  # its template, allowed sets and read (typed decisions)
     finish_reason: str | None = None
     num_output: int | None = None  # generated tokens to output, fixed once the request finishes
     matched: int | str | None = None  # the stop id or stop string that ended it

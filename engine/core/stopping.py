@@ -31,7 +31,7 @@ from engine.core.detokenizer import IncrementalDetokenizer
 @dataclass(frozen=True)
 class StopDecision:
     num_tokens: int  # generated tokens in the output, the stopping token included
-    reason: str  # "stop" | "length"
+    reason: str  # "stop" | "length" | "read" (a typed read's template is final)
     matched: int | str | None  # the stop id or stop string; None for "length"
 
 
@@ -127,6 +127,8 @@ class StopChecker:
 
     # ---- internals ---------------------------------------------------------------------------
     def _decide(self, n: int, reason: str, matched: int | str | None, text_end: int) -> StopDecision:
+        if reason == "length" and self._params.is_read:  # a read ends when its template's positions are final
+            reason = "read"
         self.text_end = text_end
         self.decision = StopDecision(n, reason, matched)
         return self.decision

@@ -49,10 +49,12 @@ from engine.core.input_processing import check_knobs
 from engine.core.sampler import RowGroup
 from engine.core.sequence import Sequence
 from engine.core.step_plan import Feed, SampleSlice
+from engine.errors import RequestError
 
 if TYPE_CHECKING:
     import torch
 
+    from engine.core.decisions import Decisions
     from engine.model.spec import ModelSpec
     from engine.worker.forward_batch import ForwardBatch
 
@@ -74,6 +76,9 @@ class PickedRows:
     #: for a strategy that samples its rows itself (`samples_logits`): the rows' raw logits, made when
     #: called (the LM head may run here), so that the step holds one sequence's logits at a time
     read_logits: Callable[[], torch.Tensor] | None = None
+    #: per row with an allowed set: the raw probability mass the set held (NaN for the others); None
+    #: when the sequence's rows had no set
+    label_mass: list[float] | None = None
 
 
 #: The engine's part of applying a step to one sequence, called by `DecodingStrategy.apply` once the
@@ -119,6 +124,14 @@ class DecodingStrategy(ABC):
         """Raise RequestError naming the field when a request asks for what this strategy cannot do:
         by default, what the knob table refuses for its paradigm."""
         check_knobs(params, self.paradigm, None)
+
+    def check_decisions(self, params: GenerationConfig, settings: Any, decisions: Decisions) -> None:
+        """Raise RequestError naming the field when this paradigm cannot honour the request's typed
+        decisions (`engine.core.decisions`: a template, allowed sets, a read); by default it honours none."""
+        field = next(f for f in ("dllm_template", "dllm_allowed_token_ids", "dllm_read_only", "dllm_max_steps")
+                     if getattr(params, f) is not None)
+        raise RequestError(f"{field}: typed decisions (templates, allowed sets, reads) are not served for "
+                           f"{self.paradigm} decoding yet; leave it unset", field)
 
     def decoding_params(self, params: GenerationConfig, settings: Any) -> GenerationConfig:
         """The settings a request `check_request` accepted decodes with (by default its own)."""

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from configs import EngineConfig, GenerationConfig
 from engine.carrier import StepEvent
+from engine.core.decisions import Decisions
 from engine.core.decoding.base import DecodingStrategy, Finalize, PickedRows
 from engine.core.decoding.block_state import BlockState
 from engine.core.decoding.indel import special_ids
@@ -78,6 +79,16 @@ class BlockDiffusionDecoding(DecodingStrategy):
             raise RequestError(problem, "dllm_unmasking_strategy")
         rule.check_request(params)
 
+    def check_decisions(self, params: GenerationConfig, settings: UnmaskingSettings, decisions: Decisions) -> None:
+        """Every reveal rule and joint_threshold honour templates, allowed sets and reads;
+        joint_threshold_indel's deletes and inserts move positions, which a pinned position must not."""
+        if RULES[settings.strategy].moves_tokens:
+            field = "dllm_template" if params.dllm_template is not None else (
+                "dllm_allowed_token_ids" if params.dllm_allowed_token_ids is not None else "dllm_read_only")
+            raise RequestError(f"{field}: typed decisions are not served with dllm_unmasking_strategy="
+                               f"{settings.strategy!r}, whose deletes and inserts move positions (and it reads "
+                               "the raw logits itself); use joint_threshold or a reveal rule", field)
+
     def decoding_params(self, params: GenerationConfig, settings: UnmaskingSettings) -> GenerationConfig:
         return RULES[settings.strategy].decoding_params(params)
 
@@ -94,18 +105,28 @@ class BlockDiffusionDecoding(DecodingStrategy):
         seq.stop_bound = seq.params.max_new_tokens
         self._open_block(seq, settings)
 
-    def _open_block(self, seq: Sequence, settings: UnmaskingSettings | None = None) -> None:
-        """Append the next block's positions as masks (the first one completes the prompt's block)."""
-        b = self.block_length
-        start = len(seq.tokens)
-        end = (start // b + 1) * b
-        n = end - start
-        seq.tokens += [self.mask_id] * n
-        seq.out_steps += [None] * n
-        seq.out_block_steps += [None] * n
-        seq.out_logprobs += [None] * n
-        seq.state = BlockState(settings or seq.state.settings, start=start - start % b, end=end,
-                               masked=list(range(start, end)), num_masked_at_start=n)
+    def _open_block(self, seq: Sequence, settings: UnmaskingSettings | None = None) -> bool:
+        """Append the next block's positions as masks (the first one completes the prompt's block); a
+        template's pinned positions are written into it as revealed. A block the template pins whole
+        needs no step: the next one opens too (its forward computes their K/V), up to the output's
+        limit. Returns whether a pinned position was written."""
+        b, settings = self.block_length, settings or seq.state.settings
+        decisions, pinned_any = seq.decisions, False
+        while True:
+            start = len(seq.tokens)
+            end = (start // b + 1) * b
+            n = end - start
+            seq.tokens += [self.mask_id] * n
+            seq.out_steps += [None] * n
+            seq.out_block_steps += [None] * n
+            seq.out_logprobs += [None] * n
+            block = seq.state = BlockState(settings, start=start - start % b, end=end,
+                                           masked=list(range(start, end)), num_masked_at_start=n)
+            if decisions is None or not decisions.template:
+                return False
+            pinned_any = pin(seq, block, decisions) or pinned_any
+            if block.masked or end >= seq.prompt_len + seq.params.max_new_tokens:
+                return pinned_any
 
     def cacheable_prefix(self, seq: Sequence) -> int:
         return seq.state.start  # committed tokens only
@@ -145,16 +166,20 @@ class BlockDiffusionDecoding(DecodingStrategy):
 
     def row_groups(self, slices: list[SampleSlice]) -> list[RowGroup]:
         """The request's rule says what the rows need: entropy, λ-lowered tokens (an editing rule), the
-        raw logits (a rule that reads them itself); logits at p decide position p + `row_shift`."""
+        raw logits (a rule that reads them itself); logits at p decide position p + `row_shift`; a
+        typed decision's slot takes only its allowed ids."""
         groups = []
         for sl in slices:
             seq, positions = sl.seq, sl.positions
             params, rule = self.row_params(seq), RULES[seq.state.settings.strategy]
             floor, first = params.min_new_tokens, seq.prompt_len - self.row_shift
+            decisions = seq.decisions
             groups.append(RowGroup(
                 params, seq.seed, seq.num_draws, sorted(seq.penalty_ids) if params.repetition_penalty != 1.0 else [],
                 [p - first < floor for p in positions] if floor else [], seq.stop_ids, rule.needs_entropy,
-                rule.lowered_logits(seq, positions) if rule.spec.edits else None, rule.wants_logits))
+                rule.lowered_logits(seq, positions) if rule.spec.edits else None, rule.wants_logits,
+                [decisions.allowed(p - first) for p in positions] if decisions is not None and decisions.has_sets
+                else None))
         return groups
 
     def apply(self, picked: list[tuple[Sequence, PickedRows]], finalize: Finalize
@@ -166,8 +191,36 @@ class BlockDiffusionDecoding(DecodingStrategy):
                 seq.num_draws += len(rows.positions)
                 rule = RULES[seq.state.settings.strategy]
                 written = self.write_step(seq, rows, rule)
-                if not finalize(seq, written, rule.num_final(seq)) and rule.block_done(seq):
-                    self._open_block(seq)
+                if not finalize(seq, written, rule.num_final(seq)) and rule.block_done(seq) \
+                        and self._open_block(seq):
+                    finalize(seq, [], rule.num_final(seq))  # pinned tokens may be final at once
             except Exception as e:  # noqa: BLE001 - ends this request only
                 failed.append((seq, e))
         return failed
+
+
+def pin(seq: Sequence, block: BlockState, decisions: Decisions) -> bool:
+    """Write the template's pinned ids into a newly opened block as revealed (step 0, logprob 0: chosen
+    by the request, not the model) and mark the read's last block; returns whether it pinned any."""
+    base, template = seq.prompt_len, decisions.template
+    g0, g1 = block.masked[0] - base, min(block.end - base, len(template))
+    pinned = [g for g in range(g0, g1) if template[g] is not None]
+    want_logprobs, floor = seq.params.logprobs is not None, seq.params.min_new_tokens
+    for g in pinned:
+        token = template[g]
+        seq.tokens[base + g] = token
+        seq.out_steps[g], seq.out_block_steps[g] = 0, 0
+        seq.out_logprobs[g] = {token: 0.0} if want_logprobs else None
+        if token in seq.stop_ids and floor <= g < seq.stop_bound:
+            seq.stop_bound = g + 1
+    if pinned and seq.params.repetition_penalty != 1.0:  # the only reader of the tokens seen
+        seq.penalty_ids.update(template[g] for g in pinned)
+    if pinned:
+        block.pinned = frozenset(base + g for g in pinned)
+        block.masked = [p for p in block.masked if p not in block.pinned]
+        block.num_masked_at_start = len(block.masked)
+        block.ended = not block.masked  # nothing to denoise (an editing rule's block is final)
+    last = decisions.last_slot
+    if decisions.read_steps is not None and last is not None and block.start <= base + last < block.end:
+        block.read_left, block.read_end = decisions.read_steps, base + decisions.length
+    return bool(pinned)

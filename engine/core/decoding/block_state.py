@@ -22,3 +22,15 @@ class BlockState:
     post_edit_steps: int = 0  # token editing: steps taken since the block's last mask was revealed
     ended: bool = False  # token editing: a step wrote nothing (or the post-edit budget ran out)
     rule_state: object | None = None  # a rule's own state of the block (insert/delete editing's)
+    # typed decisions: the block's pinned positions (absolute; pre-revealed, never candidates), and in a
+    # read's last block, its steps left (its last step reveals every slot below `read_end` at once)
+    pinned: frozenset[int] = frozenset()
+    read_left: int | None = None
+    read_end: int = 0
+
+    def read_step(self) -> bool:
+        """Count a denoising step of the block; True when it is the read's last (it reveals every slot)."""
+        if self.read_left is None:
+            return False
+        self.read_left -= 1
+        return self.read_left <= 0

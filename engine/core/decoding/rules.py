@@ -33,6 +33,7 @@ from configs import GenerationConfig
 from configs.knobs import RULE_SPECS, RuleSpec, rule_knobs
 from engine.carrier import StepEvent
 from engine.core.decoding.base import PickedRows, step_event
+from engine.core.decoding.block_state import BlockState
 from engine.core.decoding.editing import BlockRows, budget_spent, joint_threshold
 from engine.core.decoding.indel import InDelBlock, StepOutcome, indel_step
 from engine.core.decoding.unmasking import (
@@ -76,7 +77,23 @@ def write_tokens(seq: Sequence, positions: list[int], picks: PickedRows, chosen:
         written += (g,)
     if seq.params.repetition_penalty != 1.0:  # the only reader of the tokens seen
         seq.penalty_ids.update([picked[i] for i in chosen])
+    if picks.label_mass is not None:  # typed decisions: the mass each written slot's allowed set held
+        masses, of = picks.label_mass, seq.decisions.label_mass
+        for i, g in zip(chosen, written):
+            if masses[i] == masses[i]:  # NaN: the position has no set
+                of[g] = masses[i]
     return written
+
+
+def read_slots(block: BlockState, positions: list[int], chosen: list[int], masked: list[bool] | None = None
+               ) -> list[int]:
+    """`chosen`, and on a read's last step every still-masked template slot among `positions` (`masked`:
+    which of them still hold the mask; None: all); ascending."""
+    if not block.read_step():
+        return chosen
+    end = block.read_end
+    slots = {i for i, p in enumerate(positions) if p < end and (masked is None or masked[i])}
+    return sorted(slots.union(chosen))
 
 
 def end_block(seq: Sequence, fed_final: bool) -> None:
@@ -168,7 +185,7 @@ class RevealRule(DecodingRule):
         count = len(positions)
         n = max(1, min(tokens_this_step(block.num_masked_at_start, settings.denoising_steps, block.step_index), count))
         chosen = self.choose(rows.confidence, rows.entropy or [0.0] * count, n, settings, step_seed(seq))
-        chosen.sort()
+        chosen = read_slots(block, positions, sorted(chosen))
         seq.step_counter += 1
         block.step_index += 1
         revealed = write_tokens(seq, positions, rows, chosen)
@@ -195,7 +212,10 @@ class EditRule(DecodingRule):
                                "without edits", "dllm_trajectory")
 
     def sample_positions(self, seq: Sequence) -> list[int]:
-        return list(range(max(seq.state.start, seq.prompt_len), seq.state.end))  # revealed ones may be rewritten
+        # revealed ones may be rewritten; a template's pinned ones never are
+        block = seq.state
+        positions = range(max(block.start, seq.prompt_len), block.end)
+        return [p for p in positions if p not in block.pinned] if block.pinned else list(positions)
 
     def lowered_logits(self, seq: Sequence, positions: list[int]) -> tuple[float, list[int]] | None:
         """The λ penalty: at each position but the block's first, the token now at the position before it."""
@@ -215,11 +235,15 @@ class EditRule(DecodingRule):
         if writes is None:
             end_block(seq, fed_final=True)
             return []
+        last_read = block.read_left == 1
+        writes = read_slots(block, positions, sorted(writes), masked)
         seq.step_counter += 1
         block.step_index += 1
         written = write_tokens(seq, positions, rows, writes, final=False)
         block.masked = [p for p in positions if seq.tokens[p] == mask_id]
-        if not block.masked and budget_spent(block.post_edit_steps, seq.state.settings):
+        if last_read:  # a read's last step: its slots are written, the block ends with them
+            block.ended = True
+        elif not block.masked and budget_spent(block.post_edit_steps, seq.state.settings):
             # the next step could only end the block: its tokens are final now, and their K/V ride on
             # the next block's first forward (as after a last reveal), which spares that step's forward
             block.ended = True

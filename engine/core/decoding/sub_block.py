@@ -76,7 +76,11 @@ class SubBlockDecoding(BlockDiffusionDecoding):
     def sample_positions(self, seq: Sequence, end: int) -> list[int]:
         if self._inheriting(seq):
             return [seq.state.start - 1]
-        return [p - 1 for p in self._current_sub_block(seq)]
+        block = seq.state
+        current = self._current_sub_block(seq)
+        if block.read_left == 1:  # a read's last step reveals every template slot of the block too
+            current = [p for p in block.masked if p <= current[-1] or p < block.read_end]
+        return [p - 1 for p in current]
 
     def row_params(self, seq: Sequence) -> GenerationConfig:
         params = seq.params
@@ -90,6 +94,8 @@ class SubBlockDecoding(BlockDiffusionDecoding):
         block = seq.state
         if self._inheriting(seq):
             chosen = [0]
+        elif block.read_step():  # a read's last step: every position sampled (its template slots)
+            chosen = list(range(len(rows.positions)))
         else:
             chosen = above_threshold_or_best(rows.confidence, seq.state.settings.confidence_threshold)
         seq.step_counter += 1
