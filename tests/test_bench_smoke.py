@@ -24,7 +24,7 @@ from bench.plan import plan
 ROOT = Path(__file__).resolve().parents[1]
 SMOKED_HERE = {"bench", "bench.memory", "bench.overhead", "bench.moe", "bench.weight_sync", "bench.prefix_routing",
                "bench.load", "bench.outputs", "bench.fused_elementwise", "bench.published_configs",
-               "bench.diffusion_gemma", "bench.step_metadata"}
+               "bench.diffusion_gemma", "bench.step_metadata", "bench.decisions"}
 SMOKED_ELSEWHERE = {"bench.gpu_check": "test_gpu_check.py", "bench.gpu_check.collect": "test_gpu_check.py",
                     "bench.trajectory_scoring": "test_trajectory_scoring.py",
                     "bench.fast_dllm": "test_fast_dllm.py", "bench.soak": "test_soak.py",
@@ -228,3 +228,12 @@ def test_diffusion_gemma_memory_bench_toy():
     for side in ("engine", "transformers"):
         for n in ("1", "2"):
             assert r[side][n]["tokens"] == int(n) * 16 and r[side][n]["peak_rss_gb"] > 0, r[side][n]
+
+
+def test_decisions_bench_toy():
+    """A read answers every question with one forward for the whole batch (one block), its label
+    probabilities summing to 1; the free way takes a forward per denoising step."""
+    r = _run_module("bench.decisions", "--toy", "--questions", "8", "--family", "sdar")["sdar"]
+    assert r["read"]["answers"] == 8 and r["read"]["forwards"] == 1, r
+    assert r["read"]["label_probabilities_sum_to_1"]
+    assert r["free"]["forwards"] > r["read"]["forwards"]

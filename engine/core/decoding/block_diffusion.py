@@ -88,6 +88,10 @@ class BlockDiffusionDecoding(DecodingStrategy):
             raise RequestError(f"{field}: typed decisions are not served with dllm_unmasking_strategy="
                                f"{settings.strategy!r}, whose deletes and inserts move positions (and it reads "
                                "the raw logits itself); use joint_threshold or a reveal rule", field)
+        if decisions.last_slot is None and decisions.length >= params.max_new_tokens:
+            raise RequestError("dllm_template pins every output position, which leaves nothing to decode: mark a "
+                               "slot (the mask id, -1 or null) or raise max_new_tokens past the template",
+                               "dllm_template")
 
     def decoding_params(self, params: GenerationConfig, settings: UnmaskingSettings) -> GenerationConfig:
         return RULES[settings.strategy].decoding_params(params)
