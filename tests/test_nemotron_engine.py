@@ -165,6 +165,29 @@ def test_ar_mode_is_the_autoregressive_loop(pipe, model):
     assert not out.step_trace
 
 
+def test_an_ar_mode_read_scores_each_slot_as_the_causal_model_does(pipe, model):
+    """dllm_mode='ar' takes typed decisions as an autoregressive model: pinned tokens forced, each slot's
+    label logprobs the causal log-softmax at its row (the prompt and the template before it)."""
+    prompt, labels = make_prompt(12), [5, 9, 17]
+    template = [-1, 40, 41, -1]
+    out = pipe(prompt, GenerationConfig(max_new_tokens=8, dllm_mode="ar", dllm_template=template,
+                                        dllm_allowed_token_ids=labels, dllm_read_only=True))
+    assert out.finish_reason == "read" and out.token_ids[1:3] == [40, 41] and len(out.token_ids) == 4
+    for g in (0, 3):
+        with torch.no_grad():
+            row = model(torch.tensor([prompt + out.token_ids[:g]])).logits[0, -1].float().log_softmax(-1)
+        assert out.token_ids[g] == max(labels, key=lambda t: row[t])
+        assert set(out.logprobs[g]) == set(labels)
+        assert all(abs(v - float(row[t])) < 1e-4 for t, v in out.logprobs[g].items())
+        assert abs(out.label_mass[g] - float(row[labels].exp().sum())) < 1e-4
+
+
+def test_diffusion_mode_refuses_typed_decisions_by_name(pipe):
+    with pytest.raises(RequestError) as err:
+        pipe.engine.add_request(make_prompt(3), GenerationConfig(max_new_tokens=8, dllm_template=[-1, 7]))
+    assert err.value.param == "dllm_template" and "dllm_mode='ar'" in str(err.value)
+
+
 def test_modes_are_named_as_the_table_and_sglang_name_them(pipe, model, ids):
     prompt = make_prompt(7)
     assert pipe(prompt, gen(None, dllm_mode="FastDiffuser")).token_ids == diffusion(model, ids, prompt).token_ids

@@ -107,6 +107,8 @@ class DecodingStrategy(ABC):
     samples_logits: bool = False
     #: whether its passes need fields beyond tokens and pages (`pass_fields` is called only then)
     has_pass_fields: bool = False
+    #: what a request refused typed decisions may do instead (appended to the refusal)
+    decisions_hint: str = ""
 
     def request_settings(self, params: GenerationConfig, config: EngineConfig,
                          engine_set: frozenset[str] = frozenset()) -> Any:
@@ -131,7 +133,7 @@ class DecodingStrategy(ABC):
         field = next(f for f in ("dllm_template", "dllm_allowed_token_ids", "dllm_read_only", "dllm_max_steps")
                      if getattr(params, f) is not None)
         raise RequestError(f"{field}: typed decisions (templates, allowed sets, reads) are not served for "
-                           f"{self.paradigm} decoding yet; leave it unset", field)
+                           f"{self.paradigm} decoding yet; leave it unset" + self.decisions_hint, field)
 
     def decoding_params(self, params: GenerationConfig, settings: Any) -> GenerationConfig:
         """The settings a request `check_request` accepted decodes with (by default its own)."""

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 import torch
 
 from configs import EngineConfig, GenerationConfig
+from engine.core.decisions import Decisions
 from engine.core.decoding.autoregressive import AutoregressiveDecoding
 from engine.core.decoding.base import DecodingStrategy, Finalize, PickedRows
 from engine.core.decoding.renoising import request_generator
@@ -99,6 +100,7 @@ class SeededBlockDecoding(DecodingStrategy):
     paradigm = "seeded_block"
     needs_confidence = False
     has_pass_fields = True
+    decisions_hint = " in dllm_mode='diffusion' (dllm_mode='ar' takes them)"
 
     def __init__(self, block_length: int, mask_id: int, logprobs_mode: str | None, device: str = "cpu"):
         self.block_length, self.mask_id = block_length, mask_id
@@ -147,6 +149,13 @@ class SeededBlockDecoding(DecodingStrategy):
                 raise RequestError(f"{name} does not apply to dllm_mode='diffusion': its tokens are the argmax or "
                                    "a draw at the request's temperature of the model's own logits; leave it unset, "
                                    "or use dllm_mode='ar'", name)
+
+    def check_decisions(self, params: GenerationConfig, settings: SeededSettings, decisions: Decisions) -> None:
+        """`ar` requests take templates, allowed sets and reads as an autoregressive model's; diffusion-mode
+        requests do not yet."""
+        if settings.mode == "ar":
+            return self.ar.check_decisions(params, settings, decisions)
+        return super().check_decisions(params, settings, decisions)
 
     def start(self, seq: Sequence, settings: SeededSettings) -> None:
         if settings.mode == "ar":
