@@ -222,7 +222,8 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
          "config.json names no split_token_id", _BLOCK, {"ge": 0}, per_request=False),
     Knob("dllm_mode", Literal["ar", "diffusion", "linear_spec"], "diffusion", "seeded_block: how a request decodes: "
          "ar (one causal token per forward), diffusion (blocks anchored at the prompt end, each opened with a causal "
-         "seed and denoised over the causal prefix) or linear_spec (self-speculation; not served yet)", _SEEDED,
+         "seed and denoised over the causal prefix) or linear_spec (self-speculation: drafts verified by a causal "
+         "forward, greedy output equal to ar's)", _SEEDED,
          aliases={"FastDiffuser": "diffusion", "LinearSpec": "linear_spec"}),
     # renoising (DiffusionGemma); the checkpoint's generation_config.json replaces these defaults
     Knob("dllm_max_denoising_steps", int, 48, "renoising: steps per canvas at most (N of the temperature schedule)",

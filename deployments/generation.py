@@ -117,7 +117,8 @@ def on_request_meta(out: Result) -> dict[str, Any]:
     trajectory's return_entropy), under their carrier names."""
     fields = {"block_step_map": out.block_step_map, "dllm_replay_token_ids": out.dllm_replay_token_ids,
               "dllm_replay_step_maps": out.dllm_replay_step_maps, "dllm_stop_length": out.dllm_stop_length,
-              "dllm_replay_canvases": out.dllm_replay_canvases, "entropy": out.entropy, "label_mass": out.label_mass}
+              "dllm_replay_canvases": out.dllm_replay_canvases, "entropy": out.entropy, "label_mass": out.label_mass,
+              "nfe": out.nfe, "acceptance_lengths": out.acceptance_lengths}
     return {k: v for k, v in fields.items() if v is not None}
 
 

@@ -49,6 +49,10 @@ class _CarrierFields:
     # per token, when the request has allowed sets (typed decisions): the raw probability mass its slot's
     # set held when it was written (None where the position had no set)
     label_mass: list[float | None] | None = None
+    # self-speculation (linear_spec): the forwards so far as its release counts them (cumulative), and the
+    # tokens each verify accepted (a delta lists the verifies new since the previous one)
+    nfe: int | None = None
+    acceptance_lengths: list[int] | None = None
     finish_reason: FinishReason | None = None  # None until the request's last delta
     matched: int | str | None = None  # with finish_reason "stop": the stop id or stop string
     error: str | None = None  # with finish_reason "error": what failed
@@ -99,9 +103,10 @@ class Response(_CarrierFields):
         self.step_trace = _extend(self.step_trace, chunk.step_trace)
         self.block_step_map = _extend(self.block_step_map, chunk.block_step_map)
         self.label_mass = _extend(self.label_mass, chunk.label_mass)
+        self.acceptance_lengths = _extend(self.acceptance_lengths, chunk.acceptance_lengths)
         self.entropy = _extend(self.entropy, chunk.entropy)
         self.weight_versions = _extend(self.weight_versions, chunk.weight_versions)
-        for name in ("finish_reason", "matched", "error", "num_steps", "weight_version", "dllm_replay_token_ids",
+        for name in ("finish_reason", "matched", "error", "num_steps", "nfe", "weight_version", "dllm_replay_token_ids",
                      "dllm_replay_step_maps", "dllm_stop_length", "dllm_replay_canvases", "queue_time_s"):
             value = getattr(chunk, name)
             if value is not None:

@@ -202,9 +202,8 @@ def test_a_bad_mode_over_http_is_a_400_naming_the_field():
 
 
 @pytest.mark.parametrize(("fields", "field"), [
-    ({"dllm_mode": "linear_spec"}, "dllm_mode"),
-    ({"dllm_mode": "LinearSpec"}, "dllm_mode"),
     ({"dllm_mode": "ar", "dllm_confidence_threshold": 0.9}, "dllm_confidence_threshold"),
+    ({"dllm_mode": "linear_spec", "top_p": 0.5}, "top_p"),
     ({"top_k": 5}, "top_k"),
     ({"repetition_penalty": 1.2}, "repetition_penalty"),
     ({"dllm_block_length": 4}, "dllm_block_length"),
@@ -217,9 +216,100 @@ def test_what_a_mode_cannot_do_is_refused_by_name(pipe, fields, field):
     assert not pipe.engine.has_unfinished()
 
 
-def test_an_engine_default_mode_not_served_is_refused_at_start(ckpt):
-    with pytest.raises(ValueError, match="dllm_mode"):
-        pipeline(str(ckpt), EngineConfig(max_model_len=128, dllm_mode="linear_spec"))
+def speculation(model, ids, prompt, threshold=None, temperature=0.0, seed=None, new_tokens=NEW_TOKENS):
+    generator = None if seed is None else torch.Generator().manual_seed(seed)
+    return ref.linear_spec_generate(model, prompt, max_new_tokens=new_tokens, block_length=ids["block"],
+                                    mask_id=ids["mask_id"], eos_ids=set(), threshold=threshold or 0.0,
+                                    temperature=temperature, generator=generator)
+
+
+def assert_speculated(out, want: ref.LoopResult) -> None:
+    """`assert_same`, and the release's forward count and each verify's accepted tokens."""
+    assert_same(out, want)
+    assert out.nfe == want.nfe and out.acceptance_lengths == want.acceptance
+
+
+@pytest.mark.parametrize("threshold", [None, 0.5])
+@pytest.mark.parametrize("length", [7, 20])
+def test_linear_spec_is_the_release_loop_and_greedy_equals_ar(pipe, model, ids, threshold, length):
+    """Drafts (one pass at threshold 0, else passes until no mask) and causal verifies as the release:
+    the same tokens, steps, logprobs (the verify rows'), forwards and acceptance lengths; greedy output is
+    greedy AR's token for token."""
+    prompt = make_prompt(length)
+    out = pipe(prompt, gen(threshold, dllm_mode="LinearSpec"))
+    assert_speculated(out, speculation(model, ids, prompt, threshold))
+    assert out.token_ids == ref.ar_generate(model, prompt, max_new_tokens=NEW_TOKENS, eos_ids=set()).token_ids
+
+
+def test_linear_spec_accepts_several_drafts_where_the_model_agrees_with_itself(ckpt, ids):
+    """A head that makes one token the argmax of every row: drafts match the verify, so an iteration
+    accepts the whole block (B tokens for two forwards), and the K/V kept are those of the accepted
+    drafts (the output stays the release's)."""
+    tensors = load_file(str(ckpt / "model.safetensors"))
+    tensors["diffusion_head.weight"][17] = tensors["diffusion_head.weight"].abs().sum(0) * 4
+    path = ckpt.parent / "agreeing"
+    path.mkdir(exist_ok=True)
+    for f in ckpt.iterdir():
+        (path / f.name).write_bytes(f.read_bytes())
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    prompt = make_prompt(9)
+    config = EngineConfig(max_model_len=128, kv_block_size=8, logprobs_mode="raw_logprobs")
+    with pipeline(str(path), config) as p:
+        out = p(prompt, gen(None, dllm_mode="linear_spec"))
+    want = speculation(load_ministral3(path), ids, prompt)
+    assert max(want.acceptance) == ids["block"]
+    assert_speculated(out, want)
+
+
+def test_seeded_linear_spec_draws_as_the_release_loop(pipe, model, ids):
+    """Sampled: the seed's multinomial, every draft's and every verify's, from the request's generator in
+    the release's order."""
+    prompt = make_prompt(7)
+    out = pipe(prompt, gen(None, dllm_mode="linear_spec", do_sample=True, temperature=0.8, random_seed=3))
+    assert_speculated(out, speculation(model, ids, prompt, temperature=0.8, seed=3))
+
+
+def test_every_mode_batched_and_retracted_decodes_as_alone(ckpt, model, ids):
+    """linear_spec, diffusion and ar requests in the same forwards, in a cache too small for all of them
+    (they preempt one another, mid-iteration too), with the overlap schedule: each is its loop's."""
+    prompts = [make_prompt(n) for n in LENGTHS]
+    config = EngineConfig(max_model_len=128, kv_block_size=8, num_kv_blocks=12, overlap_schedule=True,
+                          logprobs_mode="raw_logprobs")
+    with pipeline(str(ckpt), config) as p:
+        outs = p([*prompts, prompts[0], prompts[1]],
+                 [gen(None, dllm_mode="linear_spec"), gen(0.5, dllm_mode="linear_spec"),
+                  gen(None, dllm_mode="linear_spec", do_sample=True, temperature=0.8, random_seed=5),
+                  gen(0.9), gen(None, dllm_mode="ar")])
+        assert p.engine.scheduler.num_preemptions > 0
+    assert_speculated(outs[0], speculation(model, ids, prompts[0]))
+    assert_speculated(outs[1], speculation(model, ids, prompts[1], 0.5))
+    assert_speculated(outs[2], speculation(model, ids, prompts[2], temperature=0.8, seed=5))
+    assert_same(outs[3], diffusion(model, ids, prompts[0], 0.9))
+    assert outs[4].token_ids == ref.ar_generate(model, prompts[1], max_new_tokens=NEW_TOKENS, eos_ids=set()).token_ids
+
+
+def test_linear_spec_over_http_reports_its_forwards_and_acceptance(pipe, model, ids):
+    """/generate's meta_info carries `nfe` and `acceptance_lengths`; a stream's deltas add up to them."""
+    from deployments.sglang.serving import generate_body
+
+    prompt = make_prompt(7)
+    want = speculation(model, ids, prompt)
+    engine = pipe.engine
+    engine.add_request(prompt, gen(None, dllm_mode="linear_spec"), "spec")
+    chunks = []
+    while engine.has_unfinished():
+        chunks += engine.step()
+    whole = Response.from_chunks(chunks)
+    meta = generate_body(whole, gen(None))["meta_info"]
+    assert meta["nfe"] == want.nfe and meta["acceptance_lengths"] == want.acceptance
+    assert sum(len(c.acceptance_lengths or []) for c in chunks) == len(want.acceptance)
+
+
+def test_an_engine_default_mode_of_linear_spec_applies(ckpt, model, ids):
+    prompt = make_prompt(7)
+    with pipeline(str(ckpt), EngineConfig(max_model_len=128, dllm_mode="linear_spec")) as p:
+        out = p(prompt, GenerationConfig(max_new_tokens=NEW_TOKENS, ignore_eos=True))
+    assert out.token_ids == speculation(model, ids, prompt).token_ids and out.nfe is not None
 
 
 def test_the_engine_default_mode_and_threshold_apply(ckpt, model, ids):
@@ -298,3 +388,13 @@ def test_the_mask_id_as_a_candidate_reveals_nothing_as_in_the_release(tmp_path, 
         torch.testing.assert_close(torch.tensor(got), torch.tensor(want.logprobs), atol=TOL, rtol=0, equal_nan=True)
         unrevealed += want.step_map.count(0)
     assert unrevealed > 0
+
+
+@pytest.mark.parametrize(("algorithm", "mode"), [("LinearSpec", "linear_spec"), ("FastDiffuser", "diffusion")])
+def test_sglang_algorithm_flags_choose_the_engine_mode(algorithm, mode):
+    """`blockserve serve --dllm-algorithm LinearSpec|FastDiffuser`, SGLang's flags, set the engine's mode."""
+    from deployments.cli import app_args, build_parser
+
+    engine = app_args(build_parser().parse_args(["serve", "ckpt", "--dllm-algorithm", algorithm]))["engine"]
+    assert engine == {"dllm_mode": mode}
+    assert EngineConfig(**engine).dllm_mode == mode

@@ -8,6 +8,8 @@
   checkpoint's `delete_token_id` / `split_token_id`).
 - `Gemma4Renoise`: DiffusionGemma's renoising, the only way that model decodes (the flag names it;
   its settings come from the YAML file, else the checkpoint's generation_config.json).
+- `FastDiffuser` / `LinearSpec`: Nemotron-Labs-Diffusion's block diffusion / self-speculation, as the
+  engine's default `dllm_mode` (`diffusion` / `linear_spec`; a request's own `dllm_mode` still wins).
 
 The YAML file holds SGLang's keys: `threshold`, `edit_threshold`, `max_post_edit_steps`,
 `penalty_lambda`, `block_size`; for `Gemma4Renoise` `max_denoising_steps`,
@@ -30,9 +32,15 @@ import yaml
 
 from configs.knobs import upstream_names
 
-# SGLang's algorithm -> the unmasking rule it means (None: a paradigm without rules)
-ALGORITHMS = {"LowConfidence": "low_confidence_dynamic", "JointThreshold": "joint_threshold",
-              "JointThresholdInDel": "joint_threshold_indel", "Gemma4Renoise": None}
+# SGLang's algorithm -> the EngineConfig fields it means (none: the paradigm the model decodes with)
+ALGORITHMS: dict[str, dict[str, str]] = {
+    "LowConfidence": {"dllm_unmasking_strategy": "low_confidence_dynamic"},
+    "JointThreshold": {"dllm_unmasking_strategy": "joint_threshold"},
+    "JointThresholdInDel": {"dllm_unmasking_strategy": "joint_threshold_indel"},
+    "Gemma4Renoise": {},
+    "FastDiffuser": {"dllm_mode": "diffusion"},
+    "LinearSpec": {"dllm_mode": "linear_spec"},
+}
 # SGLang's key (nested mappings joined with ".") -> the EngineConfig field (from the knob table)
 CONFIG_KEYS = {key: knob for knob, key in upstream_names("sglang.algorithm").items()}
 # the renoising keys SGLang also reads at the top level
@@ -48,6 +56,8 @@ DEFAULTS: dict[str, dict[str, object]] = {
     "JointThreshold": {"threshold": 0.5, "edit_threshold": 0.0, "max_post_edit_steps": 16, "penalty_lambda": 0.0},
     "JointThresholdInDel": {"threshold": 0.5, "edit_threshold": 0.0, "max_post_edit_steps": 16},
     "Gemma4Renoise": {},
+    "FastDiffuser": {},  # the checkpoint's (Nemotron-Labs-Diffusion reads no threshold unless one is set)
+    "LinearSpec": {},  # threshold 0: one draft forward fills the block
 }
 
 
@@ -68,7 +78,8 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--dllm-algorithm", dest="dllm_algorithm", choices=list(ALGORITHMS), default=None,
                        help="LowConfidence (low_confidence_dynamic, steps = block length), JointThreshold "
                        "(joint_threshold: reveals and token edits), JointThresholdInDel (joint_threshold_indel: "
-                       "also deletes and inserts) or Gemma4Renoise (DiffusionGemma's renoising), with SGLang's "
+                       "also deletes and inserts), Gemma4Renoise (DiffusionGemma's renoising), FastDiffuser or "
+                       "LinearSpec (Nemotron-Labs-Diffusion's dllm_mode diffusion / linear_spec), with SGLang's "
                        "defaults for the keys its config leaves out")
     group.add_argument("--dllm-algorithm-config", dest="dllm_algorithm_config", type=Path, default=None,
                        help="YAML with SGLang's keys: " + ", ".join(CONFIG_KEYS))
@@ -78,10 +89,8 @@ def engine_fields(algorithm: str | None, config: Path | None) -> dict[str, Any]:
     """The EngineConfig fields the two flags set (SystemExit naming a bad key or file): the algorithm's
     rule, and SGLang's keys from the file over SGLang's defaults for the algorithm."""
     fields: dict[str, Any] = {}
-    if algorithm is not None and ALGORITHMS[algorithm] is not None:
-        fields["dllm_unmasking_strategy"] = ALGORITHMS[algorithm]
     if algorithm is not None:
-        fields |= {CONFIG_KEYS[k]: v for k, v in DEFAULTS[algorithm].items()}
+        fields |= ALGORITHMS[algorithm] | {CONFIG_KEYS[k]: v for k, v in DEFAULTS[algorithm].items()}
     if config is not None:
         try:
             data = yaml.safe_load(config.read_text()) or {}

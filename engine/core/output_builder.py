@@ -29,6 +29,7 @@ class OutputBuilder:
         #: generated index -> its allowed set's mass, when the request has sets (written by its strategy)
         self.label_masses = decisions.label_mass if decisions is not None and decisions.has_sets else None
         self.sent_tokens = 0
+        self.sent_verifies = 0  # a self-speculating request's acceptance lengths sent
         self.sent_text = 0  # characters of text sent
         self.pending_trace: list[StepEvent] = []
         self.pending_input_rows: list[tuple[float, int]] = []
@@ -91,6 +92,9 @@ class OutputBuilder:
             weight_versions=self.pending_versions,
             queue_time_s=seq.admitted_at - seq.added_at if self.first and seq.admitted_at is not None else None,
         )
+        if seq.speculation is not None:
+            chunk.nfe, accepted = seq.speculation.nfe, seq.speculation.acceptance
+            chunk.acceptance_lengths, self.sent_verifies = accepted[self.sent_verifies:], len(accepted)
         if finished and self.want_replay:
             for name, value in self.replay(seq, end).items():
                 setattr(chunk, name, value)

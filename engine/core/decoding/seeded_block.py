@@ -23,8 +23,24 @@
   so the output grows with the revealed prefix of the block: an eos the stop rule reads ends the
   request at the pass where no mask is left before it, as the release's early break does.
 
-`step_map`: the request's counter rises on every forward that draws a seed or denoises; a seed gets
-the counter of its seeding forward (block 0's: 1), every other token that of the pass revealing it.
+- `linear_spec`: the release's self-speculation, lossless. The prefill draws the first seed (an
+  autoregressive token). Each iteration drafts the block [seed, MASK x (B-1)] by bidirectional passes
+  over the causal prefix (threshold 0, the default: one pass fills every mask; with a threshold, the
+  most confident and every other at least that confident, until no mask is left), then one causal
+  *verify* forward over the drafted block writes its K/V and draws an autoregressive token from every
+  row: row i's token is the model's next token after the seed and the first i drafts. The longest
+  prefix of drafts equal to those tokens is accepted, plus one *bonus* token (the first that differs,
+  or the last row's); the K/V stay final up to the last accepted draft and the bonus is the next
+  seed. Every emitted token is an autoregressive token, so greedy output equals `ar`'s, and sampled
+  output has the autoregressive distribution. Draws come from the request's generator in the release's
+  order: the seed's multinomial, per draft pass one multinomial over the block's B rows, per verify
+  one over its B rows.
+
+`step_map`: the request's counter rises on every forward that draws a seed or denoises (linear_spec:
+the prefill and every verify); a seed gets the counter of its seeding forward (block 0's: 1), every
+other token that of the pass revealing it (linear_spec: of the verify that accepted it). A
+linear_spec request also reports `nfe` (its forwards as the release counts them: the prefill, the
+drafts and the verifies) and the number of tokens each verify accepted.
 `num_steps` is the counter when the request ends. `block_step_map`: 1 for a seed, k + 1 for the k-th
 pass of its block. Logprobs come from the row that revealed the token (a seed's from the causal row
 before its block). Sampled requests draw from their own generator, seeded by the request, in the
@@ -46,14 +62,13 @@ from engine.core.decoding.renoising import request_generator
 from engine.core.decoding.unmasking import tokens_this_step
 from engine.core.input_processing import check_knobs
 from engine.core.sampler import RowGroup, token_logprobs
-from engine.core.sequence import Sequence
+from engine.core.sequence import Sequence, Speculation
 from engine.core.step_plan import Feed, SampleSlice
 from engine.errors import RequestError
 from engine.model.spec import ModelSpec
 from engine.worker.forward_batch import MASK_BIDIRECTIONAL, MASK_CAUSAL, ForwardBatch
 from engine.worker.runner import resolve_device
 
-NOT_SERVED = "linear_spec"
 # what a diffusion-mode request may not ask for: the release's loop has no such processing
 _DIFFUSION_REFUSES = {
     "repetition_penalty": lambda p: p.repetition_penalty != 1.0, "min_new_tokens": lambda p: p.min_new_tokens > 0,
@@ -77,7 +92,9 @@ class SeededState:
     temperature: float  # 0: argmax
     generator: torch.Generator | None  # the request's draws (temperature > 0)
     start: int  # the open block's first position (while `seeding`: the next block's)
+    speculating: bool = False  # linear_spec: blocks are drafted and verified, not denoised
     seeding: bool = True  # the next forward is causal up to `start`; its last row draws the seed
+    verifying: bool = False  # linear_spec: the next forward verifies the drafted block (causal)
     masked: list[int] = field(default_factory=list)  # the open block's positions holding the mask id
     num_masked_at_start: int = 0  # the open block's masks when it opened (the passes' quota spreads them)
     passes: int = 0  # denoising passes of the open block
@@ -90,6 +107,11 @@ class SeededState:
     def block_done(self) -> bool:
         """The open block is denoised: no mask left, or its B passes spent."""
         return not self.seeding and (not self.masked or self.passes >= self.block_length)
+
+    @property
+    def bidirectional(self) -> bool:
+        """The next forward is a denoising or drafting pass (the others are causal)."""
+        return not self.seeding and not self.verifying
 
 
 def _diffusing(seq: Sequence) -> bool:
@@ -109,9 +131,6 @@ class SeededBlockDecoding(DecodingStrategy):
 
     @classmethod
     def from_config(cls, config: EngineConfig, spec: ModelSpec, mask_id: int) -> SeededBlockDecoding:
-        """ValueError naming `dllm_mode` when the engine's default mode is not served."""
-        if config.dllm_mode == NOT_SERVED:
-            raise ValueError(f"dllm_mode={NOT_SERVED!r} is not served yet; use 'diffusion' or 'ar'")
         return cls(config.dllm_block_length, mask_id, config.logprobs_mode, str(resolve_device(config)))
 
     # ---- the request ----------------------------------------------------------------------------
@@ -133,9 +152,6 @@ class SeededBlockDecoding(DecodingStrategy):
             raise RequestError(f"dllm_block_length={params.dllm_block_length}: this model decodes blocks of "
                                f"{self.block_length} tokens and the block length cannot change per request; leave "
                                "it unset", "dllm_block_length")
-        if settings.mode == NOT_SERVED:
-            raise RequestError(f"dllm_mode={NOT_SERVED!r} (self-speculation) is not served yet; use dllm_mode="
-                               "'diffusion' or 'ar'", "dllm_mode")
         if params.dllm_trajectory is not None:
             raise RequestError("dllm_trajectory is not served for this model yet (its blocks start at the prompt "
                                "end, each seeded by a causal forward); leave it unset", "dllm_trajectory")
@@ -146,9 +162,9 @@ class SeededBlockDecoding(DecodingStrategy):
             return
         for name, given in _DIFFUSION_REFUSES.items():
             if given(params):
-                raise RequestError(f"{name} does not apply to dllm_mode='diffusion': its tokens are the argmax or "
-                                   "a draw at the request's temperature of the model's own logits; leave it unset, "
-                                   "or use dllm_mode='ar'", name)
+                raise RequestError(f"{name} does not apply to dllm_mode={settings.mode!r}: its tokens are the argmax "
+                                   "or a draw at the request's temperature of the model's own logits; leave it "
+                                   "unset, or use dllm_mode='ar'", name)
 
     def check_decisions(self, params: GenerationConfig, settings: SeededSettings, decisions: Decisions) -> None:
         """`ar` requests take templates, allowed sets and reads as an autoregressive model's; diffusion-mode
@@ -165,8 +181,11 @@ class SeededBlockDecoding(DecodingStrategy):
         p = seq.params
         temperature = 0.0 if p.is_greedy else p.temperature
         seq.state = SeededState(self.block_length, settings.threshold, temperature,
-                                request_generator(seq.seed, self.device) if temperature else None, len(seq.tokens))
+                                request_generator(seq.seed, self.device) if temperature else None, len(seq.tokens),
+                                speculating=settings.mode == "linear_spec")
         seq.stop_bound = p.max_new_tokens
+        if settings.mode == "linear_spec":
+            seq.speculation = Speculation()
 
     def cacheable_prefix(self, seq: Sequence) -> int:
         if not _diffusing(seq):
@@ -179,7 +198,9 @@ class SeededBlockDecoding(DecodingStrategy):
         if not _diffusing(seq):
             return self.ar.sample_positions(seq, end)
         state = seq.state
-        return [state.start - 1] if state.seeding else list(state.masked)
+        if state.seeding:
+            return [state.start - 1]
+        return list(range(state.start, state.end)) if state.speculating else list(state.masked)
 
     # ---- the step, over all its sequences ------------------------------------------------------
     def plan_feeds(self, seqs: list[Sequence]) -> list[Feed]:
@@ -200,8 +221,8 @@ class SeededBlockDecoding(DecodingStrategy):
         return feeds
 
     def pass_fields(self, batch: ForwardBatch, seq: Sequence, sample: bool) -> None:
-        """A denoising pass is bidirectional, every other forward causal."""
-        denoising = sample and _diffusing(seq) and not seq.state.seeding
+        """A denoising or drafting pass is bidirectional, every other forward causal."""
+        denoising = sample and _diffusing(seq) and seq.state.bidirectional
         batch.mask_kinds.append(MASK_BIDIRECTIONAL if denoising else MASK_CAUSAL)
 
     def row_groups(self, slices: list[SampleSlice]) -> list[RowGroup]:
@@ -224,6 +245,9 @@ class SeededBlockDecoding(DecodingStrategy):
                 continue
             try:
                 state = seq.state
+                if state.speculating:
+                    self._speculate(seq, rows, finalize)
+                    continue
                 written = self._seed(seq, rows) if state.seeding else self._denoise(seq, rows)
                 done = state.block_done
                 if done:  # a position still masked keeps the mask id: never revealed (a seed keeps its step)
@@ -238,6 +262,79 @@ class SeededBlockDecoding(DecodingStrategy):
         return failed
 
     # ---- one sequence's forward ------------------------------------------------------------------
+    def _speculate(self, seq: Sequence, rows: PickedRows, finalize: Finalize) -> None:
+        """A linear_spec forward: the prefill's seed, a draft pass or a verify; the seed and every accepted
+        token are final at once."""
+        state = seq.state
+        if state.seeding:
+            written = self._seed(seq, rows)
+        elif state.verifying:
+            written = self._verify(seq, rows)
+        else:
+            self._draft(seq, rows)
+            written = []
+        seq.speculation.nfe += 1
+        finalize(seq, written, state.start + 1 - seq.prompt_len)
+
+    def _draw(self, logits: torch.Tensor, state: SeededState) -> tuple[torch.Tensor, torch.Tensor]:
+        """(one token per row: the argmax, or one multinomial draw over all the rows from softmax(l / T);
+        the distribution they were drawn from), as the release draws."""
+        if not state.temperature:
+            return logits.argmax(-1), torch.softmax(logits, -1)
+        probs = torch.softmax(logits / state.temperature, -1)
+        return torch.multinomial(probs.to(state.generator.device), 1, generator=state.generator)[:, 0], probs
+
+    def _draft(self, seq: Sequence, rows: PickedRows) -> None:
+        """One draft pass over the block's rows: fill every mask (threshold 0), or the most confident and
+        every other at least the threshold confident; the block is verified once no mask is left (or
+        after B passes, a mask id drawn as a draft being no mask to fill)."""
+        state = seq.state
+        tokens, probs = self._draw(rows.logits.float(), state)
+        picks = tokens.tolist()
+        offsets = [p - state.start for p in state.masked]
+        if state.threshold:
+            confidence = {j: float(probs[j, picks[j]]) for j in offsets}
+            chosen = [j for j in offsets if confidence[j] >= state.threshold] or [max(offsets, key=confidence.get)]
+        else:
+            chosen = offsets
+        for j in chosen:
+            seq.tokens[state.start + j] = picks[j]
+        state.passes += 1
+        state.masked = [p for p in state.masked if seq.tokens[p] == self.mask_id]
+        state.verifying = not state.threshold or not state.masked or state.passes >= self.block_length
+
+    def _verify(self, seq: Sequence, rows: PickedRows) -> list[int]:
+        """Accept the drafts the autoregressive tokens of the block's rows confirm, plus the bonus token;
+        the K/V stay final up to the last accepted draft and the next block opens with the bonus."""
+        state, b, start = seq.state, self.block_length, seq.state.start
+        logits = rows.logits.float()
+        ar = self._draw(logits, state)[0].tolist()
+        accepted = 1
+        while accepted < b and ar[accepted - 1] == seq.tokens[start + accepted]:
+            accepted += 1
+        seq.step_counter += 1
+        seq.speculation.acceptance.append(accepted)
+        emitted = ar[:accepted]
+        g = start + 1 - seq.prompt_len  # the first emitted token's generated index
+        del seq.tokens[start + 1:], seq.out_steps[g:], seq.out_block_steps[g:], seq.out_logprobs[g:]
+        seq.tokens += emitted
+        seq.out_steps += [seq.step_counter] * accepted
+        seq.out_block_steps += [state.passes + 2] * accepted  # as a pass's: the drafts, then the verify
+        seq.out_logprobs += self._logprobs(seq, logits, list(range(accepted)), emitted)
+        seq.num_computed = start + accepted  # the seed and the accepted drafts were fed as themselves
+        self._open_draft(seq, start + accepted)
+        return list(range(g, g + accepted))
+
+    def _open_draft(self, seq: Sequence, start: int) -> None:
+        """The next block to draft: [the seed at `start`, MASK x (B-1)]."""
+        state, n = seq.state, self.block_length - 1
+        seq.tokens += [self.mask_id] * n
+        seq.out_steps += [None] * n
+        seq.out_block_steps += [None] * n
+        seq.out_logprobs += [None] * n
+        state.start, state.verifying, state.passes = start, False, 0
+        state.masked = list(range(start + 1, start + 1 + n))
+
     def _seed(self, seq: Sequence, rows: PickedRows) -> list[int]:
         """Open the block with the seed drawn from the causal row before it."""
         state, b = seq.state, self.block_length
