@@ -13,7 +13,8 @@ experts of the largest biased scores over its tokens, each token's top-k among t
 position i predict token i.
 
 `reference_generate` decodes greedily one prompt with SGLang's LowConfidence (`low_confidence`) or
-JointThreshold (`joint_threshold`) rule, whole blocks, the output cut afterwards.
+JointThreshold (`joint_threshold`) rule, whole blocks, the output cut afterwards, optionally under
+typed decisions (a template, allowed sets, a read: `TypedDecisions`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 from torch.nn import functional as F
+
+from engine.model.families.sdar.reference import TypedDecisions
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -153,15 +156,17 @@ class LLaDA2Reference:
 
 @dataclass
 class Generation:
-    """Output tokens (stop id kept), the global step of each token's last write, the raw logprob of
-    each token at that step, why it ended, and one event per step with every write of that step to a
-    position below max_new_tokens."""
+    """Output tokens (stop id kept), the global step of each token's last write (0: pinned by the
+    template), the raw logprob of each token at that step (0.0 when pinned), why it ended, one event
+    per step with every write of that step to a position below max_new_tokens, and per output index
+    with an allowed set the raw probability mass that set held at the token's last write."""
 
     token_ids: list[int]
     step_map: list[int]
     logprobs: list[float]
     finish_reason: str
     trace: list[dict] = field(default_factory=list)
+    label_mass: dict[int, float] = field(default_factory=dict)
 
 
 def reference_generate(
@@ -177,6 +182,9 @@ def reference_generate(
     edit_threshold: float = 0.0,
     max_post_edit_steps: int = 16,
     penalty_lambda: float = 0.0,
+    template: list[int | None] | None = None,
+    allowed: list[int] | dict[int, list[int]] | None = None,
+    read_steps: int | None = None,
 ) -> Generation:
     """Greedy decoding, whole blocks. Each step, over the current block [s, e) and every generated
     position i in it: logits at i (lowered by `penalty_lambda` for the token at i-1 when i > s, under
@@ -187,13 +195,27 @@ def reference_generate(
     position with p > threshold, else the most confident one; when none remains, the block's post-edit
     count rises and beyond `max_post_edit_steps` the block ends; edit every generated non-mask position
     whose candidate differs from its token with p > edit_threshold; a step writing nothing ends the
-    block. The output is cut at the first stop id of the final tokens, or at max_new_tokens."""
+    block. The output is cut at the first stop id of the final tokens, or at max_new_tokens.
+
+    Typed decisions (`TypedDecisions`): a block opens with its pinned ids already revealed (never
+    edited either) and takes no step when it opens without a mask; a slot's allowed set confines its
+    row at every step, edits included. A read ignores `stop_ids` and `max_new_tokens` and counts the
+    steps of the block holding the template's last slot: the `read_steps`-th one writes, besides the
+    rule's writes, every template position still masked, and the read ends there. It ends sooner
+    when the rule ends that block, and, under `low_confidence`, after the first step that leaves the
+    block without a masked template position."""
     if rule not in ("low_confidence", "joint_threshold"):
         raise ValueError(f"unknown rule {rule!r}")
+    decided = TypedDecisions.of(template, allowed, read_steps, mask_id, max_new_tokens)
     n_prompt = len(prompt_ids)
+    read_block = None
+    if decided.is_read:
+        max_new_tokens, stop_ids = decided.length, set()
+        read_block = (n_prompt + decided.last_slot) // block_length
     seq = list(prompt_ids)
     step_of: dict[int, int] = {}
     logprob_of: dict[int, float] = {}
+    mass_of: dict[int, float] = {}
     trace: list[dict] = []
     counter = 0
 
@@ -208,11 +230,15 @@ def reference_generate(
         start = len(seq) // block_length * block_length
         stop = start + block_length
         gen = list(range(len(seq), stop))
-        seq.extend([mask_id] * len(gen))
-        post_edits = 0
+        reading = start // block_length == read_block
+        if not decided.open(seq, stop, n_prompt, mask_id, step_of, logprob_of):
+            continue  # a fully pinned block: no step
+        free = [r for r, i in enumerate(gen) if decided.pinned(i - n_prompt) is None]  # rows the rule may write
+        post_edits = steps = 0
         while True:
-            logits = model.logits(seq, block_length)[gen]
-            raw = torch.log_softmax(logits, -1)
+            rows = model.logits(seq, block_length)[gen]
+            raw = torch.log_softmax(rows, -1)
+            logits = decided.restrict(rows, [i - n_prompt for i in gen])
             if rule == "joint_threshold" and penalty_lambda > 0:
                 logits = logits.clone()
                 for row, i in enumerate(gen):
@@ -235,21 +261,34 @@ def reference_generate(
                     if post_edits > max_post_edit_steps:
                         break
                     writes = []
-                writes += [r for r, i in enumerate(gen)
-                           if seq[i] != mask_id and cand[r] != seq[i] and prob[r] > edit_threshold]
+                writes += [r for r in free if seq[gen[r]] != mask_id and cand[r] != seq[gen[r]]
+                           and prob[r] > edit_threshold]
                 if not writes:
                     break
+            steps += 1
+            last = reading and steps == decided.read_steps
+            if last:  # the read's last step writes the rest of the template too
+                writes += [r for r in masked if gen[r] - n_prompt < decided.length and r not in writes]
             counter += 1
             writes = sorted(writes)
             for r in writes:
                 seq[gen[r]] = cand[r]
                 step_of[gen[r]] = counter
                 logprob_of[gen[r]] = float(raw[r, cand[r]])
+                if (mass := decided.mass(rows[r], gen[r] - n_prompt)) is not None:
+                    mass_of[gen[r]] = mass
             shown = [r for r in writes if gen[r] - n_prompt < max_new_tokens]  # inside the possible output
             if shown:
                 trace.append({"step": counter, "positions": [gen[r] - n_prompt for r in shown],
                               "token_ids": [cand[r] for r in shown]})
+            if last or reading and rule == "low_confidence" and not decided.read_left(
+                    [i for i in gen if seq[i] == mask_id], n_prompt):
+                break
+        if reading:
+            end = decided.finish(seq, n_prompt, step_of, logprob_of)
+            break
     length, reason = end
     positions = range(n_prompt, n_prompt + length)
     return Generation([seq[i] for i in positions], [step_of[i] for i in positions],
-                      [logprob_of[i] for i in positions], reason, trace)
+                      [logprob_of[i] for i in positions], reason, trace,
+                      {i - n_prompt: mass_of[i] for i in positions if i in mass_of})
