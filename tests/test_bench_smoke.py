@@ -24,7 +24,8 @@ from bench.plan import plan
 ROOT = Path(__file__).resolve().parents[1]
 SMOKED_HERE = {"bench", "bench.memory", "bench.overhead", "bench.moe", "bench.weight_sync", "bench.prefix_routing",
                "bench.load", "bench.outputs", "bench.fused_elementwise", "bench.published_configs",
-               "bench.diffusion_gemma", "bench.step_metadata", "bench.decisions"}
+               "bench.diffusion_gemma", "bench.step_metadata", "bench.decisions",
+               "bench.nemotron"}
 SMOKED_ELSEWHERE = {"bench.gpu_check": "test_gpu_check.py", "bench.gpu_check.collect": "test_gpu_check.py",
                     "bench.trajectory_scoring": "test_trajectory_scoring.py",
                     "bench.fast_dllm": "test_fast_dllm.py", "bench.soak": "test_soak.py",
@@ -237,3 +238,10 @@ def test_decisions_bench_toy():
     assert r["read"]["answers"] == 8 and r["read"]["forwards"] == 1, r
     assert r["read"]["label_probabilities_sum_to_1"]
     assert r["free"]["forwards"] > r["read"]["forwards"]
+
+
+def test_nemotron_bench_toy():
+    """Every mode's greedy tokens are the release loop's; linear_spec reports its forwards and acceptance."""
+    r = _run_module("bench.nemotron", "--toy", "--requests", "3", "--tokens", "16")["modes"]
+    assert all(m["identical_to_release"] == m["checked"] == 2 for m in r.values()), r
+    assert r["linear_spec"]["mean_accepted"] >= 1 and r["linear_spec"]["nfe_per_token"] > 0
