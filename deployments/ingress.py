@@ -32,6 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 
 from deployments.admin import AdminRoutes, add_docs, openapi_schema
+from deployments.decisions import DecisionRequest
 from deployments.engine_client import EngineClient
 from deployments.errors import ApiError
 from deployments.http import DEFAULT_MAX_BODY_BYTES, RETRY_AFTER_S, HttpServing, RouteGroup, Slots, error_response
@@ -52,7 +53,7 @@ keep_replica_grpc_on_loopback()  # a replica on a loopback node listens on loopb
 # The route groups of an ingress replica, by the attribute that holds each
 ROUTE_GROUPS: dict[str, type[RouteGroup]] = {"sglang": SGLangRoutes, "openai": OpenAIRoutes, "rl": RLRoutes,
                                              "admin": AdminRoutes}
-REQUEST_MODELS = (GenerateRequest, NativeGenerateRequest, CompletionRequest, ChatCompletionRequest)
+REQUEST_MODELS = (GenerateRequest, NativeGenerateRequest, CompletionRequest, ChatCompletionRequest, DecisionRequest)
 
 app = FastAPI(title="blockserve", version="0.1.0", docs_url=None, redoc_url=None, openapi_url="/openapi.json",
               description="Diffusion (SDAR, LLaDA2, Fast-dLLM v2, DiffusionGemma) and autoregressive "

@@ -16,6 +16,7 @@ from test_decisions_reference import Family
 
 from configs import EngineConfig
 from engine import GenerationConfig, Response, pipeline
+from engine.errors import RequestError
 from engine.offline import Pipeline
 
 # the shared fixtures: the three families' checkpoints and references
@@ -165,3 +166,31 @@ def test_one_step_read_inside_one_block_is_one_forward(family, pipes):
     assert out.num_steps == 1
     assert out.step_map == [1, 0, 1, 1] + [0] * b
     assert_equal(out, case.reference(family), case)
+
+
+@pytest.mark.parametrize(("fields", "field"), [
+    ({"dllm_template": [10**6]}, "dllm_template"),
+    ({"dllm_template": [None] * 9, "max_new_tokens": 8}, "dllm_template"),
+    ({"dllm_template": [5, 6], "max_new_tokens": 2}, "dllm_template"),  # every output position pinned
+    ({"dllm_allowed_token_ids": [10**6]}, "dllm_allowed_token_ids"),
+    ({"dllm_template": [5, None], "dllm_allowed_token_ids": {0: [7]}}, "dllm_allowed_token_ids"),  # no slot
+    ({"dllm_max_steps": 2}, "dllm_max_steps"),
+    ({"dllm_read_only": True, "dllm_template": [5, 6]}, "dllm_template"),
+])
+def test_what_a_model_cannot_honour_is_refused_by_name_and_nothing_runs(sdar, pipes, fields, field):
+    """Ids outside the vocabulary, a template longer than the output or pinning all of it, a set at no slot, a
+    step budget without a read, a read without a slot: each refused naming its field."""
+    engine = pipes(sdar).engine
+    with pytest.raises(RequestError) as err:
+        engine.add_request(sdar.prompt(5), GenerationConfig(**{"max_new_tokens": 8, **fields}))
+    assert err.value.param == field and field in str(err.value)
+    assert not engine.has_unfinished()
+
+
+def test_a_trajectory_takes_no_decisions(sdar, pipes):
+    """A trajectory is scored, not decoded: a read on it is refused naming the read's own field."""
+    trajectory = {"output_ids": [5, 6, 7, 8], "step_map": [1, 2, 3, 4]}
+    with pytest.raises(RequestError) as err:
+        pipes(sdar).engine.add_request(sdar.prompt(4), GenerationConfig(
+            max_new_tokens=0, logprobs=0, dllm_trajectory=trajectory, dllm_read_only=True))
+    assert err.value.param == "dllm_read_only" and "trajectory" in str(err.value)

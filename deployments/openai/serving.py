@@ -117,6 +117,13 @@ def chat_to_engine(req: ChatCompletionRequest, served_model: str, tokenizer, max
                             **output_fields(req))
 
 
+def shown_logprobs(asked: int | None, reqs: list[EngineRequest]) -> int | None:
+    """The logprob rows a response shows: those asked for, and a read's rows (every id of its allowed
+    sets), which are its answer, even when none were asked for."""
+    reads = [r.params.logprobs or 0 for r in reqs if r.params.is_read]
+    return max([asked or 0, *reads]) if reads else asked
+
+
 # ---- responses ------------------------------------------------------------------------------
 class ChoiceFormatter:
     """One OpenAI choice (completion or chat) from its results; one instance per choice, so that

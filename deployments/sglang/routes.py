@@ -11,10 +11,11 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from deployments.decisions import from_vllm
 from deployments.engine_client import EngineClient
 from deployments.errors import ApiError, parse
 from deployments.http import ENGINE_ERRORS, HttpServing, Route, generation_route, json_roundtrip, sse_response
-from deployments.sglang.protocol import AbortRequest, GenerateRequest, NativeGenerateRequest
+from deployments.sglang.protocol import AbortRequest, GenerateRequest, NativeGenerateRequest, is_native
 from deployments.sglang.serving import CumulativeStream, generate_body, generate_plan
 from deployments.tokens import TokenText
 from deployments.wire import ControlAnswer
@@ -23,6 +24,12 @@ from deployments.wire import ControlAnswer
 def _indexed(body: dict[str, Any], index: int, as_list: bool) -> dict[str, Any]:
     """A /generate body as an entry of a list answer (a batch or n > 1) carries its `index`."""
     return body | {"index": index} if as_list else body
+
+
+def _vllm_level(body: Any) -> str | None:
+    """Where a /generate body takes vLLM's typed-read fields: SGLang's native body in `sampling_params`,
+    the flat one at its top (None)."""
+    return "sampling_params" if isinstance(body, dict) and is_native(body) else None
 
 
 def _streamed(body: Any, stream: bool) -> Any:
@@ -77,17 +84,20 @@ class SGLangRoutes:
         chunk bodies). A batch or n > 1 answers a list in order, each entry with its `index`; streamed,
         the chunks of all of them interleave, each with its `index`. Chunks are cumulative (SGLang's
         default) or deltas (`incremental_streaming_output`). A body or `query_model` (`?model=`) naming
-        another model than this one is answered by this one, and `meta_info` says so (`model_note`)."""
-        plan = generate_plan(body, self.served_model_name, query_model)
-        reqs = [r for group in plan.groups for r in group]
-        params = [r.params for r in reqs]
-        token_text = self.token_text if plan.text_in_logprobs else None
-        if not plan.stream:
-            outs = await self.client.unaries(reqs)
-            bodies = [_indexed(generate_body(o, p, token_text, plan.meta), i, plan.as_list)
-                      for i, (o, p) in enumerate(zip(outs, params))]
-            return False, bodies if plan.as_list else bodies[0]
-        merged = await self.client.streams(reqs)
+        another model than this one is answered by this one, and `meta_info` says so (`model_note`).
+        vLLM's typed-read fields are taken in the flat body and in `sampling_params` (`deployments.decisions`)."""
+        body, names = await from_vllm(body, self.client, _vllm_level(body))
+        with names.errors():
+            plan = generate_plan(body, self.served_model_name, query_model)
+            reqs = [r for group in plan.groups for r in group]
+            params = [r.params for r in reqs]
+            token_text = self.token_text if plan.text_in_logprobs else None
+            if not plan.stream:
+                outs = await self.client.unaries(reqs)
+                bodies = [_indexed(generate_body(o, p, token_text, plan.meta), i, plan.as_list)
+                          for i, (o, p) in enumerate(zip(outs, params))]
+                return False, bodies if plan.as_list else bodies[0]
+            merged = await self.client.streams(reqs)
         cumulative = None if self.incremental_streaming_output else [CumulativeStream() for _ in reqs]
 
         async def chunks() -> AsyncIterator[dict[str, Any]]:

@@ -84,6 +84,11 @@ class Decisions:
         at a position that is no slot."""
         if not params.has_decisions:
             return None
+        if params.dllm_trajectory is not None:
+            field = next(f for f in ("dllm_template", "dllm_allowed_token_ids", "dllm_read_only", "dllm_max_steps")
+                         if getattr(params, f) is not None)
+            raise RequestError(f"{field} does not apply to a dllm_trajectory request: it scores a rollout's own "
+                               "tokens and decodes nothing; leave it unset", field)
         raw, limit = params.dllm_template, params.max_new_tokens
         if raw is None:  # every output position is a slot
             template: list[int | None] = [None] * (limit if params.is_read else 0)
@@ -117,8 +122,8 @@ class Decisions:
             raise RequestError("dllm_max_steps is a read's step budget: set dllm_read_only=true, or leave it unset",
                                "dllm_max_steps")
         if params.is_read and decisions.last_slot is None:
-            raise RequestError("a read (dllm_read_only) reads the template's slots and this template has none: mark "
-                               "the positions to read with the mask id, -1 or null", "dllm_template")
+            raise RequestError("dllm_template has no slot, and a read (dllm_read_only) reads the template's slots: "
+                               "mark the positions to read with the mask id, -1 or null", "dllm_template")
         return decisions
 
 

@@ -48,6 +48,8 @@ class ForwardBatch:
     # per sequence: keep (key, temperature): this canvas pass's logits / temperature, as next step's input
     keep_conditioning: list[tuple[str, float] | None] = field(default_factory=list)
     drop_conditioning: list[str] = field(default_factory=list)  # kept self-conditioning no longer needed
+    # per sequence: the canvas rows whose self-conditioning input is zero (a template's pinned positions)
+    zero_conditioning: list[list[int] | None] = field(default_factory=list)
     # Per sequence, for a strategy that names each sequence's attention (`MASK_KINDS`): "causal" (row p
     # sees the keys at positions <= p) or "bidirectional" (every row sees every key below its kv_lens,
     # unmasked: a block denoised over its causal prefix; the block's K/V this writes are not final, a

@@ -4,9 +4,10 @@ sliding-window and full attention layers), run as encoder and canvas passes.
 The network declares its page geometry (`kv_layout(page_size, tp_size)`: bytes per page of each
 group, pool sizes for a memory budget, the per-layer caches); this module sizes the pools, allocates
 the caches and runs a `ForwardBatch` whose `pass_kinds` are set. Each canvas pass may read the
-self-conditioning input kept from the same request's previous canvas pass and keep its own for the
-next: the soft embedding [canvas, hidden] in the weights' dtype, the smallest form the next step
-needs exactly (the logits enter it only through softmax(logits / temperature) @ embedding).
+self-conditioning input kept from the same request's previous canvas pass (zero at the rows the
+batch's `zero_conditioning` names: a template's pinned positions) and keep its own for the next:
+the soft embedding [canvas, hidden] in the weights' dtype, the smallest form the next step needs
+exactly (the logits enter it only through softmax(logits / temperature) @ embedding).
 """
 
 from __future__ import annotations
@@ -51,6 +52,9 @@ class LayerGroupPasses:
         n = len(batch.q_lens)
         keys = batch.conditioning_keys or [None] * n
         soft = [self.conditioning.get(k) if k is not None else None for k in keys]
+        for s, rows in enumerate(batch.zero_conditioning):
+            if rows and soft[s] is not None:
+                soft[s] = soft[s].index_fill(0, torch.tensor(rows, device=self.device), 0)
         starts = [kv - q for kv, q in zip(batch.kv_lens, batch.q_lens, strict=True)]
         meta = model.pass_metadata(batch.pass_kinds, starts, batch.q_lens, batch.group_page_tables, soft,
                                    self.page_size, self.device, self.attention)

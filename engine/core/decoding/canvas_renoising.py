@@ -21,6 +21,18 @@ The prompt prefill is an encoder pass too, so a request costs its canvas passes 
 per canvas. The network's layer groups need what `pass_fields` adds to each forward: the pass kind
 and the self-conditioning each canvas pass reads and keeps (the runner keeps it per request, under
 the request id, from one canvas pass to the next; `release` drops it).
+
+Typed decisions (`Sequence.decisions`) act on the canvases through `renoising.CanvasDecisions`:
+- the template is the first canvas's initial state: its ids are pinned there for the whole canvas
+  (fed as themselves every step, with zero self-conditioning -- `pass_fields` names their rows --,
+  emitted as themselves, settle step 0); its slots start as the usual noise. It must fit the
+  canvas; later canvases start from noise as always;
+- an allowed set restricts its position's row in whichever canvas holds the position (every
+  position of every canvas when one set is given without a template); the position's label mass
+  goes to `decisions.label_mass` when its canvas ends. The sets act on the full-vocabulary logits
+  rank 0 reads, so they hold at any tensor-parallel size;
+- a read (the engine already cut its output to the template) stops its canvas after k steps at
+  the latest; the canvas ends the output, so the request finishes (reason `read`) with no commit.
 """
 
 from __future__ import annotations
@@ -29,8 +41,9 @@ from typing import Any
 
 from configs import EngineConfig, GenerationConfig
 from engine.carrier import StepEvent
+from engine.core.decisions import Decisions
 from engine.core.decoding.base import DecodingStrategy, PickedRows
-from engine.core.decoding.renoising import CanvasState, RenoiseKnobs, request_generator
+from engine.core.decoding.renoising import CanvasDecisions, CanvasState, RenoiseKnobs, request_generator
 from engine.core.sequence import Sequence
 from engine.errors import RequestError
 from engine.model.spec import ModelSpec
@@ -75,18 +88,35 @@ class RenoisingDecoding(DecodingStrategy):
             field = "dllm_t_min" if params.dllm_t_min is not None else "dllm_t_max"
             raise RequestError(str(e), field) from None
 
+    def check_decisions(self, params: GenerationConfig, settings: None, decisions: Decisions) -> None:
+        """A template (a read's included) must fit the first canvas: it is that canvas's initial state."""
+        if decisions.length > self.canvas_length:
+            field = "dllm_template" if params.dllm_template is not None else "max_new_tokens"
+            raise RequestError(f"{field}: a read or template covers {decisions.length} output positions but this "
+                               f"model's canvas holds {self.canvas_length}: the template is the first canvas's "
+                               "initial state (and a read is one canvas); shorten it", field)
+
     # ---- the request's state ------------------------------------------------------------------
     def start(self, seq: Sequence, settings: None) -> None:
-        p = seq.params
+        p, decisions = seq.params, seq.decisions
         generator = request_generator(seq.seed, self.device)
         seq.state = CanvasState(self.knobs.for_request(p), generator, self.canvas_length, self.vocab_size,
-                                 top_k=p.top_k, top_p=p.top_p, logprobs=p.logprobs, logprobs_mode=self.logprobs_mode)
+                                 top_k=p.top_k, top_p=p.top_p, logprobs=p.logprobs, logprobs_mode=self.logprobs_mode,
+                                 read_steps=decisions.read_steps if decisions is not None else None)
         seq.stop_bound = p.max_new_tokens
         self._open_canvas(seq)
 
+    def _canvas_decisions(self, seq: Sequence, first: int) -> CanvasDecisions | None:
+        """The decisions of the canvas over generated indices first..first+L-1."""
+        decisions, n = seq.decisions, self.canvas_length
+        if decisions is None:
+            return None
+        sets = {pos: ids for pos in range(n) if (ids := decisions.allowed(first + pos)) is not None}
+        return CanvasDecisions.of(decisions.template[first: first + n], sets, n, self.device)
+
     def _open_canvas(self, seq: Sequence) -> None:
         seq.state.start = len(seq.tokens)
-        seq.tokens += seq.state.open_canvas()
+        seq.tokens += seq.state.open_canvas(self._canvas_decisions(seq, seq.state.start - seq.prompt_len))
         n = self.canvas_length
         seq.out_steps += [None] * n
         seq.out_block_steps += [None] * n
@@ -131,6 +161,8 @@ class RenoisingDecoding(DecodingStrategy):
         batch.pass_kinds.append(CANVAS if sample else ENCODE)
         batch.conditioning_keys.append(seq.request_id if sample and canvas.canvas_step else None)
         batch.keep_conditioning.append((seq.request_id, canvas.temperature) if sample else None)
+        pinned = canvas.decisions.pinned_rows if sample and canvas.decisions is not None else None
+        batch.zero_conditioning.append(pinned or None)
 
     # ---- one canvas step ----------------------------------------------------------------------
     def advance(self, seq: Sequence, rows: PickedRows) -> list[int]:
@@ -140,7 +172,7 @@ class RenoisingDecoding(DecodingStrategy):
         seq.tokens[start: start + self.canvas_length] = canvas.tokens[0].tolist()
         canvas.report = report
         if report.ended:
-            canvas_settle = canvas.changed_at.tolist()
+            canvas_settle = canvas.settle.tolist()
             tokens, settle = canvas.close_canvas()
             seq.tokens[start: start + self.canvas_length] = tokens
             first = start - base
@@ -148,6 +180,8 @@ class RenoisingDecoding(DecodingStrategy):
             seq.out_block_steps[first: first + self.canvas_length] = canvas_settle
             if canvas.last_logprobs is not None:
                 seq.out_logprobs[first: first + self.canvas_length] = canvas.last_logprobs
+            if canvas.label_mass:
+                seq.decisions.label_mass.update({first + pos: m for pos, m in canvas.label_mass.items()})
             canvas.ended = True
             self._dropped.append(seq.request_id)  # the next canvas starts without self-conditioning
         return [start - base + p for p in report.positions]
