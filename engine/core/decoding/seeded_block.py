@@ -122,7 +122,7 @@ class SeededBlockDecoding(DecodingStrategy):
     paradigm = "seeded_block"
     needs_confidence = False
     has_pass_fields = True
-    decisions_hint = " in dllm_mode='diffusion' (dllm_mode='ar' takes them)"
+    decisions_hint = " in this dllm_mode (dllm_mode='ar' takes them)"
 
     def __init__(self, block_length: int, mask_id: int, logprobs_mode: str | None, device: str = "cpu"):
         self.block_length, self.mask_id = block_length, mask_id
@@ -167,8 +167,8 @@ class SeededBlockDecoding(DecodingStrategy):
                                    "unset, or use dllm_mode='ar'", name)
 
     def check_decisions(self, params: GenerationConfig, settings: SeededSettings, decisions: Decisions) -> None:
-        """`ar` requests take templates, allowed sets and reads as an autoregressive model's; diffusion-mode
-        requests do not yet."""
+        """`ar` requests take templates, allowed sets and reads as an autoregressive model's; `diffusion` and
+        `linear_spec` requests do not yet."""
         if settings.mode == "ar":
             return self.ar.check_decisions(params, settings, decisions)
         return super().check_decisions(params, settings, decisions)
