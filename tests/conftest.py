@@ -115,6 +115,16 @@ def _groups_dir(config: pytest.Config) -> Path:
     return config._blockserve_groups_dir
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module: tiny forwards run far faster on one thread than on two contended
+    ones (a module asks for it with `pytestmark = pytest.mark.usefixtures("one_thread")`)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(autouse=True)
 def _engine_tier_starts_no_ray(request):
     """The engine tier runs without Ray: a test there that starts Ray belongs in another tier."""

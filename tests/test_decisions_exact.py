@@ -20,7 +20,7 @@ from engine.errors import RequestError
 from engine.offline import Pipeline
 
 # the shared fixtures: the three families' checkpoints and references
-one_thread, sdar, llada2, fast, family = shared.one_thread, shared.sdar, shared.llada2, shared.fast, shared.family
+sdar, llada2, fast, family = shared.sdar, shared.llada2, shared.fast, shared.family
 TOL = 1e-4  # as the families' engine tests: kernels and the references differ by ~1e-5 on free requests
 ENGINE = {"sdar": dict(dllm_block_length=4), "llada2": dict(dllm_block_length=8), "fast": dict(dllm_sub_block_length=4)}
 # the reference's knob -> the request's field; LLaDA2's LowConfidence is the engine's low_confidence_dynamic

@@ -85,15 +85,6 @@ def _mask_of(path: Path, text: str) -> int:
 
 
 @pytest.fixture(scope="module")
-def one_thread():
-    """Tiny forwards run far faster on one thread than on two contended ones."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
 def sdar(tmp_path_factory, one_thread) -> Family:
     """SDAR, B = 4, low_confidence_dynamic at 0.85 over 4 steps unless a knob says otherwise."""
     path = write_tiny_checkpoint(tmp_path_factory.mktemp("sdar"), model_type="sdar", seed=3, block_size=4,

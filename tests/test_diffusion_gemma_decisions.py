@@ -37,12 +37,7 @@ REF_KNOBS = dict(max_denoising_steps=KNOBS.max_denoising_steps, t_min=KNOBS.t_mi
                  confidence_threshold=KNOBS.stop_entropy)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -30,13 +30,7 @@ PROMPT_LENGTHS = (1, 9, 40)  # 40 crosses the tiny sliding window (8)
 MAX_NEW = (16, 40, 3 * CANVAS)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread: a tiny model's forwards on a shared machine run many times faster."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from bench import fast_dllm as fast_dllm_bench
 from configs.trajectory import DllmTrajectory
@@ -27,13 +26,7 @@ def make_prompt(length: int) -> list[int]:
     return [(7 * i + 11 * length) % 300 + 1 for i in range(length)]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny forwards run far faster on one thread than on two contended ones."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module", params=["untied", "tied"])
