@@ -165,12 +165,20 @@ _SHARED_GENERATION_FIELDS = ("max_new_tokens", "do_sample", "top_p", "top_k", "m
                              "skip_special_tokens", "logprobs", "include_stop_str_in_output")
 
 
+# filters that act only when sampling: a greedy request leaves them at the engine's defaults, so that a
+# model that refuses them when set (e.g. Nemotron-Labs-Diffusion's diffusion mode) takes lmdeploy's defaults
+_SAMPLING_OFF = {"top_p": 1.0, "top_k": 0, "min_p": 0.0}
+
+
 def to_generation_config(config: GenerationConfig) -> EngineGenerationConfig:
     """The engine's GenerationConfig for one lmdeploy GenerationConfig (same names, same meaning)."""
     refuse_unsupported(config, _GENERATION_UNSUPPORTED)
     values = {name: getattr(config, name) for name in _SHARED_GENERATION_FIELDS}
     values["min_new_tokens"] = config.min_new_tokens or 0
-    return validated(EngineGenerationConfig, values, "GenerationConfig", {})
+    engine_config = validated(EngineGenerationConfig, values, "GenerationConfig", {})
+    if not config.do_sample:  # lmdeploy decodes greedily then, whatever its sampling filters say
+        engine_config = engine_config.model_copy(update=_SAMPLING_OFF)
+    return engine_config
 
 
 def chat_messages(prompt: str | list[dict[str, Any]], template: ChatTemplateConfig | None) -> list[dict[str, Any]]:

@@ -4,9 +4,10 @@ block diffusion anchored at the prompt end, and LinearSpec self-speculation (a d
 block verified by one causal forward).
 
 The engine serves it with seeded block decoding (engine.core.decoding.seeded_block): per request
-(`dllm_mode`) autoregressively or by block diffusion anchored at the prompt end; every K/V it keeps is
-causal. LinearSpec exists as a reference loop (reference.py) until the engine serves it. The block
-length is the checkpoint's (config.json `block_size`, 32 in the release).
+(`dllm_mode`) autoregressively, by block diffusion anchored at the prompt end, or by LinearSpec; every
+K/V it keeps is causal. The block length is the checkpoint's (config.json `block_size`, 32 in the
+release). reference.py holds the release's three loops; lora.py reads the release's LinearSpec draft
+adapter (`linear_spec_lora/`), which the network runs on the rows a forward flags as drafts.
 """
 
 from __future__ import annotations

@@ -14,14 +14,23 @@ and biases (config.py). Two things differ from `PreNormDecoderLM` as it is:
 Which keys a row sees is the attention backend's business: causal rows, and the bidirectional rows of a
 diffusion block's denoising pass, which the decoding strategy names per sequence
 (engine.core.decoding.seeded_block).
+
+The release's draft adapter (`linear_spec_lora/`, lora.py) is optional: `load_draft_lora` hooks it onto
+every `o_proj`, and a forward runs it on the rows its `draft_rows` flags (LinearSpec's draft rows), the
+plain weights everywhere else. The tensor-parallel split is the shared decoder's: the embedding and the
+untied `diffusion_head` by vocabulary rows (the logits gathered), attention by heads, the MLP by
+intermediate channels.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from engine.model.families.nemotron_labs_diffusion.config import NemotronLabsDiffusionSpec, llama_4_query_scale
+from engine.model.families.nemotron_labs_diffusion.lora import DraftAdapter, read_draft_lora
 from engine.model.layers.decoder import PreNormDecoderLM
 from engine.model.layers.parallel import TPContext
 from engine.model.spec import ModelSpec
@@ -54,6 +63,7 @@ class NemotronLabsDiffusionLM(PreNormDecoderLM):
         self.diffusion_head = self._modules.pop("lm_head")
         extra: NemotronLabsDiffusionSpec = spec.extra
         self.query_beta, self.query_context = extra.llama_4_scaling_beta, extra.original_max_position_embeddings
+        self.draft_adapter: DraftAdapter | None = None
 
     @property
     def model(self) -> nn.Module:
@@ -65,9 +75,27 @@ class NemotronLabsDiffusionLM(PreNormDecoderLM):
         """The head, as the shared logits read it: the release's untied `diffusion_head`."""
         return self.diffusion_head
 
+    def load_draft_lora(self, path: str | Path) -> None:
+        """Hook the draft adapter in folder `path` (the release's `linear_spec_lora/`) onto every layer's
+        `o_proj`, this rank's share in the dtype and on the device of the loaded weights; a second call
+        replaces the first's. Call it after the weights are materialised."""
+        spec, reference = self.spec, self.encoder.norm.weight
+        lora = read_draft_lora(path, spec.num_hidden_layers, spec.num_attention_heads * spec.head_dim,
+                               spec.hidden_size, self.tp).to(reference.device, reference.dtype)
+        if self.draft_adapter is not None:
+            self.draft_adapter.remove()
+        self.draft_adapter = DraftAdapter(lora, [layer.self_attn.o_proj for layer in self.encoder.layers])
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata, backend: AttentionBackend
-                ) -> torch.Tensor:
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata, backend: AttentionBackend,
+                draft_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """`draft_rows` [T] (bool): the rows that run the draft adapter (None: none do); a forward that
+        flags rows on a network without an adapter is a ValueError."""
         if self.query_beta:
             backend = QueryScaledBackend(backend, llama_4_query_scale(positions, self.query_beta, self.query_context))
-        return super().forward(input_ids, positions, kv_caches, meta, backend)
+        if draft_rows is None:
+            return super().forward(input_ids, positions, kv_caches, meta, backend)
+        if self.draft_adapter is None:
+            raise ValueError("draft_rows given, but no draft adapter is loaded (load_draft_lora)")
+        with self.draft_adapter.rows(draft_rows):
+            return super().forward(input_ids, positions, kv_caches, meta, backend)

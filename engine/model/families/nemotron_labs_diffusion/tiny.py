@@ -15,6 +15,10 @@ with YaRN factor 8, so the context is 256 positions and the query factor changes
 
 `load_ministral3` loads such a directory (or a release, sharded or not) into `Ministral3ForCausalLM`: `encoder.` ->
 `model.`, `diffusion_head.weight` -> `lm_head.weight`.
+
+`write_tiny_linear_spec_lora` adds the release's draft adapter folder (`linear_spec_lora/`, PEFT's
+layout) to such a directory, and `DraftAdaptedMinistral3` runs a loaded model as the release runs it with
+that adapter, for the reference loops: the adapter on a draft pass's block rows only.
 """
 
 from __future__ import annotations
@@ -27,6 +31,13 @@ import transformers
 from safetensors.torch import save_file
 
 from engine.model.checkpoint import iter_weights
+from engine.model.families.nemotron_labs_diffusion.lora import (
+    ADAPTER_DIR,
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    DraftAdapter,
+    read_draft_lora,
+)
 from engine.model.families.tiny_tokenizer import build_byte_tokenizer, write_tokenizer
 
 MASK_TEXT = "<|MASK|>"
@@ -160,3 +171,55 @@ def load_ministral3(path: str | Path, dtype: torch.dtype = torch.float32) -> tra
     if unexpected or any("rotary_emb" not in name for name in missing):
         raise ValueError(f"{path}: tensors not matching Ministral3: missing {missing}, unexpected {unexpected}")
     return model.eval()
+
+
+def write_tiny_linear_spec_lora(checkpoint: str | Path, *, r: int = 4, lora_alpha: float = 8.0, std: float = 0.2,
+                                seed: int = 0) -> Path:
+    """Write a random draft adapter as the release ships it into `checkpoint`/linear_spec_lora and return
+    that folder: adapter_config.json (PEFT LoRA on `o_proj`, `r`, `lora_alpha`) and
+    adapter_model.safetensors with each layer's `lora_A` [r, heads * head_dim] and `lora_B`
+    [hidden, r] under PEFT's names. B is random too (PEFT starts it at zero, which would change nothing)."""
+    checkpoint = Path(checkpoint)
+    cfg = json.loads((checkpoint / "config.json").read_text())
+    folder = checkpoint / ADAPTER_DIR
+    folder.mkdir(exist_ok=True)
+    generator = torch.Generator().manual_seed(seed)
+    in_features, tensors = cfg["num_attention_heads"] * cfg["head_dim"], {}
+    for layer in range(cfg["num_hidden_layers"]):
+        prefix = f"base_model.model.encoder.layers.{layer}.self_attn.o_proj"
+        tensors[f"{prefix}.lora_A.weight"] = torch.randn(r, in_features, generator=generator) * std
+        tensors[f"{prefix}.lora_B.weight"] = torch.randn(cfg["hidden_size"], r, generator=generator) * std
+    save_file(tensors, str(folder / WEIGHTS_FILE), metadata={"format": "pt"})
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(checkpoint), "r": r,
+              "lora_alpha": lora_alpha, "lora_dropout": 0.0, "target_modules": ["o_proj"], "bias": "none",
+              "use_rslora": False, "use_dora": False, "fan_in_fan_out": False, "inference_mode": True}
+    (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+    return folder
+
+
+class DraftAdaptedMinistral3:
+    """A `Ministral3ForCausalLM` called as the reference loops call it, with the draft adapter in
+    `adapter` run as the release runs it: on the block rows of a bidirectional pass (a draft) only. The
+    rows before the block stand for the release's cache, which only causal forwards fill, so they run
+    the plain weights, as every causal forward does."""
+
+    def __init__(self, model: transformers.Ministral3ForCausalLM, adapter: str | Path):
+        cfg = model.config
+        lora = read_draft_lora(adapter, cfg.num_hidden_layers, cfg.num_attention_heads * cfg.head_dim,
+                               cfg.hidden_size).to(model.device, model.dtype)
+        self.model = model
+        self.adapter = DraftAdapter(lora, [layer.self_attn.o_proj for layer in model.model.layers])
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.dtype
+
+    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, **kwargs):
+        """`attention_mask` is the loops' additive [1, 1, T, T] mask: the rows that see a later key are a
+        bidirectional block's (all but its last row), and the block runs to the end."""
+        sees_later = (attention_mask[0, 0] == 0).triu(1).any(-1)
+        rows = None
+        if sees_later.any():
+            rows = torch.arange(len(sees_later)) >= int(sees_later.nonzero()[0])
+        with self.adapter.rows(rows):
+            return self.model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
