@@ -225,6 +225,9 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
          "seed and denoised over the causal prefix) or linear_spec (self-speculation: drafts verified by a causal "
          "forward, greedy output equal to ar's)", _SEEDED,
          aliases={"FastDiffuser": "diffusion", "LinearSpec": "linear_spec"}),
+    Knob("dllm_draft_lora", bool, False, "seeded_block's linear_spec: its draft passes run the checkpoint's draft "
+         "adapter (linear_spec_lora/, a LoRA on every o_proj; verifies and every other forward run the plain "
+         "weights)", _SEEDED, per_request=False),
     # renoising (DiffusionGemma); the checkpoint's generation_config.json replaces these defaults
     Knob("dllm_max_denoising_steps", int, 48, "renoising: steps per canvas at most (N of the temperature schedule)",
          _RENOISING, {"ge": 1}, label="Steps / canvas",

@@ -3,10 +3,9 @@ only) on the network (lora.py), against the release's `linear_spec_generate` run
 `DraftAdaptedMinistral3` (the adapter on a draft pass's block rows, the plain weights for the prefix and
 every causal forward).
 
-The engine does not yet tell the network which rows are drafts (no per-row flag in its forward batch):
-here the network's forward is given `draft_rows` = the rows of bidirectional sequences, which are
-LinearSpec's drafts exactly when every request is `linear_spec` (a `diffusion` request's denoising passes
-are bidirectional too and must not run the adapter), so these engines serve `linear_spec` requests only.
+The engine runs it with `dllm_draft_lora=True`: the strategy flags each linear_spec request's draft
+passes in the forward batch (`draft_rows`), and only their rows run the adapter -- a `diffusion`
+request's denoising passes, bidirectional too, run the plain weights beside them.
 """
 
 from __future__ import annotations
@@ -24,7 +23,6 @@ from engine import EngineConfig, pipeline
 from engine.errors import CheckpointError
 from engine.model.families.nemotron_labs_diffusion import reference as ref
 from engine.model.families.nemotron_labs_diffusion.lora import DraftAdapter, lora_scale, read_draft_lora
-from engine.model.families.nemotron_labs_diffusion.network import NemotronLabsDiffusionLM
 from engine.model.families.nemotron_labs_diffusion.tiny import (
     DraftAdaptedMinistral3,
     load_ministral3,
@@ -64,25 +62,9 @@ def adapted(ckpt) -> DraftAdaptedMinistral3:
     return DraftAdaptedMinistral3(load_ministral3(ckpt), ckpt / "linear_spec_lora")
 
 
-def drafts_are_the_bidirectional_rows(net: NemotronLabsDiffusionLM) -> None:
-    """Stand in for the per-row flag the engine lacks: every bidirectional sequence's rows are drafts."""
-    plain = net.forward
-
-    def forward(input_ids, positions, kv_caches, meta, backend):
-        rows = None
-        if meta.bidirectional is not None and any(meta.bidirectional):
-            rows = torch.tensor(meta.bidirectional).repeat_interleave(torch.tensor(meta.q_lens))
-        return plain(input_ids, positions, kv_caches, meta, backend, draft_rows=rows)
-
-    net.forward = forward
-
-
 @pytest.fixture(scope="module")
 def pipe(ckpt):
-    with pipeline(str(ckpt), CONFIG) as p:
-        net = p.engine.executor.runner.model
-        net.load_draft_lora(ckpt / "linear_spec_lora")
-        drafts_are_the_bidirectional_rows(net)
+    with pipeline(str(ckpt), CONFIG.model_copy(update={"dllm_draft_lora": True})) as p:
         yield p
 
 
@@ -114,11 +96,26 @@ def test_seeded_drafts_draw_from_the_adapted_distribution(pipe, adapted, plain, 
     assert out.token_ids != speculation(plain, ids, prompt, temperature=0.8, seed=3).token_ids
 
 
-def test_without_draft_rows_the_network_is_the_plain_model(pipe, plain):
-    """Forwards that flag no row (the prefill, verifies, `ar`) compute the plain weights."""
-    prompt = make_prompt(20)
-    out = pipe(prompt, gen(None, dllm_mode="ar"))
-    assert out.token_ids == ref.ar_generate(plain, prompt, max_new_tokens=NEW_TOKENS, eos_ids=set()).token_ids
+def test_without_draft_rows_the_network_is_the_plain_model(pipe, plain, adapted, ids):
+    """Forwards that flag no row (the prefill, verifies, `ar`, `diffusion`'s denoising passes) compute the
+    plain weights, in the same batch as drafts that run the adapter."""
+    prompts = [make_prompt(20), make_prompt(9), make_prompt(7)]
+    ar, diffusion, spec = pipe(prompts, [gen(None, dllm_mode="ar"), gen(0.9, dllm_mode="diffusion"),
+                                         gen(None, dllm_mode="linear_spec")])
+    assert ar.token_ids == ref.ar_generate(plain, prompts[0], max_new_tokens=NEW_TOKENS, eos_ids=set()).token_ids
+    want = ref.diffusion_generate(plain, prompts[1], max_new_tokens=NEW_TOKENS, block_length=ids["block"],
+                                  mask_id=ids["mask_id"], eos_ids=set(), threshold=0.9)
+    assert (diffusion.token_ids, diffusion.step_map) == (want.token_ids, want.step_map)
+    assert_speculated(spec, speculation(adapted, ids, prompts[2]))
+
+
+def test_the_switch_on_another_family_is_refused_at_start(tmp_path):
+    """dllm_draft_lora is seeded-block decoding's: an engine of another paradigm refuses it by name."""
+    from tools.tiny_checkpoint import write_tiny_checkpoint
+
+    path = write_tiny_checkpoint(tmp_path / "sdar", model_type="sdar", seed=1)
+    with pytest.raises(ValueError, match="dllm_draft_lora"):
+        pipeline(str(path), EngineConfig(max_model_len=64, dllm_draft_lora=True))
 
 
 def test_draft_rows_without_an_adapter_are_refused(ckpt):

@@ -18,6 +18,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeGuard, runtime_checkable
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     import torch
     from torch import nn
 
@@ -66,6 +68,18 @@ class FixesBlockLength(Protocol):
         ...
 
 
+class DraftAdapted(Protocol):
+    has_draft_adapter: ClassVar[bool]
+
+    def load_draft_lora(self, path: str | Path | None = None) -> None:
+        """Load the checkpoint's draft adapter (self-speculation's drafts run it: `forward(..., draft_rows=)`)."""
+        ...
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list, meta: Any, backend: Any,
+                draft_rows: torch.Tensor | None = None) -> torch.Tensor:
+        ...
+
+
 class LayerGroupNetwork(Protocol):
     has_layer_groups: ClassVar[bool]
 
@@ -93,6 +107,10 @@ def checks_loaded(network: object) -> TypeGuard[ChecksLoaded]:
 
 def fixes_block_length(network: object) -> TypeGuard[FixesBlockLength]:
     return getattr(network, "fixes_block_length", False) is True
+
+
+def has_draft_adapter(network: object) -> TypeGuard[DraftAdapted]:
+    return getattr(network, "has_draft_adapter", False) is True
 
 
 def has_layer_groups(network: object) -> TypeGuard[LayerGroupNetwork]:

@@ -56,6 +56,9 @@ class ForwardBatch:
     # causal forward rewrites them before they are). Empty: every sequence has the engine's mask (causal,
     # or block-causal with the engine's block length); set: the engine's block length plays no part.
     mask_kinds: list[str] = field(default_factory=list)
+    # per sequence: its rows run the network's draft adapter (self-speculation's draft passes; a network
+    # with one). Empty, or no True: none do.
+    draft_rows: list[bool] = field(default_factory=list)
 
 
 MASK_CAUSAL, MASK_BIDIRECTIONAL = "causal", "bidirectional"

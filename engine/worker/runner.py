@@ -32,7 +32,13 @@ from configs import EngineConfig
 from engine.errors import WeightUpdateError
 from engine.model.checkpoint import ModelSpec, iter_weights
 from engine.model.families import build_network
-from engine.model.interfaces import Network, checks_loaded, fixes_block_length, has_layer_groups
+from engine.model.interfaces import (
+    Network,
+    checks_loaded,
+    fixes_block_length,
+    has_draft_adapter,
+    has_layer_groups,
+)
 from engine.model.layers.parallel import TPContext
 from engine.model.loading import load_weights
 from engine.worker.cuda_graphs import StepGraphs, cuda_capture
@@ -187,6 +193,10 @@ class ModelRunner:
             convert_for_cpu(model, shared=(embedding.weight,))
         if self.config.enable_torch_compile:
             model.use_compiled_elementwise()
+        if self.config.dllm_draft_lora:  # after the conversion: the adapter hooks the modules that serve
+            if not has_draft_adapter(model):
+                raise ValueError(f"dllm_draft_lora: {type(model).__name__} has no draft adapter to load")
+            model.load_draft_lora()
         return model
 
     def _allocate_kv(self) -> list[tuple[torch.Tensor, ...]]:
@@ -304,13 +314,20 @@ class ModelRunner:
         if batch.pass_kinds:  # encoder / canvas passes of a layer-group network
             self.num_forwards += 1
             return self.layer_groups.execute(self.model, self.kv_caches, batch)
-        bucket = self._graph_bucket(batch)  # the token bucket of the graph it replays, or None
+        drafts = any(batch.draft_rows)  # rows that run the draft adapter: an eager forward
+        bucket = None if drafts else self._graph_bucket(batch)  # the token bucket of the graph it replays, or None
         padding = None if bucket is None else GraphPadding(bucket, self.graphs.max_seqs, self.null_page)
         step, meta = upload_step(batch, self.backend, self.uploader, self.device, self.config.kv_block_size,
                                  self.dllm_block_length, padding)
         if batch.kv_copy_src:
             self._copy_kv(batch.kv_copy_src, batch.kv_copy_dst)
-        hidden = self._forward(step, meta) if bucket is None else self._graph_forward(bucket, step, meta)
+        if drafts:
+            flags = torch.tensor(batch.draft_rows, device=self.device)
+            rows = flags.repeat_interleave(torch.tensor(batch.q_lens, device=self.device))
+            self.backend.prepare(meta)
+            hidden = self.model(step["input_ids"], meta.positions, self.kv_caches, meta, self.backend, draft_rows=rows)
+        else:
+            hidden = self._forward(step, meta) if bucket is None else self._graph_forward(bucket, step, meta)
         self.num_forwards += 1
         logits = self.model.logits(hidden[step["sample_rows"]])
         out = ForwardOutput(logits=logits)

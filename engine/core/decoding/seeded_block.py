@@ -124,14 +124,17 @@ class SeededBlockDecoding(DecodingStrategy):
     has_pass_fields = True
     decisions_hint = " in this dllm_mode (dllm_mode='ar' takes them)"
 
-    def __init__(self, block_length: int, mask_id: int, logprobs_mode: str | None, device: str = "cpu"):
+    def __init__(self, block_length: int, mask_id: int, logprobs_mode: str | None, device: str = "cpu",
+                 draft_lora: bool = False):
         self.block_length, self.mask_id = block_length, mask_id
+        self.draft_lora = draft_lora  # linear_spec's drafts run the network's draft adapter
         self.logprobs_mode, self.device = logprobs_mode, device
         self.ar = AutoregressiveDecoding()
 
     @classmethod
     def from_config(cls, config: EngineConfig, spec: ModelSpec, mask_id: int) -> SeededBlockDecoding:
-        return cls(config.dllm_block_length, mask_id, config.logprobs_mode, str(resolve_device(config)))
+        return cls(config.dllm_block_length, mask_id, config.logprobs_mode, str(resolve_device(config)),
+                   config.dllm_draft_lora)
 
     # ---- the request ----------------------------------------------------------------------------
     def request_settings(self, params: GenerationConfig, config: EngineConfig,
@@ -221,9 +224,12 @@ class SeededBlockDecoding(DecodingStrategy):
         return feeds
 
     def pass_fields(self, batch: ForwardBatch, seq: Sequence, sample: bool) -> None:
-        """A denoising or drafting pass is bidirectional, every other forward causal."""
+        """A denoising or drafting pass is bidirectional, every other forward causal; a draft runs the draft
+        adapter when the engine loads one."""
         denoising = sample and _diffusing(seq) and seq.state.bidirectional
         batch.mask_kinds.append(MASK_BIDIRECTIONAL if denoising else MASK_CAUSAL)
+        if self.draft_lora:
+            batch.draft_rows.append(denoising and seq.state.speculating)
 
     def row_groups(self, slices: list[SampleSlice]) -> list[RowGroup]:
         """An autoregressive request's rows as `AutoregressiveDecoding` samples them; a diffusion request's

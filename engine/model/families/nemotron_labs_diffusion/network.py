@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from engine.model.families.nemotron_labs_diffusion.config import NemotronLabsDiffusionSpec, llama_4_query_scale
-from engine.model.families.nemotron_labs_diffusion.lora import DraftAdapter, read_draft_lora
+from engine.model.families.nemotron_labs_diffusion.lora import ADAPTER_DIR, DraftAdapter, read_draft_lora
 from engine.model.layers.decoder import PreNormDecoderLM
 from engine.model.layers.parallel import TPContext
 from engine.model.spec import ModelSpec
@@ -56,6 +56,8 @@ class NemotronLabsDiffusionLM(PreNormDecoderLM):
     """The shared pre-norm decoder under the release's names (`encoder`, `diffusion_head`), its
     queries scaled per position."""
 
+    has_draft_adapter = True  # linear_spec's drafts may run the release's draft adapter (load_draft_lora)
+
     def __init__(self, spec: ModelSpec, tp: TPContext | None = None):
         super().__init__(spec, tp)
         # the shared decoder registers `model` and `lm_head`: the same modules under the release's names
@@ -75,11 +77,13 @@ class NemotronLabsDiffusionLM(PreNormDecoderLM):
         """The head, as the shared logits read it: the release's untied `diffusion_head`."""
         return self.diffusion_head
 
-    def load_draft_lora(self, path: str | Path) -> None:
-        """Hook the draft adapter in folder `path` (the release's `linear_spec_lora/`) onto every layer's
-        `o_proj`, this rank's share in the dtype and on the device of the loaded weights; a second call
-        replaces the first's. Call it after the weights are materialised."""
+    def load_draft_lora(self, path: str | Path | None = None) -> None:
+        """Hook the draft adapter in folder `path` (default: the checkpoint's `linear_spec_lora/`, the
+        release's) onto every layer's `o_proj`, this rank's share in the dtype and on the device of the
+        loaded weights; a second call replaces the first's. Call it after the weights are materialised."""
         spec, reference = self.spec, self.encoder.norm.weight
+        if path is None:
+            path = Path(spec.path) / ADAPTER_DIR
         lora = read_draft_lora(path, spec.num_hidden_layers, spec.num_attention_heads * spec.head_dim,
                                spec.hidden_size, self.tp).to(reference.device, reference.dtype)
         if self.draft_adapter is not None:
