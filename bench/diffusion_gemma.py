@@ -50,8 +50,8 @@ from safetensors.torch import load_file, save_file
 from configs import EngineConfig, GenerationConfig
 from engine.core.decoding.renoising import RenoiseKnobs
 from engine.core.llm_engine import LLMEngine
-from engine.model.families.diffusion_gemma.reference import load_reference
-from engine.model.families.diffusion_gemma.tiny import write_tiny_diffusion_gemma
+from testing.references.diffusion_gemma import load_reference
+from testing.tiny.diffusion_gemma import write_tiny_diffusion_gemma
 
 
 def converging_checkpoint(path: Path, canvas_length: int, norm_scale: float = 12.0,

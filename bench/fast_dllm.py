@@ -32,7 +32,7 @@ from transformers import DynamicCache, Qwen2ForCausalLM
 
 from bench.models import TOY_SHAPE, BenchShape
 from engine import EngineConfig, GenerationConfig, pipeline
-from tools.tiny_fast_dllm import FAST_DLLM_TEST_LOGIT_SCALE, load_hf_qwen2, write_tiny_fast_dllm
+from testing.tiny_fast_dllm import FAST_DLLM_TEST_LOGIT_SCALE, load_hf_qwen2, write_tiny_fast_dllm
 
 B, S, THRESHOLD = 32, 8, 0.9
 

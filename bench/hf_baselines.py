@@ -21,7 +21,7 @@ import torch
 import transformers
 from transformers import DynamicCache
 
-from tools.tiny_checkpoint import load_hf_reference
+from testing.tiny_checkpoint import load_hf_reference
 
 
 def load_hf(path: Path, attn: str = "sdpa") -> transformers.PreTrainedModel:

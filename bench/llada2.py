@@ -8,7 +8,7 @@ edit threshold 0.9), at 1 and 8 concurrent requests on both sides:
 
 - **diffusers**: `LLaDA2Pipeline` with its `BlockRefinementScheduler`, one request at a time, over a
   straightforward full-recompute float32 implementation of the architecture
-  (engine/model/families/llada2_moe/reference.py, what a published modeling file computes: every step
+  (testing/references/llada2_moe.py, what a published modeling file computes: every step
   a forward over the whole sequence so far);
 - **engine**: the offline pipeline, all requests of a round in flight together.
 
@@ -46,8 +46,8 @@ import torch
 from diffusers import BlockRefinementScheduler, LLaDA2Pipeline
 
 from engine import EngineConfig, GenerationConfig, pipeline
-from engine.model.families.llada2_moe.reference import LLaDA2Reference
-from tools.tiny_llada2 import MASK_TEXT, write_tiny_llada2
+from testing.references.llada2_moe import LLaDA2Reference
+from testing.tiny_llada2 import MASK_TEXT, write_tiny_llada2
 
 INDEL_IDS = (128, 295)  # DELETE, SPLIT: ordinary ids of the byte tokenizer, written now and then
 

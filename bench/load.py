@@ -12,7 +12,7 @@ throughput.
     python -m bench.load -n 256 --json out.json
 
 Prints one JSON object (figures + problems) to stdout; progress goes to stderr. Exit status 1 when
-any check failed. `tests/test_reliability_load.py` runs the same functions against the test cluster.
+any check failed. `tests/deployments/test_reliability_load.py` runs the same functions against the test cluster.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import httpx
 
 from bench.local_cluster import QUIET, local_serve
 
-# the test cluster's engines (tests/conftest.py SERVE_ENGINE): tiny checkpoints, 4-token pages
+# the test cluster's engines (tests/support/ray_env.py SERVE_ENGINE): tiny checkpoints, 4-token pages
 LOCAL_ENGINE = {"max_model_len": 512, "num_kv_blocks": 192, "kv_block_size": 4, "max_batch_size": 32,
                 "dllm_block_length": 4}
 
@@ -262,7 +262,7 @@ def _run_local(n: int, seed: int) -> dict[str, Any]:
     from ray import serve
 
     from deployments.app import build_app
-    from tools.tiny_checkpoint import DLLM_TEST_LOGIT_SCALE, write_tiny_checkpoint
+    from testing.tiny_checkpoint import DLLM_TEST_LOGIT_SCALE, write_tiny_checkpoint
 
     with tempfile.TemporaryDirectory() as tmp, local_serve(num_cpus=16) as base_url:
         sdar = write_tiny_checkpoint(Path(tmp) / "sdar", model_type="sdar", logit_scale=DLLM_TEST_LOGIT_SCALE)

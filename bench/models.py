@@ -7,7 +7,7 @@ import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from tools.tiny_checkpoint import write_tiny_checkpoint
+from testing.tiny_checkpoint import write_tiny_checkpoint
 
 VOCAB = 151_936  # Qwen3 / SDAR vocabulary size
 # With the shape below, logit_scale 4 puts about half of the greedy confidences at masked positions

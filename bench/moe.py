@@ -22,7 +22,7 @@ import torch
 from bench.hf_baselines import load_hf, sdar_generate
 from bench.models import DLLM_LOGIT_SCALE, VOCAB, mask_id_of, stop_ids_of
 from engine import EngineConfig, GenerationConfig, pipeline
-from tools.tiny_checkpoint import write_tiny_checkpoint
+from testing.tiny_checkpoint import write_tiny_checkpoint
 
 MOE_SHAPE = dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
                  intermediate_size=1536, vocab_size=VOCAB, num_experts=16, num_experts_per_tok=4,

@@ -6,7 +6,7 @@ vocabulary, block 8), then decodes the same prompts greedily (`ignore_eos`) in e
 `ar`, `diffusion` (threshold 0.9) and `linear_spec` (threshold 0: one draft forward per iteration):
 
 - **engine**: the offline engine with every request in flight together, and one at a time;
-- **release**: the reference loops (`engine.model.families.nemotron_labs_diffusion.reference`: the
+- **release**: the reference loops (`testing.references.nemotron_labs_diffusion`: the
   model card's `ar_generate`, `generate` and `linear_spec_generate`, full recompute over transformers'
   `Ministral3ForCausalLM`, batch 1) on the first `--check` prompts, for the tokens.
 
@@ -31,8 +31,8 @@ import torch
 
 from engine import EngineConfig, GenerationConfig
 from engine.core.llm_engine import LLMEngine
-from engine.model.families.nemotron_labs_diffusion import reference as ref
-from engine.model.families.nemotron_labs_diffusion.tiny import load_ministral3, write_tiny_nemotron_labs_diffusion
+from testing.references import nemotron_labs_diffusion as ref
+from testing.tiny.nemotron_labs_diffusion import load_ministral3, write_tiny_nemotron_labs_diffusion
 
 MODES = {"ar": None, "diffusion": 0.9, "linear_spec": None}  # mode -> its dllm_confidence_threshold
 BENCH_SHAPE = dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4, head_dim=64,

@@ -56,7 +56,7 @@ import torch
 
 from engine import EngineConfig, GenerationConfig, pipeline
 from engine.heap import freeze_startup_heap
-from tools.tiny_checkpoint import DLLM_TEST_LOGIT_SCALE, write_tiny_checkpoint
+from testing.tiny_checkpoint import DLLM_TEST_LOGIT_SCALE, write_tiny_checkpoint
 
 PROMPT_LEN = 16
 TAIL_STEPS = 256
@@ -149,21 +149,21 @@ def _qwen3(path: Path, max_len: int) -> Path:
 
 
 def _llada2(path: Path, max_len: int) -> Path:
-    from engine.model.families.llada2_moe.tiny import write_tiny_llada2
+    from testing.tiny.llada2_moe import write_tiny_llada2
 
     # first_k_dense_replace=0: the one layer is a MoE layer, as all but the first of a release's
     return write_tiny_llada2(path, num_hidden_layers=1, first_k_dense_replace=0, max_position_embeddings=max_len)
 
 
 def _fast_dllm(path: Path, max_len: int) -> Path:
-    from engine.model.families.fast_dllm_qwen.tiny import FAST_DLLM_TEST_LOGIT_SCALE, write_tiny_fast_dllm
+    from testing.tiny.fast_dllm_qwen import FAST_DLLM_TEST_LOGIT_SCALE, write_tiny_fast_dllm
 
     return write_tiny_fast_dllm(path, num_hidden_layers=1, logit_scale=FAST_DLLM_TEST_LOGIT_SCALE,
                                 max_position_embeddings=max_len)
 
 
 def _diffusion_gemma(path: Path, max_len: int) -> Path:
-    from engine.model.families.diffusion_gemma.tiny import FULL, SLIDING, write_tiny_diffusion_gemma
+    from testing.tiny.diffusion_gemma import FULL, SLIDING, write_tiny_diffusion_gemma
 
     # one layer of each type: transformers makes a last layer full-attention, and the engine's
     # sliding-window K/V group needs a sliding layer

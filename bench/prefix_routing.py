@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--replicas", type=int, default=4)
     a = p.parse_args(argv)
-    from tools.tiny_checkpoint import write_tiny_checkpoint
+    from testing.tiny_checkpoint import write_tiny_checkpoint
 
     jobs = workload(a.prompts, a.per_prompt, a.system_tokens, a.seed)
     with tempfile.TemporaryDirectory() as tmp, local_serve(num_cpus=8) as base_url:

@@ -25,7 +25,7 @@ from bench.measure import PeakRSS
 from bench.models import DLLM_LOGIT_SCALE, TOY_SHAPE, BenchShape
 from configs.trajectory import DllmTrajectory
 from engine import EngineConfig, GenerationConfig, pipeline
-from tools.tiny_checkpoint import write_tiny_checkpoint
+from testing.tiny_checkpoint import write_tiny_checkpoint
 
 PREFILL_TOKENS = 16384  # max_prefill_token_num: every scoring view of a 64 x 256 run in a few forwards
 

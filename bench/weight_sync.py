@@ -24,7 +24,7 @@ from engine.async_engine import AsyncEngine
 from engine.carrier import Response
 from engine.local_ray import use_loopback
 from engine.model.checkpoint import iter_weights
-from tools.tiny_checkpoint import write_tiny_checkpoint
+from testing.tiny_checkpoint import write_tiny_checkpoint
 
 use_loopback()  # Ray reads its single-machine switch when imported: this bench's cluster listens on loopback only
 import ray  # noqa: E402

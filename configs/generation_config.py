@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from configs.knobs import GREEDY_RULES, knob_model
 from configs.limits import (
@@ -16,33 +16,36 @@ from configs.limits import (
 )
 from configs.trajectory import DllmTrajectory
 
-
-# the per-request decoding knobs (None = the engine's setting): the same fields, with the same bounds,
-# in `GenerationConfig` and in every HTTP request model
-def _int_keys(value: Any) -> Any:
-    """A JSON object's keys are strings: `{"3": [...]}` names output position 3."""
-    if isinstance(value, dict):
-        return {int(k) if isinstance(k, str) and k.lstrip("-").isdigit() else k: v for k, v in value.items()}
-    return value
-
-
 AllowedIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1, max_length=MAX_ALLOWED_IDS)]
 
 
-class DllmOverrides(knob_model("DllmOverrides", "", per_request=True)):
-    """Block-diffusion settings a request may override (None = the engine's setting), and the typed
-    decision fields: a template over the first output positions, allowed sets at its slots, reads."""
+class DecisionFields(BaseModel):
+    """The typed-decision fields, in `GenerationConfig` and in every HTTP request model: a template over
+    the first output positions, allowed sets at its slots, reads (`engine.core.decisions`)."""
 
     dllm_template: Annotated[list[Annotated[int, Field(ge=-1)] | None], Field(min_length=1, max_length=MAX_TEMPLATE)] \
         | None = Field(None, description="token ids laid over the first output positions: a slot (the model's mask id, "
                        "-1 or null) is decoded, any other id is pinned there (pre-revealed, never rewritten)")
-    dllm_allowed_token_ids: AllowedIds | Annotated[dict[Annotated[int, Field(ge=0)], AllowedIds],
-                                                   BeforeValidator(_int_keys)] | None = Field(
+    dllm_allowed_token_ids: AllowedIds | dict[Annotated[int, Field(ge=0)], AllowedIds] | None = Field(
         None, description="the ids a slot may take: one list for every slot, or {output position: [ids]} per slot "
         f"(at most {MAX_ALLOWED_IDS} ids a slot); other ids are set to -inf before any rule reads the slot's logits")
     dllm_read_only: bool | None = Field(None, description="a read: the slots' label logprobs after dllm_max_steps "
                                         "steps (default 1), the request ending with finish_reason read")
     dllm_max_steps: int | None = Field(None, ge=1, description="a read's steps (default 1)")
+
+    @field_validator("dllm_allowed_token_ids", mode="before")
+    @classmethod
+    def _positions_as_ints(cls, value: Any) -> Any:
+        """A JSON object's keys are strings: `{"3": [...]}` names output position 3."""
+        if isinstance(value, dict):
+            return {int(k) if isinstance(k, str) and k.lstrip("-").isdigit() else k: v for k, v in value.items()}
+        return value
+
+
+# the per-request decoding knobs (None = the engine's setting): the same fields, with the same bounds,
+# in `GenerationConfig` and in every HTTP request model
+class DllmOverrides(knob_model("DllmOverrides", "", per_request=True)):
+    """Block-diffusion settings a request may override (None = the engine's setting)."""
 
     @model_validator(mode="before")
     @classmethod
@@ -57,7 +60,7 @@ class DllmOverrides(knob_model("DllmOverrides", "", per_request=True)):
         return data
 
 
-class GenerationConfig(DllmOverrides):
+class GenerationConfig(DllmOverrides, DecisionFields):
     """What one request asks for. Invalid values raise ValueError naming the field."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)

@@ -3,7 +3,7 @@
 vLLM (0.34) names a typed read with its own fields, given at the top of a request body (OpenAI's
 completions and chat, SGLang's flat /generate) or of SGLang's `sampling_params`, or inside
 `vllm_xargs` / `extra_args` there. `from_vllm` maps them, in this one place for every endpoint, onto
-the engine's `dllm_*` fields (`configs.generation_config.DllmOverrides`); `VllmNames.errors` puts the
+the engine's `dllm_*` fields (`configs.generation_config.DecisionFields`); `VllmNames.errors` puts the
 names the client wrote back into any refusal, so that a 400 names the field as it was given.
 
 `/v1/decisions` is SGLang's route of that name (sglang 0.5.23, `serving_decisions.py`): each question

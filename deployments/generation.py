@@ -14,7 +14,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from configs import GenerationConfig
-from configs.generation_config import DllmOverrides
+from configs.generation_config import DecisionFields, DllmOverrides
 from configs.limits import (
     MAX_REPETITION_PENALTY,
     MAX_SEED,
@@ -35,7 +35,7 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
-class SamplingFields(Strict, DllmOverrides):
+class SamplingFields(Strict, DllmOverrides, DecisionFields):
     """Fields shared by every endpoint (HTTP names); the per-request `dllm_*` knobs as the engine's
     (dllm_block_length, if given, must equal the model's: 400 otherwise)."""
 
@@ -89,7 +89,7 @@ def _sampling(req: SamplingFields) -> dict[str, Any]:
         stop_words=stop or None, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
         skip_special_tokens=req.skip_special_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output,
-        **{f: getattr(req, f) for f in DllmOverrides.model_fields},
+        **{f: getattr(req, f) for f in (*DllmOverrides.model_fields, *DecisionFields.model_fields)},
     )
     given = req.model_fields_set
     return {k: v for k, v in fields.items() if k == "do_sample" or HTTP_RENAME.get(k, k) in given}

@@ -51,8 +51,8 @@ class _CarrierFields:
     label_mass: list[float | None] | None = None
     # self-speculation (linear_spec): the forwards so far as its release counts them (cumulative), and the
     # tokens each verify accepted (a delta lists the verifies new since the previous one)
-    nfe: int | None = None
-    acceptance_lengths: list[int] | None = None
+    nfe: int | None = None  # forwards so far (cumulative)
+    acceptance_lengths: list[int] | None = None  # per verify: the tokens it accepted
     finish_reason: FinishReason | None = None  # None until the request's last delta
     matched: int | str | None = None  # with finish_reason "stop": the stop id or stop string
     error: str | None = None  # with finish_reason "error": what failed

@@ -15,7 +15,7 @@ its speed more than its FLOPs. Measured on one core (AVX-512, torch 2.13, float3
 
 `torch.ops.mkldnn._reorder_linear_weight` packs a weight once (what torch.compile's CPU freezing
 uses) and `_linear_pointwise` multiplies with it. The packed kernels are also batch-invariant: a row's
-output is bit-identical whatever else is in the batch (checked at 1-64 rows in tests/test_cpu_linear.py),
+output is bit-identical whatever else is in the batch (checked at 1-64 rows in tests/ops/test_cpu_linear.py),
 while `F.linear` switches kernels below 4 rows, so the same request could get other logits bits
 next to other requests. The packed copy replaces the dense weight (`weight` becomes None;
 `state_dict()` unpacks it exactly), except where another module reads the dense one (a tied

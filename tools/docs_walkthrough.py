@@ -232,7 +232,7 @@ SPECS: list[Spec] = [
          reason="the step list compared; the coloured continuation before it and the line after, described"),
     Spec("README.md", "python3 -m webbrowser", "skip",
          "opens a browser window (no display here); docs/viewer.md's curl checks the page, "
-         "tests/test_viewer.py drives it in headless Chromium"),
+         "tests/system/test_viewer.py drives it in headless Chromium"),
     # deployments/README.md
     Spec("deployments/README.md", "HTTP / handle", "text", "a diagram"),
     Spec("deployments/README.md", "export RAY_AUTH_MODE=disabled", "server", lines=[0, 1],
@@ -242,7 +242,7 @@ SPECS: list[Spec] = [
          reason="no output shown: checked that no answer is an error and both streams end with [DONE]"),
     Spec("deployments/README.md", "debug_stall.remote(30)", "skip",
          "a fault drill's handle call: it needs the drill application (build_drill_app), not the "
-         "production one; tests/test_reliability_faults.py runs it"),
+         "production one; tests/deployments/test_reliability_faults.py runs it"),
     Spec("deployments/README.md", 'body = h.generate.remote({"input_ids": [1, 2, 3]', needs="qwen3",
          command=f"{RAY_CLIENT} -"),
     # docs
@@ -311,7 +311,7 @@ SPECS: list[Spec] = [
     Spec("docs/viewer.md", "curl -s localhost:8000/viewer", needs="readme", check=_http_200),
     Spec("docs/viewer.md", "--json dynamic.json", check=_files("dynamic.json", "sequential.json")),
     Spec("docs/viewer.md", "BLOCKSERVE_VIEWER_SCREENSHOT", needs="none", check=_viewer_test, timeout=1200),
-    Spec("docs/reliability.md", "tests/test_reliability_*.py", needs="none", timeout=3000,
+    Spec("docs/reliability.md", "tests/deployments/test_reliability_*.py", needs="none", timeout=3000,
          reason="pytest's summary and bench.load's exit status"),
 ]
 

@@ -5,7 +5,7 @@
 release's differ from its config.json; `write_published(name, path, num_hidden_layers)` writes that
 configuration with fewer layers and random weights of exactly the published tensor names and shapes
 (sharded safetensors with an index, bfloat16 as released), plus the tiny byte-level tokenizer of
-engine/model/families/tiny_tokenizer.py (`write_published_config`: the same without the weights).
+testing/tiny/tokenizer.py (`write_published_config`: the same without the weights).
 They check that a published configuration loads (names, shapes, the family's fields) and what
 loading costs, without downloading anything.
 """
@@ -20,8 +20,8 @@ from safetensors.torch import save_file
 
 from engine.model.checkpoint import load_model_spec
 from engine.model.families import build_network
-from engine.model.families.tiny_tokenizer import build_byte_tokenizer, write_tokenizer
 from engine.model.loading import checkpoint_names, destination
+from testing.tiny.tokenizer import build_byte_tokenizer, write_tokenizer
 
 # inclusionAI's LLaDA2 releases (LLaDA2.1 adds nothing that changes the math)
 _LLADA2 = {

@@ -337,7 +337,7 @@ def render(out: Path, results: dict) -> str:
         "",
         f"Shape (both): {shape}, vocab = tokenizer size rounded up to 64, untied `lm_head`,",
         "RoPE θ = 10000. SDAR's config.json adds `block_size: 4` and `mask_token_id`. The tokenizer is",
-        "`tools.tiny_checkpoint.build_byte_tokenizer()` (byte-level BPE with 64 merges; digits stay",
+        "`testing.tiny_checkpoint.build_byte_tokenizer()` (byte-level BPE with 64 merges; digits stay",
         "single tokens).",
         "",
         "![training loss](training_loss.png)",

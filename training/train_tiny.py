@@ -41,7 +41,7 @@ import torch.nn.functional as F
 import transformers
 from safetensors.torch import save_file
 
-from tools.tiny_checkpoint import build_byte_tokenizer, write_tokenizer
+from testing.tiny_checkpoint import build_byte_tokenizer, write_tokenizer
 
 BLOCK = 4
 NAMES = {"sdar": "sdar-tiny", "qwen3": "qwen3-tiny"}

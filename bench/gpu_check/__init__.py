@@ -62,7 +62,7 @@ a run cut short) and stderr tail into DIR/summary.json, and the run folders are 
 DIR/runs.tar.gz, since the machine hands back only a few files (GPU_CHECK_KEEP_FOLDERS=1 keeps them).
 
 Where CUDA is absent it prints why and exits 0. Every part is a function of (device, dtype, ...) so
-tests/test_gpu_check.py runs them on the CPU in float32 with tiny shapes. One module per concern:
+tests/bench/test_gpu_check.py runs them on the CPU in float32 with tiny shapes. One module per concern:
 `cli` (flags, the part loop and its budget), `settings` (shapes, decoding settings, traffic),
 `engine_choice` (EngineChoice, `--set`), `machine`, `attention`, `agreement` (greedy, seeded sampling),
 `model_engine` (the model parts' engine), `breakdown` (device time, graphs, launches, profiler table),

@@ -13,7 +13,7 @@ from bench.models import BenchShape
 from configs import EngineConfig, GenerationConfig
 from engine.core.llm_engine import LLMEngine
 from ops.attention import triton_unmet
-from tools.tiny_checkpoint import DLLM_TEST_LOGIT_SCALE, write_tiny_checkpoint
+from testing.tiny_checkpoint import DLLM_TEST_LOGIT_SCALE, write_tiny_checkpoint
 
 # The backends the seeded_sampling part serves on: flex runs everywhere (compiled where it can, else
 # eager); triton where Triton can launch on the device.

@@ -16,7 +16,7 @@ from engine.model.checkpoint import ModelSpec
 from engine.model.layers.decoder import PreNormDecoderLM
 from engine.model.layers.parallel import TPContext
 from engine.worker import runner as model_runner
-from tools.tiny_checkpoint import write_tiny_checkpoint
+from testing.tiny_checkpoint import write_tiny_checkpoint
 
 TOKENIZER_IDS = 384  # the tiny checkpoints' vocabulary: the byte tokenizer's 324 tokens, rounded up
 

@@ -21,7 +21,7 @@ from bench.models import DLLM_LOGIT_SCALE, BenchShape, mask_id_of, stop_ids_of
 from bench.progress import log
 from bench.workloads import Traffic
 from configs import GenerationConfig
-from tools.tiny_checkpoint import write_tiny_checkpoint
+from testing.tiny_checkpoint import write_tiny_checkpoint
 
 
 def write_sdar(root: Path, shape: BenchShape) -> Path:

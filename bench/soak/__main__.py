@@ -73,7 +73,7 @@ def started_app(s: SoakSettings) -> Iterator[str]:
 
         model, engine = s.model, {"tp": s.tp}
         if model is None:
-            from tools.tiny_checkpoint import DLLM_TEST_LOGIT_SCALE, write_tiny_checkpoint
+            from testing.tiny_checkpoint import DLLM_TEST_LOGIT_SCALE, write_tiny_checkpoint
 
             model = str(write_tiny_checkpoint(Path(tmp) / "sdar", model_type="sdar",
                                               logit_scale=DLLM_TEST_LOGIT_SCALE))

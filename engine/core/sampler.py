@@ -359,19 +359,22 @@ def logprob_values(values: torch.Tensor, chosen: torch.Tensor, k: int, mode: str
 
     `values` are the raw logits (modes raw_*) or the processed logits the sampler drew from (modes
     processed_*); *_logits modes report them as they are, the others their log_softmax. `allowed`
-    (rows, their `allowed_mask`): the top-k of those rows ranks only their allowed ids (the others
-    come back as -inf, which `logprob_entries` drops)."""
+    (rows, their `allowed_mask`): the top-k of those rows ranks only their allowed ids (past a set
+    smaller than k the ids come back as -1, which `logprob_entries` drops)."""
     rows = values.float()
     if mode not in ("raw_logits", "processed_logits"):
         rows = rows.log_softmax(-1)
     chosen_v = rows.gather(1, chosen[:, None])[:, 0]
     if k == 0:
         return chosen_v, None, None
-    ranked = rows
-    if allowed is not None:
-        at, keep = allowed
-        ranked = rows.index_copy(0, at, rows.index_select(0, at).masked_fill(~keep, float("-inf")))
+    if allowed is None:
+        top_v, top_i = rows.topk(k, dim=-1)
+        return chosen_v, top_v, top_i
+    at, keep = allowed
+    ranked = rows.index_copy(0, at, rows.index_select(0, at).masked_fill(~keep, float("-inf")))
     top_v, top_i = ranked.topk(min(k, rows.shape[-1]), dim=-1)
+    outside = ~keep.gather(1, top_i.index_select(0, at))  # a set smaller than k: the rest of its top-k
+    top_i = top_i.index_copy(0, at, top_i.index_select(0, at).masked_fill(outside, -1))
     return chosen_v, top_v, top_i
 
 
@@ -386,7 +389,7 @@ def logprob_entries(chosen: list[int], ks: list[int | None], chosen_v: list[floa
         entry = {chosen[i]: chosen_v[i]}
         if k:
             for v, t in zip(top_v[i][:k], top_i[i][:k]):
-                if v != float("-inf"):  # outside the row's allowed set
+                if t >= 0:  # -1: past the row's allowed set
                     entry.setdefault(t, v)
         out[i] = entry
     return out

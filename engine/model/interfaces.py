@@ -10,7 +10,7 @@ a capability with `hasattr`:
 * `LayerGroupNetwork` (`has_layer_groups = True`): layers in groups with their own K/V geometry and
   attention backend, run as encoder and canvas passes (engine.worker.layer_groups; DiffusionGemma).
 
-`tests/test_network_interfaces.py` checks every registered family against these declarations.
+`tests/engine/test_network_interfaces.py` checks every registered family against these declarations.
 """
 
 from __future__ import annotations

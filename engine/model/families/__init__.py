@@ -2,10 +2,10 @@
 
 A family's package holds its `FAMILY` row (engine.model.family.ModelFamily: paradigm, token shift,
 block length and mask token sources, decoding defaults, config fields, network), its network or its
-configuration of the shared pre-norm decoder (engine.model.layers), and, for the tests and tools,
-its tiny-checkpoint writer (`tiny.py`) and reference implementation (`reference.py`), which are
-imported only by those. Adding a family is one package plus one row in `FAMILIES` below
-(docs/adding-a-family.md).
+configuration of the shared pre-norm decoder (engine.model.layers). Its tiny-checkpoint writer and
+reference implementation live outside the runtime, in the testing kit (testing/tiny/<family>.py,
+testing/references/<family>.py), which nothing here imports. Adding a family is one package plus one
+row in `FAMILIES` below (docs/adding-a-family.md).
 """
 
 from __future__ import annotations

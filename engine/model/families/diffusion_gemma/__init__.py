@@ -3,9 +3,10 @@ layers run as an encoder pass (causal, writes K/V: a prompt, or the commit of a 
 a canvas pass (bidirectional over a canvas, reads the committed K/V without writing) on one set of
 weights. `config` reads config.json, `network` is the layer stack, `attention` its paged attention
 over per-layer-group caches (with the torch reference backend; `flex_attention` the FlexAttention
-one), `kv_layout` the page geometry of the two layer groups; `tiny` and `reference` (tests and tools
-only) write tiny checkpoints with transformers' classes and drive transformers' model pass by pass.
-The canvas length comes from config.json's `canvas_length`."""
+one), `kv_layout` the page geometry of the two layer groups. The testing kit's
+testing/tiny/diffusion_gemma.py and testing/references/diffusion_gemma.py write tiny checkpoints with
+transformers' classes and drive transformers' model pass by pass. The canvas length comes from
+config.json's `canvas_length`."""
 
 from __future__ import annotations
 

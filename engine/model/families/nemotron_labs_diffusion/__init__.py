@@ -6,8 +6,9 @@ block verified by one causal forward).
 The engine serves it with seeded block decoding (engine.core.decoding.seeded_block): per request
 (`dllm_mode`) autoregressively, by block diffusion anchored at the prompt end, or by LinearSpec; every
 K/V it keeps is causal. The block length is the checkpoint's (config.json `block_size`, 32 in the
-release). reference.py holds the release's three loops; lora.py reads the release's LinearSpec draft
-adapter (`linear_spec_lora/`), which the network runs on the rows a forward flags as drafts.
+release). lora.py reads the release's LinearSpec draft adapter (`linear_spec_lora/`), which the network
+runs on the rows a forward flags as drafts; the release's three loops are the testing kit's
+(testing/references/nemotron_labs_diffusion.py).
 """
 
 from __future__ import annotations

@@ -1,0 +1,246 @@
+"""Every bench entry point run at toy size, so none can rot: `python -m bench --toy` as a user types it
+(every part, `bench.memory` among them, its Ray Serve part on a cluster of its own; that part also on
+this session's cluster), `bench.overhead`, `bench.moe`, `bench.weight_sync`, `bench.prefix_routing`, `bench.load`,
+`bench.outputs`, `bench.fused_elementwise`, `bench.diffusion_gemma`.
+bench.gpu_check's CPU-side parts are tests/bench/test_gpu_check.py's, bench.trajectory_scoring's
+tests/engine/test_trajectory_scoring.py's. The figures of a toy run mean nothing; what is checked is that
+each part runs to the end and that its own cross-checks (outputs equal to the baselines') hold."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from bench import load, prefix_routing, weight_sync
+from bench.models import TOY_SHAPE, write_bench_models
+from bench.parts.serve import bench_serve
+from bench.plan import plan
+from tests.support.paths import ROOT
+
+SMOKED_HERE = {"bench", "bench.memory", "bench.overhead", "bench.moe", "bench.weight_sync", "bench.prefix_routing",
+               "bench.load", "bench.outputs", "bench.fused_elementwise", "bench.published_configs",
+               "bench.diffusion_gemma", "bench.step_metadata", "bench.decisions",
+               "bench.nemotron"}
+SMOKED_ELSEWHERE = {"bench.gpu_check": "bench/test_gpu_check.py", "bench.gpu_check.collect": "bench/test_gpu_check.py",
+                    "bench.trajectory_scoring": "engine/test_trajectory_scoring.py",
+                    "bench.fast_dllm": "engine/families/test_fast_dllm.py", "bench.soak": "system/test_soak.py",
+                    "bench.llada2": "testing/test_llada2_diffusers.py"}  # paths under tests/
+
+
+def _run_module(*args: str) -> dict:
+    """`python -m <args>` from the repository root; its stdout's JSON object."""
+    proc = subprocess.run([sys.executable, "-m", *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout)
+
+
+def bench_entry_points() -> set[str]:
+    """Every `python -m` target under bench/: a package with a `__main__.py` (bench itself, and e.g.
+    bench.gpu_check as a package), or a module with a `__main__` guard."""
+    out = set()
+    for f in (ROOT / "bench").rglob("*.py"):
+        parts = f.relative_to(ROOT).with_suffix("").parts
+        if f.stem == "__main__":
+            out.add(".".join(parts[:-1]))
+        elif 'if __name__ == "__main__":' in f.read_text():
+            out.add(".".join(parts))
+    return out
+
+
+def test_every_bench_entry_point_has_a_smoke_test():
+    """A new `python -m bench.X` joins SMOKED_HERE with a test below, or names the file that runs it."""
+    entry_points = bench_entry_points()
+    assert SMOKED_HERE <= entry_points <= SMOKED_HERE | set(SMOKED_ELSEWHERE)
+    for module in entry_points - SMOKED_HERE:
+        test_file = ROOT / "tests" / SMOKED_ELSEWHERE[module]
+        assert module.split(".")[1] in test_file.read_text(), (module, test_file)
+
+
+def test_step_metadata_bench():
+    """What a graphed step uploads is the same at any max_model_len; the padded-table baseline grows."""
+    out = _run_module("bench.step_metadata", "--max-model-len", "1024", "4096", "--repeats", "2")
+    small, large = out["runs"]
+    assert small["uploaded_elements"] == large["uploaded_elements"] > 0
+    assert small["baseline_table_elements"] < large["baseline_table_elements"]
+
+
+@pytest.mark.parametrize("mode", ["full", "quick", "toy"])
+def test_every_plan_fits_its_bench_model(mode):
+    """The engine refuses a sequence longer than max_position_embeddings: no workload may need one."""
+    p = plan(mode)
+    longest = p.shape.max_position_embeddings
+    assert p.memory_tokens <= longest
+    assert p.scoring[1] <= longest
+    assert p.traffic.prompt_len[1] + p.traffic.max_new_tokens[1] + 4 <= longest  # + a DLLM block
+
+
+def test_bench_serve_part(serve_cluster, tmp_path):
+    paths = write_bench_models(tmp_path, TOY_SHAPE)
+    r = bench_serve(paths["sdar"], plan("toy"), base_url=serve_cluster.url)
+    assert r["http"]["errors"] == 0 and r["match_rate"] == 1.0, r
+
+
+@pytest.mark.system  # the bench command as a user types it, in a process of its own
+def test_outputs_dump_and_compare(tmp_path):
+    """Two dumps of the same checkout compare identical (exit 0); a changed token is caught (exit 1)."""
+    ckpt, a, b = tmp_path / "ckpt", tmp_path / "a.json", tmp_path / "b.json"
+    counts = _run_module("bench.outputs", "--toy", "--ckpt", str(ckpt), "--out", str(a))
+    assert counts and all(n == 8 for n in counts.values())
+    _run_module("bench.outputs", "--toy", "--ckpt", str(ckpt), "--out", str(b))
+    report = _run_module("bench.outputs", "--compare", str(a), str(b))
+    assert all(r["identical"] == r["requests"] == 8 and r["max_abs_logprob_diff"] == 0.0 for r in report.values())
+    changed = json.loads(b.read_text())
+    changed["sdar/sequential"][0]["token_ids"][0] += 1
+    b.write_text(json.dumps(changed))
+    proc = subprocess.run([sys.executable, "-m", "bench.outputs", "--compare", str(a), str(b)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and json.loads(proc.stdout)["sdar/sequential"]["identical"] == 7
+
+
+@pytest.mark.system  # the bench command as a user types it, in a process of its own
+def test_overhead():
+    # 160 > 4 * CALLS_AT: the long run also takes its profiled call counts
+    r = _run_module("bench.overhead", "--short", "8", "--long", "160", "--concurrency", "2")
+    for paradigm in ("block_diffusion", "ar"):
+        assert set(r[paradigm]["runs"]) == {"8", "160", "8+sweep"}
+        assert r[paradigm]["runs"]["160"]["python_calls_per_seq_step_at_step"]
+        assert r[paradigm]["ratio_long_vs_short"] > 0
+
+
+PARADIGM_FIGURES = {"family", "rule", "layers", "tokens", "steps", "full_batch_steps", "generated_tokens",
+                    "overhead_us_per_seq_step", "overhead_us_per_seq_step_all_steps", "python_calls_per_seq_step",
+                    "profiled_steps", "forward_cpu_ms_per_step"}
+
+
+@pytest.mark.system  # the bench command as a user types it, in a process of its own
+def test_overhead_paradigms():
+    """`--paradigms` at toy size: a prefix in `--only` picks every rule under it, and the whole list
+    (every paradigm and rule, each family's tiny checkpoint) runs to the end with every figure."""
+    r = _run_module("bench.overhead", "--paradigms", "--concurrency", "4", "--tokens", "8", "--profile-steps", "2",
+                    "--only", "block_diffusion,ar")
+    assert r["mode"] == "paradigms" and r["concurrency"] == 4 and r["tokens"] == 8
+    assert list(r["paradigms"]) == [*(f"block_diffusion/{rule}" for rule in (
+        "low_confidence_dynamic", "low_confidence_static", "sequential", "entropy_bounded", "random")), "ar"]
+    r = _run_module("bench.overhead", "--paradigms", "--concurrency", "4", "--tokens", "16", "--profile-steps", "2")
+    assert {"token_editing/joint_threshold", "sub_block/low_confidence_dynamic", "renoising/diffusion_gemma",
+            "ar"} <= set(r["paradigms"])
+    for name, figures in r["paradigms"].items():
+        assert set(figures) == PARADIGM_FIGURES, name
+        assert figures["steps"] >= figures["full_batch_steps"] > 0, (name, figures)
+        assert figures["generated_tokens"] >= 4 * 16, (name, figures)
+        assert figures["python_calls_per_seq_step"] > 0 and figures["overhead_us_per_seq_step"] is not None, name
+
+
+@pytest.mark.system  # the bench command as a user types it, in a process of its own
+def test_fused_elementwise():
+    r = _run_module("bench.fused_elementwise", "--toy")
+    assert not r["fell_back_to_eager"] and set(r["tokens"]) == {"1", "16"}
+    assert all(row["max_abs_diff"] < 1e-5 and row["speedup"] > 0 for row in r["tokens"].values()), r
+
+
+@pytest.mark.system  # the bench command as a user types it, in a process of its own
+def test_moe():
+    r = _run_module("bench.moe", "--toy")
+    assert r["command"] == "python -m bench.moe --toy" and r["outputs_identical_on_hf_sample"], r
+
+
+def test_weight_sync(serve_cluster, tmp_path):
+    """Every update path lands the weights it pushed (measure() compares greedy outputs after each)."""
+    size, seconds = weight_sync.measure(tmp_path, layers=1, repeats=1, shape=weight_sync.TOY_SHAPE)
+    assert size > 0 and set(seconds) == {"disk", "tensor", "broadcast"}
+    assert all(len(runs) == 1 for runs in seconds.values())
+
+
+def test_prefix_routing(serve_cluster, tmp_path):
+    from testing.tiny_checkpoint import write_tiny_checkpoint
+
+    ckpt = write_tiny_checkpoint(tmp_path / "qwen3", model_type="qwen3")
+    jobs = prefix_routing.workload(prompts=2, per_prompt=4, system_tokens=32, seed=0)
+    # the prefix-aware router (ours); Serve's own goes through the same function
+    r = prefix_routing.run_router(serve_cluster.url, ckpt, "prefix_aware", jobs, concurrency=4, max_tokens=2,
+                                  replicas=2)
+    assert r["failed"] == 0 and r["requests"] == 8 and r["prefix_hit_tokens"] > 0, r
+
+
+def test_load_against_running_apps(served_apps, capsys):
+    argv = ["-n", "8", "--sdar-url", served_apps["sdar"].url, "--qwen3-url", served_apps["qwen3"].url]
+    assert load.main(argv) == 0
+    assert json.loads(capsys.readouterr().out)["ok"] == 8
+
+
+def test_published_configs_loader(dllm_ckpt):
+    """bench.published_configs' measuring part, on the tiny checkpoint (the releases take minutes)."""
+    from bench.published_configs import load_once
+
+    figures = load_once(dllm_ckpt, "bfloat16")
+    assert figures["tokens"] == 8 and figures["load_s"] > 0 and figures["peak_rss_gb"] > 0
+
+
+def _work_tree_state() -> tuple[list[str], bytes]:
+    """Where a bench could write in the work tree (docs/, bench/, models/, the root): its `git status`, and
+    docs/benchmarks.md itself (already modified or not)."""
+    status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all", "--", "docs", "bench", "models",
+                             ":(glob)*"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.splitlines()
+    return status, (ROOT / "docs" / "benchmarks.md").read_bytes()
+
+
+@pytest.mark.system  # its own Ray Serve cluster, in a process of its own
+def test_bench_toy_as_typed_from_the_repository_root_prints_and_leaves_the_tree_clean(tmp_path):
+    """`python -m bench --toy` as a user types it from the repository root (every part, its own Ray Serve
+    cluster on loopback included), with `--docs FILE`: exit 0, the JSON on stdout, the results appended
+    to FILE, and not a file of the work tree changed (only `--record` writes docs/benchmarks.md)."""
+    before = _work_tree_state()
+    docs = tmp_path / "benchmarks.md"
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_ADDRESS")}
+    proc = subprocess.run([sys.executable, "-m", "bench", "--toy", "--docs", str(docs)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=900, env={**env, "RAY_AUTH_MODE": "disabled"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r = json.loads(proc.stdout)
+    assert r["mode"] == "toy" and {"memory", "dllm", "ar", "scoring", "serve", "moe"} <= set(r)
+    assert r["memory"]["rows_agree"]
+    assert r["dllm"]["baseline"]["match_rate"] == 1.0
+    assert all(w["baseline"]["match_rate"] == 1.0 for w in r["ar"]["workloads"].values())
+    assert r["scoring"]["max_abs_diff_vs_hf"] < 1e-4
+    assert r["moe"]["outputs_identical_on_hf_sample"]
+    assert r["serve"]["http"]["errors"] == 0 and r["serve"]["match_rate"] == 1.0, r["serve"]
+    assert "`python -m bench --toy`" in docs.read_text()
+    assert _work_tree_state() == before
+
+
+def test_diffusion_gemma_bench_toy():
+    """The canvas loop against transformers' generate() at toy size: every seeded request identical."""
+    pytest.importorskip("transformers.models.diffusion_gemma")
+    r = _run_module("bench.diffusion_gemma", "--requests", "2", "--max-new-tokens", "8", "--canvas", "8",
+                    "--steps", "4", "--vocab", "384", "--hidden", "64", "--stop-entropy", "0.8", "--norm-scale", "12")
+    assert r["identical_to_transformers"] == 2
+    assert r["engine"]["concurrent_2_tok_s"] > 0 and r["transformers"]["static_batch_2_tok_s"] > 0
+
+
+def test_diffusion_gemma_memory_bench_toy():
+    """`--memory` at toy size: each side at each level in its own process, every level reported."""
+    pytest.importorskip("transformers.models.diffusion_gemma")
+    r = _run_module("bench.diffusion_gemma", "--memory", "--vocab", "4096", "--levels", "1,2", "--canvas", "16",
+                    "--steps", "2")["memory"]
+    for side in ("engine", "transformers"):
+        for n in ("1", "2"):
+            assert r[side][n]["tokens"] == int(n) * 16 and r[side][n]["peak_rss_gb"] > 0, r[side][n]
+
+
+def test_decisions_bench_toy():
+    """A read answers every question with one forward for the whole batch (one block), its label
+    probabilities summing to 1; the free way takes a forward per denoising step."""
+    r = _run_module("bench.decisions", "--toy", "--questions", "8", "--family", "sdar")["sdar"]
+    assert r["read"]["answers"] == 8 and r["read"]["forwards"] == 1, r
+    assert r["read"]["label_probabilities_sum_to_1"]
+    assert r["free"]["forwards"] > r["read"]["forwards"]
+
+
+def test_nemotron_bench_toy():
+    """Every mode's greedy tokens are the release loop's; linear_spec reports its forwards and acceptance."""
+    r = _run_module("bench.nemotron", "--toy", "--requests", "3", "--tokens", "16")["modes"]
+    assert all(m["identical_to_release"] == m["checked"] == 2 for m in r.values()), r
+    assert r["linear_spec"]["mean_accepted"] >= 1 and r["linear_spec"]["nfe_per_token"] > 0

@@ -1,0 +1,89 @@
+"""EngineServer's protocol in-process (no Ray): what the ingress relies on when requests are cancelled
+at any moment (client disconnects)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from configs import GenerationConfig
+from deployments.engine_server import EngineServer
+from deployments.wire import EngineRequest, Rejection
+from engine.carrier import OutputChunk, Response
+from tests.support.ray_env import SERVE_ENGINE
+
+
+def request(i: int, **params) -> EngineRequest:
+    return EngineRequest(prompt="Hello there", params=GenerationConfig(**params).model_dump(), request_id=f"r{i}")
+
+
+def test_cancelling_at_any_point_never_kills_the_engine_or_leaks_pages(tiny_checkpoints):
+    server = EngineServer.func_or_class(str(tiny_checkpoints["sdar"]), SERVE_ENGINE)
+    try:
+        async def main() -> None:
+            free = server.stats().engine.load.kv_pages_free
+            for i in range(48):  # cancel while the add is queued, while it runs, and mid-stream
+                stream = server.generate_stream(request(i, max_new_tokens=200, ignore_eos=True))
+                task = asyncio.ensure_future(stream.__anext__())
+                if i % 3 == 2:
+                    await asyncio.sleep(0.005 * (i % 5))
+                else:
+                    for _ in range(i % 3):
+                        await asyncio.sleep(0)
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                await stream.aclose()
+            for _ in range(200):
+                s = server.stats().engine.load
+                if s.running + s.waiting == 0:
+                    break
+                await asyncio.sleep(0.02)
+            server.check_health()
+            assert (s.running, s.waiting, s.kv_pages_free) == (0, 0, free)
+            (out,) = await server.generate_batch([request(99, max_new_tokens=8)])
+            assert isinstance(out, Response)
+            assert out.finish_reason == "length" and len(out.token_ids) == len(out.step_map) == 8
+
+        asyncio.run(main())
+    finally:
+        server.__del__()
+
+
+def test_refusals_are_rejections_in_the_endpoint_names(tiny_checkpoints):
+    server = EngineServer.func_or_class(str(tiny_checkpoints["qwen3"]), SERVE_ENGINE)
+    try:
+        async def main() -> None:
+            too_long = EngineRequest(prompt="Hi", params=GenerationConfig(max_new_tokens=10**5).model_dump(),
+                                     request_id="a", rename={"max_new_tokens": "max_tokens"})
+            (item,) = await server.generate_batch([too_long])
+            assert isinstance(item, Rejection) and item.status == 400 and item.param == "max_tokens"
+            assert "max_tokens" in item.message and "max_new_tokens" not in item.message
+            items = [i async for i in server.generate_stream(too_long)]
+            assert items == [item]
+            # a request made by hand (a dict of EngineRequest's fields) is answered the same
+            assert [i async for i in server.generate_stream(too_long.model_dump())] == [item]
+
+        asyncio.run(main())
+    finally:
+        server.__del__()
+
+
+def test_a_caller_whose_event_loop_closed_mid_stream_does_not_kill_the_engine(tiny_checkpoints):
+    server = EngineServer.func_or_class(str(tiny_checkpoints["qwen3"]), SERVE_ENGINE)
+    try:
+        async def first_delta(i: int) -> OutputChunk:
+            stream = server.generate_stream(request(i, max_new_tokens=300, ignore_eos=True))
+            return await stream.__anext__()  # left open: asyncio.run closes the loop under it
+
+        for i in range(4):
+            assert asyncio.run(first_delta(i)).finish_reason is None
+        for _ in range(200):
+            s = server.stats().engine.load
+            if s.running + s.waiting == 0:
+                break
+            asyncio.run(asyncio.sleep(0.02))
+        server.check_health()
+        assert s.running + s.waiting == 0 and s.kv_pages_free == s.kv_pages_total
+        (out,) = asyncio.run(server.generate_batch([request(9, max_new_tokens=4)]))
+        assert len(out.token_ids) == 4
+    finally:
+        server.__del__()

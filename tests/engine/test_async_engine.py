@@ -1,0 +1,79 @@
+"""AsyncEngine: the step loop on its thread, asyncio streams, cancellation freeing pages."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engine import EngineConfig, GenerationConfig, Response
+from engine.async_engine import AsyncEngine
+from engine.errors import RequestError
+from testing.tiny_checkpoint import DLLM_TEST_LOGIT_SCALE, write_tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    path = write_tiny_checkpoint(tmp_path_factory.mktemp("sdar"), model_type="sdar",
+                                 logit_scale=DLLM_TEST_LOGIT_SCALE)
+    eng = AsyncEngine(str(path), EngineConfig(max_model_len=256, num_kv_blocks=128, kv_block_size=4))
+    yield eng
+    eng.shutdown()
+
+
+async def _collect(eng: AsyncEngine, prompt, params) -> Response:
+    return Response.from_chunks([c async for c in eng.generate(prompt, params)])
+
+
+def test_concurrent_requests_equal_sequential_ones(engine):
+    params = GenerationConfig(max_new_tokens=12, ignore_eos=True)
+    prompts = [[5 + i, 9, 13 + 2 * i] * (i + 1) for i in range(6)]
+
+    async def main():
+        together = await asyncio.gather(*(_collect(engine, p, params) for p in prompts))
+        alone = [await _collect(engine, p, params) for p in prompts]
+        return together, alone
+
+    together, alone = asyncio.run(main())
+    assert [(r.token_ids, r.step_map) for r in together] == [(r.token_ids, r.step_map) for r in alone]
+
+
+def test_bad_request_raises_before_the_first_chunk_and_engine_keeps_serving(engine):
+    async def main():
+        with pytest.raises(RequestError) as err:
+            await _collect(engine, [10**9], GenerationConfig(max_new_tokens=4))
+        assert err.value.param == "input_ids"
+        return await _collect(engine, [1, 2, 3], GenerationConfig(max_new_tokens=4, ignore_eos=True))
+
+    assert len(asyncio.run(main()).token_ids) == 4
+
+
+def test_cancelled_stream_frees_its_pages(engine):
+    start = engine.stats().load.kv_pages_free
+
+    async def main():
+        stream = engine.generate([1, 2, 3, 4, 5], GenerationConfig(max_new_tokens=200, ignore_eos=True))
+        got = 0
+        async for chunk in stream:
+            got += len(chunk.token_ids)
+            if got >= 4:
+                break
+        await stream.aclose()
+        for _ in range(100):
+            stats = await engine.run(lambda e: (e.kv.num_free_pages, e.has_unfinished()))
+            if stats == (start, False):
+                return stats
+            await asyncio.sleep(0.05)
+        return stats
+
+    assert asyncio.run(main()) == (start, False)
+    engine.check_health()
+
+
+def test_health_check_fails_when_the_loop_is_dead(tmp_path):
+    path = write_tiny_checkpoint(tmp_path / "q", model_type="qwen3")
+    eng = AsyncEngine(str(path), EngineConfig(max_model_len=64, num_kv_blocks=32, kv_block_size=4))
+    eng.check_health()
+    eng.shutdown()
+    with pytest.raises(RuntimeError):
+        eng.check_health()
