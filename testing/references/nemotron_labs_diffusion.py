@@ -135,27 +135,77 @@ def _candidates(logits: torch.Tensor, temperature: float, generator: torch.Gener
     return (logits.exp() / (-torch.log(noise)) ** temperature).argmax(-1)
 
 
+def _masked_to(logits: torch.Tensor, sets: list[list[int] | None]) -> torch.Tensor:
+    """`logits` rows with -inf outside each row's allowed set (None: the row as it is)."""
+    if not any(ids is not None for ids in sets):
+        return logits
+    out = logits.clone()
+    for row, ids in enumerate(sets):
+        if ids is not None:
+            keep = torch.full_like(out[row], -torch.inf)
+            keep[ids] = logits[row, ids]
+            out[row] = keep
+    return out
+
+
 def diffusion_generate(model: PreTrainedModel, prompt: list[int], *, max_new_tokens: int, block_length: int,
                        mask_id: int, eos_ids: set[int], threshold: float | None = None, temperature: float = 0.0,
-                       generator: torch.Generator | None = None) -> LoopResult:
-    """The release's `generate` (`causal_context` on, no think budget)."""
-    if max_new_tokens % block_length:
+                       generator: torch.Generator | None = None, template: list[int | None] | None = None,
+                       allowed: list[int] | dict[int, list[int]] | None = None, read_steps: int | None = None,
+                       label_mass: dict[int, float] | None = None) -> LoopResult:
+    """The release's `generate` (`causal_context` on, no think budget).
+
+    Typed decisions: `template[g]` pins generated index g to an id (None: a slot). A block opens with
+    its pinned positions written -- the seed too, after its draw -- and they are never candidates; the
+    pass quota spreads the block's masks only. `allowed` (one list for every slot, or per generated index;
+    without a template every position is a slot) sets every other logit of a slot's row to -inf before
+    its candidate and confidence are read (the seed's draw too); logprobs stay the raw row's, and
+    `label_mass` (filled when given) gets each slot's raw probability on its set. `read_steps` k: a read
+    of the template -- in the block holding its last slot, the k-th pass reveals every slot still masked
+    and the output is the template's positions (finish "read"); eos ends nothing."""
+    if max_new_tokens % block_length and read_steps is None:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be a multiple of block_length={block_length}")
-    seq, b = list(prompt), block_length
+    tmpl = [None if t in (None, -1, mask_id) else t for t in (template or [])]
+    if read_steps is not None and not template:
+        tmpl = [None] * max_new_tokens
+
+    def set_of(g: int) -> list[int] | None:
+        if tmpl and not (g < len(tmpl) and tmpl[g] is None):
+            return None
+        return allowed.get(g) if isinstance(allowed, dict) else allowed
+
+    def mass(raw: torch.Tensor, g: int) -> None:
+        if label_mass is not None and set_of(g) is not None:
+            label_mass[g] = float(torch.softmax(raw, -1)[set_of(g)].sum())
+
+    seq, b, n = list(prompt), block_length, len(prompt)
+    last_slot = max((g for g, t in enumerate(tmpl) if t is None), default=None)
     row = block_logits(model, seq, len(seq) - 1, bidirectional=False)
-    seed = int(draw(row, temperature, generator)[0])
+    seed = int(draw(_masked_to(row, [set_of(0)]), temperature, generator)[0])
+    mass(row[0], 0)
     step, nfe = 1, 0
     steps: dict[int, int] = {len(seq): 1}
     logprob_of: dict[int, float] = {len(seq): _logprob(row[0], seed)}
-    for block_index in range(max_new_tokens // b):
+    for block_index in range(-(-max_new_tokens // b)):
         start, block = len(seq), [seed] + [mask_id] * (b - 1)
-        quota = transfer_quota(b - 1, b)
+        for j in range(b):
+            pinned = tmpl[start + j - n] if start + j - n < len(tmpl) else None
+            if pinned is not None:
+                block[j] = pinned
+                steps[start + j], logprob_of[start + j] = 0, 0.0
+                if label_mass is not None:
+                    label_mass.pop(start + j - n, None)
+        quota = transfer_quota(sum(t == mask_id for t in block), b)
+        read_here = read_steps is not None and start <= n + last_slot < start + b
         for i in range(b):
             masked = torch.tensor([t == mask_id for t in block])
+            if read_here and not any(masked[j] for j in range(b) if start + j - n < len(tmpl)):
+                return _read_result(seq + block, n, tmpl, steps, logprob_of, nfe)
             if not masked.any():
                 break
             nfe += 1
-            logits = block_logits(model, seq + block, start, bidirectional=True)
+            raw = block_logits(model, seq + block, start, bidirectional=True)
+            logits = _masked_to(raw, [set_of(start + j - n) if masked[j] else None for j in range(b)])
             x0 = torch.where(masked, _candidates(logits, temperature, generator), torch.tensor(block))
             probs = torch.softmax(logits, -1)
             confidence = torch.where(masked, probs.gather(-1, x0[:, None])[:, 0], -torch.inf)
@@ -164,24 +214,42 @@ def diffusion_generate(model: PreTrainedModel, prompt: list[int], *, max_new_tok
             else:
                 ranked = torch.topk(confidence, int(masked.sum())).indices.tolist()
                 chosen = ranked[:1] + [j for j in ranked[1:] if confidence[j] >= threshold]
+            last = read_here and i + 1 == read_steps
+            if last:  # the read's last pass: every slot of the template it still masks
+                chosen = sorted(set(chosen) | {j for j in range(b) if masked[j] and start + j - n < len(tmpl)})
             step += 1
             for j in chosen:
                 block[j] = int(x0[j])
-                if masked[j] and block[j] != mask_id:  # a mask id written back reveals nothing
-                    steps[start + j], logprob_of[start + j] = step, _logprob(logits[j], block[j])
-            if any(t in eos_ids and mask_id not in block[:j] for j, t in enumerate(block)):
+                if masked[j] and (block[j] != mask_id or last):  # a mask id written back reveals nothing
+                    steps[start + j], logprob_of[start + j] = step, _logprob(raw[j], block[j])
+                    mass(raw[j], start + j - n)
+            if last:
+                return _read_result(seq + block, n, tmpl, steps, logprob_of, nfe)
+            if read_steps is None and any(t in eos_ids and mask_id not in block[:j] for j, t in enumerate(block)):
                 break
         seq += block
         nfe += 1
         row = block_logits(model, seq, len(seq) - 1, bidirectional=False)  # the commit
-        seed = int(draw(row, temperature, generator)[0])
-        generated = seq[len(prompt):]
-        if (cut := _cut_at_eos(generated, eos_ids)) is not None:
-            return _result(seq, len(prompt), cut, "stop", steps, logprob_of, nfe)
-        if block_index + 1 < max_new_tokens // b:
+        g = len(seq) - n
+        seed = int(draw(_masked_to(row, [set_of(g)]), temperature, generator)[0])
+        generated = seq[n:]
+        if read_steps is None and (cut := _cut_at_eos(generated, eos_ids)) is not None:
+            return _result(seq, n, cut, "stop", steps, logprob_of, nfe)
+        if block_index + 1 < -(-max_new_tokens // b):
             step += 1
             steps[len(seq)], logprob_of[len(seq)] = step, _logprob(row[0], seed)
-    return _result(seq, len(prompt), max_new_tokens, "length", steps, logprob_of, nfe)
+            mass(row[0], g)
+    return _result(seq, n, max_new_tokens, "length", steps, logprob_of, nfe)
+
+
+def _read_result(tokens: list[int], prompt_len: int, template: list[int | None], steps: dict[int, int],
+                 logprob_of: dict[int, float], nfe: int) -> LoopResult:
+    """A read's output: the template's positions -- the tokens so far and the pinned rest after them."""
+    out = list(tokens)
+    for g in range(len(out) - prompt_len, len(template)):
+        out.append(template[g])
+        steps[prompt_len + g], logprob_of[prompt_len + g] = 0, 0.0
+    return _result(out, prompt_len, len(template), "read", steps, logprob_of, nfe)
 
 
 def _result(seq: list[int], prompt_len: int, length: int, finish_reason: str, steps: dict[int, int],

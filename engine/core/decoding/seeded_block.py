@@ -98,6 +98,11 @@ class SeededState:
     masked: list[int] = field(default_factory=list)  # the open block's positions holding the mask id
     num_masked_at_start: int = 0  # the open block's masks when it opened (the passes' quota spreads them)
     passes: int = 0  # denoising passes of the open block
+    # a read (typed decisions): its passes in the block holding the template's last slot (None: not that
+    # block), where the template ends, and whether its positions are all written
+    read_steps: int | None = None
+    read_end: int = 0
+    read_complete: bool = False
 
     @property
     def end(self) -> int:
@@ -170,11 +175,18 @@ class SeededBlockDecoding(DecodingStrategy):
                                    "unset, or use dllm_mode='ar'", name)
 
     def check_decisions(self, params: GenerationConfig, settings: SeededSettings, decisions: Decisions) -> None:
-        """`ar` requests take templates, allowed sets and reads as an autoregressive model's; `diffusion` and
-        `linear_spec` requests do not yet."""
+        """`ar` requests take templates, allowed sets and reads as an autoregressive model's, `diffusion`
+        requests as a mask-based block's (pins written when their block opens, the seed's too); `linear_spec`
+        requests do not yet."""
         if settings.mode == "ar":
             return self.ar.check_decisions(params, settings, decisions)
-        return super().check_decisions(params, settings, decisions)
+        if settings.mode == "linear_spec":
+            return super().check_decisions(params, settings, decisions)
+        if decisions.last_slot is None and decisions.length >= params.max_new_tokens:
+            raise RequestError("dllm_template pins every output position, which leaves nothing to decode: mark a "
+                               "slot (the mask id, -1 or null) or raise max_new_tokens past the template",
+                               "dllm_template")
+        return None
 
     def start(self, seq: Sequence, settings: SeededSettings) -> None:
         if settings.mode == "ar":
@@ -261,6 +273,8 @@ class SeededBlockDecoding(DecodingStrategy):
                         if seq.out_steps[g] is None:
                             seq.out_steps[g] = seq.out_block_steps[g] = 0
                 final = state.masked[0] if state.masked and not done else state.end
+                if state.read_complete:
+                    final = self._read_tail(seq)
                 if not finalize(seq, written, final - seq.prompt_len) and done:
                     state.seeding, state.start = True, state.end
             except Exception as e:  # noqa: BLE001 - ends this request only
@@ -326,7 +340,7 @@ class SeededBlockDecoding(DecodingStrategy):
         seq.tokens += emitted
         seq.out_steps += [seq.step_counter] * accepted
         seq.out_block_steps += [state.passes + 2] * accepted  # as a pass's: the drafts, then the verify
-        seq.out_logprobs += self._logprobs(seq, logits, list(range(accepted)), emitted)
+        seq.out_logprobs += self._logprobs(seq, logits, logits, list(range(accepted)), emitted)
         seq.num_computed = start + accepted  # the seed and the accepted drafts were fed as themselves
         self._open_draft(seq, start + accepted)
         return list(range(g, g + accepted))
@@ -344,7 +358,10 @@ class SeededBlockDecoding(DecodingStrategy):
     def _seed(self, seq: Sequence, rows: PickedRows) -> list[int]:
         """Open the block with the seed drawn from the causal row before it."""
         state, b = seq.state, self.block_length
-        logits = rows.logits.float()
+        raw = rows.logits.float()
+        decisions, g = seq.decisions, state.start - seq.prompt_len
+        allowed = decisions.allowed(g) if decisions is not None and decisions.has_sets else None
+        logits = _within(raw, [allowed])
         if state.temperature:
             probs = torch.softmax(logits / state.temperature, -1).to(state.generator.device)
             seed = int(torch.multinomial(probs, 1, generator=state.generator)[0, 0])
@@ -359,16 +376,55 @@ class SeededBlockDecoding(DecodingStrategy):
         state.seeding, state.passes = False, 0
         state.masked = [state.start + i for i, token in enumerate(block) if token == self.mask_id]
         state.num_masked_at_start = len(state.masked)
-        g = state.start - seq.prompt_len  # the seed's step is recorded even when it is the mask id, as the release does
+        # the seed's step is recorded even when it is the mask id, as the release does
         seq.out_steps[g], seq.out_block_steps[g] = seq.step_counter, 1
-        seq.out_logprobs[g] = self._logprobs(seq, logits, [0], [seed])[0]
+        seq.out_logprobs[g] = self._logprobs(seq, logits, raw, [0], [seed])[0]
+        if allowed is not None:
+            decisions.label_mass[g] = _mass(raw[0], allowed)
+        if decisions is not None and decisions.template:
+            return self._pin(seq, decisions, g)
         return [g]
+
+    def _pin(self, seq: Sequence, decisions: Decisions, g: int) -> list[int]:
+        """Write the template's pinned ids into the block just opened (its seed's too: drawn, then pinned),
+        as revealed at step 0; mark a read's last block. Returns the generated indices the seed wrote."""
+        state, base = seq.state, seq.prompt_len
+        want_logprobs = seq.params.logprobs is not None
+        pinned = [j for j in range(self.block_length) if decisions.pinned(g + j) is not None]
+        for j in pinned:
+            token = decisions.pinned(g + j)
+            seq.tokens[state.start + j] = token
+            seq.out_steps[g + j], seq.out_block_steps[g + j] = 0, 0
+            seq.out_logprobs[g + j] = {token: 0.0} if want_logprobs else None
+            decisions.label_mass.pop(g + j, None)
+        state.masked = [p for p in state.masked if seq.tokens[p] == self.mask_id]
+        state.num_masked_at_start = len(state.masked)
+        last = decisions.last_slot
+        if decisions.read_steps is not None and last is not None and g <= last < g + self.block_length:
+            state.read_steps, state.read_end = decisions.read_steps, base + decisions.length
+            state.read_complete = not any(p < state.read_end for p in state.masked)
+        return [] if 0 in pinned else [g]
+
+    def _read_tail(self, seq: Sequence) -> int:
+        """A read whose template positions are written: its pinned rest after the block (no forward needed);
+        the position where the template ends."""
+        decisions, base, end = seq.decisions, seq.prompt_len, seq.state.read_end
+        for g in range(len(seq.tokens) - base, decisions.length):
+            token = decisions.pinned(g)
+            seq.tokens.append(token)
+            seq.out_steps.append(0)
+            seq.out_block_steps.append(0)
+            seq.out_logprobs.append({token: 0.0} if seq.params.logprobs is not None else None)
+        return end
 
     def _denoise(self, seq: Sequence, rows: PickedRows) -> list[int]:
         """One denoising pass over the block: the release's transfer rule on the masked positions' rows."""
         state, b = seq.state, self.block_length
-        logits = rows.logits.float()  # one row per masked position, in order
+        raw = rows.logits.float()  # one row per masked position, in order
+        decisions, base = seq.decisions, state.start - seq.prompt_len
         offsets = [p - state.start for p in state.masked]
+        sets = [decisions.allowed(base + j) for j in offsets] if decisions is not None and decisions.has_sets else []
+        logits = _within(raw, sets)
         candidates = self._candidates(logits, offsets, state)
         confidence = torch.full((b,), -torch.inf, device=logits.device)
         confidence[offsets] = torch.softmax(logits, -1).gather(-1, candidates[:, None])[:, 0]
@@ -382,18 +438,26 @@ class SeededBlockDecoding(DecodingStrategy):
             chosen = ranked[:1] + [j for j in ranked[1:] if sure[j]]
         state.passes += 1
         seq.step_counter += 1
+        last = state.read_steps is not None and state.passes == state.read_steps  # a read's last pass
+        if last:  # every slot of the template it still masks, the mask id too
+            chosen = sorted(set(chosen) | {j for j in offsets if state.start + j < state.read_end})
         row_of = {j: i for i, j in enumerate(offsets)}
         picks = candidates.tolist()
-        revealed = sorted(j for j in chosen if picks[row_of[j]] != self.mask_id)  # a mask id written back: none
+        # a mask id written back reveals nothing (but on a read's last pass)
+        revealed = sorted(j for j in chosen if picks[row_of[j]] != self.mask_id or last)
         tokens = [picks[row_of[j]] for j in revealed]
-        entries = self._logprobs(seq, logits, [row_of[j] for j in revealed], tokens)
-        base = state.start - seq.prompt_len
+        rows_of = [row_of[j] for j in revealed]
+        entries = self._logprobs(seq, logits, raw, rows_of, tokens)
         for j, token, entry in zip(revealed, tokens, entries, strict=True):
             seq.tokens[state.start + j] = token
             seq.out_steps[base + j], seq.out_block_steps[base + j] = seq.step_counter, state.passes + 1
             seq.out_logprobs[base + j] = entry
+            if sets and sets[row_of[j]] is not None:
+                decisions.label_mass[base + j] = _mass(raw[row_of[j]], sets[row_of[j]])
         done = {state.start + j for j in revealed}
         state.masked = [p for p in state.masked if p not in done]
+        if state.read_steps is not None:
+            state.read_complete = last or not any(p < state.read_end for p in state.masked)
         return [base + j for j in revealed]
 
     def _candidates(self, logits: torch.Tensor, offsets: list[int], state: SeededState) -> torch.Tensor:
@@ -405,10 +469,28 @@ class SeededBlockDecoding(DecodingStrategy):
                            device=state.generator.device)[offsets].to(logits.device)
         return (logits.double().exp() / (-torch.log(noise)) ** state.temperature).argmax(-1)
 
-    def _logprobs(self, seq: Sequence, logits: torch.Tensor, rows: list[int], tokens: list[int]) -> list[dict | None]:
-        """The logprob entries of `tokens` in `rows` of the raw logits (processed modes: over the logits at
-        the request's temperature, the distribution its tokens are drawn from)."""
-        temperature = seq.state.temperature
-        if temperature and self.logprobs_mode in ("processed_logprobs", "processed_logits"):
-            logits = logits / temperature
+    def _logprobs(self, seq: Sequence, processed: torch.Tensor, raw: torch.Tensor, rows: list[int], tokens: list[int]
+                  ) -> list[dict | None]:
+        """The logprob entries of `tokens` in `rows` of the raw logits (processed modes: of `processed`, the
+        rows within their allowed sets, at the request's temperature: the distribution its tokens are
+        drawn from)."""
+        logits = raw
+        if self.logprobs_mode in ("processed_logprobs", "processed_logits"):
+            temperature = seq.state.temperature
+            logits = processed / temperature if temperature else processed
         return token_logprobs(logits, rows, tokens, seq.params.logprobs, self.logprobs_mode)
+
+
+def _within(logits: torch.Tensor, sets: list[list[int] | None]) -> torch.Tensor:
+    """`logits` with every id outside each row's allowed set at -inf (a row without one, or no sets: as is)."""
+    if not any(ids is not None for ids in sets):
+        return logits
+    keep = torch.zeros_like(logits, dtype=torch.bool)
+    for row, ids in enumerate(sets):
+        keep[row, ids if ids is not None else slice(None)] = True
+    return logits.masked_fill(~keep, -torch.inf)
+
+
+def _mass(raw: torch.Tensor, ids: list[int]) -> float:
+    """The raw (temperature-1) probability an allowed set holds in a row."""
+    return float(torch.softmax(raw, -1)[ids].sum())
