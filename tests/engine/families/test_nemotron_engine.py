@@ -163,9 +163,10 @@ def test_an_ar_mode_read_scores_each_slot_as_the_causal_model_does(pipe, model):
         assert abs(out.label_mass[g] - float(row[labels].exp().sum())) < 1e-4
 
 
-def test_diffusion_mode_refuses_typed_decisions_by_name(pipe):
+def test_linear_spec_refuses_typed_decisions_by_name(pipe):
     with pytest.raises(RequestError) as err:
-        pipe.engine.add_request(make_prompt(3), GenerationConfig(max_new_tokens=8, dllm_template=[-1, 7]))
+        pipe.engine.add_request(make_prompt(3), GenerationConfig(max_new_tokens=8, dllm_template=[-1, 7],
+                                                                 dllm_mode="linear_spec"))
     assert err.value.param == "dllm_template" and "dllm_mode='ar'" in str(err.value)
 
 
@@ -366,3 +367,45 @@ def test_sglang_algorithm_flags_choose_the_engine_mode(algorithm, mode):
     engine = app_args(build_parser().parse_args(["serve", "ckpt", "--dllm-algorithm", algorithm]))["engine"]
     assert engine == {"dllm_mode": mode}
     assert EngineConfig(**engine).dllm_mode == mode
+
+
+# ---- typed decisions in diffusion mode ---------------------------------------------------------------
+DECISION_CASES = [  # (template, allowed sets, read steps, threshold)
+    ([None, 40, 41, None, None, 42, None, None, None, 43, 44, 45, 46, 47, 48, 49, 50, None], None, None, None),
+    ([41, None, None, 42], [5, 9, 17, 33], None, 0.9),  # the first block's seed pinned
+    ([None, 40, None, None, *range(50, 62)], {0: [5, 9], 3: [7, 8, 9]}, 1, None),  # pinned blocks after the read's
+    ([None, 40, None, None, None, None, 45, None, None, 50, None], [5, 9, 17, 33, 40, 45, 50], 2, 0.5),
+    (None, [5, 9, 17], None, None),  # every position a slot
+]
+
+
+def decided(model, ids, prompt, case, temperature=0.0, seed=None) -> tuple[ref.LoopResult, dict[int, float]]:
+    template, allowed, read, threshold = case
+    mass: dict[int, float] = {}
+    want = ref.diffusion_generate(model, prompt, max_new_tokens=24, block_length=ids["block"], mask_id=ids["mask_id"],
+                                  eos_ids=set(), threshold=threshold, temperature=temperature,
+                                  generator=None if seed is None else torch.Generator().manual_seed(seed),
+                                  template=template, allowed=allowed, read_steps=read, label_mass=mass)
+    return want, mass
+
+
+def test_diffusion_mode_decisions_are_the_release_loop_with_the_block_prefilled(pipe, model, ids):
+    """Pins written when their block opens (a pinned seed after its draw), slots within their sets, reads
+    (k = 1, 2) ending at the template: tokens, step maps, logprobs and label mass are the loop's, greedy and
+    seeded, every case in one batch."""
+    prompts, configs, wants = [], [], []
+    for i, case in enumerate(DECISION_CASES):
+        template, allowed, read, threshold = case
+        for temperature, seed in ((0.0, None), (0.8, 3)):
+            prompts.append(make_prompt(7 + i))
+            sampled = {"do_sample": True, "temperature": temperature, "random_seed": seed} if temperature else {}
+            configs.append(gen(threshold, max_new_tokens=24, dllm_template=template, dllm_allowed_token_ids=allowed,
+                               dllm_read_only=read is not None or None, dllm_max_steps=read, **sampled))
+            wants.append(decided(model, ids, prompts[-1], case, temperature, seed))
+    for out, (want, mass), config in zip(pipe(prompts, configs), wants, configs, strict=True):
+        assert_same(out, want)
+        if config.dllm_allowed_token_ids is None:
+            assert out.label_mass is None and not mass
+            continue
+        got = {g: m for g, m in enumerate(out.label_mass) if m is not None}
+        assert got.keys() == mass.keys() and all(abs(got[g] - mass[g]) < TOL for g in mass)
