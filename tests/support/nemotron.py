@@ -1,16 +1,20 @@
 """What the Nemotron-Labs-Diffusion tests share (the engine's, the LoRA draft adapter's and the served
-ones'): the tiny checkpoint's settings, seeded prompts, the release's diffusion and LinearSpec loops
+ones'): the tiny checkpoint and its fixtures (`ckpt`, `model`, `ids`: a module imports the ones it
+uses), its settings, seeded prompts, the release's diffusion and LinearSpec loops
 (testing/references/nemotron_labs_diffusion.py) run as the engine is asked to, and a response compared
 with theirs."""
 
 from __future__ import annotations
 
+import json
 import math
 
+import pytest
 import torch
 
 from engine import GenerationConfig
 from testing.references import nemotron_labs_diffusion as ref
+from testing.tiny.nemotron_labs_diffusion import load_ministral3, write_tiny_nemotron_labs_diffusion
 
 NEW_TOKENS = 32  # four blocks of the tiny checkpoint's 8
 LOGIT_SCALE = 8.0  # some denoising confidences pass 0.5 and 0.9: several reveals per step
@@ -55,3 +59,21 @@ def assert_speculated(out, want: ref.LoopResult) -> None:
     """`assert_same`, and the release's forward count and each verify's accepted tokens."""
     assert_same(out, want)
     assert out.nfe == want.nfe and out.acceptance_lengths == want.acceptance
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return write_tiny_nemotron_labs_diffusion(tmp_path_factory.mktemp("nld"), seed=5, logit_scale=LOGIT_SCALE)
+
+
+@pytest.fixture(scope="module")
+def model(ckpt):
+    """The checkpoint as transformers' Ministral-3, which the release's loops run."""
+    return load_ministral3(ckpt)
+
+
+@pytest.fixture(scope="module")
+def ids(ckpt) -> dict:
+    """The checkpoint's mask and eos ids and block length."""
+    cfg = json.loads((ckpt / "config.json").read_text())
+    return {"mask_id": cfg["mask_token_id"], "eos": cfg["eos_token_id"], "block": cfg["block_size"]}

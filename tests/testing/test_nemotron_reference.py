@@ -6,34 +6,15 @@ threshold rule."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
 from engine import EngineConfig, GenerationConfig, pipeline
 from testing.references import nemotron_labs_diffusion as ref
-from testing.tiny.nemotron_labs_diffusion import load_ministral3, write_tiny_nemotron_labs_diffusion
+from tests.support import nemotron
 
 NEW_TOKENS = 32
-# large enough that some denoising confidences pass 0.5 and 0.9 (several reveals per step)
-LOGIT_SCALE = 8.0
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return write_tiny_nemotron_labs_diffusion(tmp_path_factory.mktemp("nld"), seed=5, logit_scale=LOGIT_SCALE)
-
-
-@pytest.fixture(scope="module")
-def model(ckpt):
-    return load_ministral3(ckpt)
-
-
-@pytest.fixture(scope="module")
-def ids(ckpt) -> dict:
-    cfg = json.loads((ckpt / "config.json").read_text())
-    return {"mask_id": cfg["mask_token_id"], "eos": cfg["eos_token_id"], "block": cfg["block_size"]}
+ckpt, model, ids = nemotron.ckpt, nemotron.model, nemotron.ids  # the tiny checkpoint's fixtures
 
 
 def make_prompt(length: int) -> list[int]:

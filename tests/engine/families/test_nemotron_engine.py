@@ -12,7 +12,6 @@ as the autoregressive loop does, with no step map. Bad modes are refused naming 
 
 from __future__ import annotations
 
-import json
 import math
 from collections import Counter
 
@@ -27,6 +26,7 @@ from engine.carrier import Response
 from engine.errors import RequestError
 from testing.references import nemotron_labs_diffusion as ref
 from testing.tiny.nemotron_labs_diffusion import load_ministral3, write_tiny_nemotron_labs_diffusion
+from tests.support import nemotron
 from tests.support.nemotron import (
     LOGIT_SCALE,
     NEW_TOKENS,
@@ -39,24 +39,9 @@ from tests.support.nemotron import (
     speculation,
 )
 
+ckpt, model, ids = nemotron.ckpt, nemotron.model, nemotron.ids  # the tiny checkpoint's fixtures
 LENGTHS = (1, 7, 40)  # blocks start at the prompt end: 1, 7, 40 -- none a multiple of the block
 THRESHOLDS = (None, 0.9, 0.5)
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return write_tiny_nemotron_labs_diffusion(tmp_path_factory.mktemp("nld"), seed=5, logit_scale=LOGIT_SCALE)
-
-
-@pytest.fixture(scope="module")
-def model(ckpt):
-    return load_ministral3(ckpt)
-
-
-@pytest.fixture(scope="module")
-def ids(ckpt) -> dict:
-    cfg = json.loads((ckpt / "config.json").read_text())
-    return {"mask_id": cfg["mask_token_id"], "block": cfg["block_size"]}
 
 
 @pytest.fixture(scope="module")

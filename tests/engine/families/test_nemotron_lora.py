@@ -29,8 +29,10 @@ from testing.tiny.nemotron_labs_diffusion import (
     write_tiny_linear_spec_lora,
     write_tiny_nemotron_labs_diffusion,
 )
+from tests.support import nemotron
 from tests.support.nemotron import LOGIT_SCALE, NEW_TOKENS, assert_speculated, gen, make_prompt, speculation
 
+ids = nemotron.ids  # the checkpoint's ids (of this module's own ckpt, which carries the adapter)
 CONFIG = EngineConfig(max_model_len=128, kv_block_size=8, logprobs_mode="raw_logprobs")
 
 
@@ -49,12 +51,6 @@ def ckpt(tmp_path_factory):
 @pytest.fixture(scope="module")
 def plain(ckpt):
     return load_ministral3(ckpt)
-
-
-@pytest.fixture(scope="module")
-def ids(ckpt) -> dict:
-    cfg = json.loads((ckpt / "config.json").read_text())
-    return {"mask_id": cfg["mask_token_id"], "block": cfg["block_size"]}
 
 
 @pytest.fixture(scope="module")
