@@ -130,10 +130,15 @@ class GenerationConfig(DllmOverrides, DecisionFields):
         return bool(self.dllm_read_only)
 
     @property
+    def decision_field(self) -> str | None:
+        """The first typed-decision field the request sets (`dllm_read_only=false` sets none), for a
+        refusal to name; None: it sets none."""
+        return next((f for f in DecisionFields.model_fields if getattr(self, f) not in (None, False)), None)
+
+    @property
     def has_decisions(self) -> bool:
         """Whether the request sets any typed-decision field (template, allowed sets, read)."""
-        return (self.dllm_template is not None or self.dllm_allowed_token_ids is not None or self.is_read
-                or self.dllm_max_steps is not None)
+        return self.decision_field is not None
 
     def samples(self) -> list[GenerationConfig]:
         """The `n` samples of a request as n single-sample configs: sample i is seeded

@@ -24,9 +24,13 @@ positions inside the template); `read_params` is the generation settings a read 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from configs import GenerationConfig
 from engine.errors import RequestError
+
+if TYPE_CHECKING:
+    from engine.core.sequence import Sequence
 
 SLOT_MARKERS = (None, -1)  # besides the model's mask id
 
@@ -69,6 +73,19 @@ class Decisions:
             return self.per_slot[g]
         return self.every
 
+    def note_mass(self, g: int, mass: float) -> None:
+        """Record generated index g's label mass (a NaN, the sampler's mark of a row without a set: none)."""
+        if mass == mass:
+            self.label_mass[g] = mass
+
+    def check_leaves_a_slot(self, max_new_tokens: int) -> None:
+        """RequestError when the template pins every output position (a mask-based paradigm would have
+        nothing to decode)."""
+        if self.last_slot is None and self.length >= max_new_tokens:
+            raise RequestError("dllm_template pins every output position, which leaves nothing to decode: mark a "
+                               "slot (the mask id, -1 or null) or raise max_new_tokens past the template",
+                               "dllm_template")
+
     @property
     def last_slot(self) -> int | None:
         """The generated index of the template's last slot (None: no slot)."""
@@ -85,8 +102,7 @@ class Decisions:
         if not params.has_decisions:
             return None
         if params.dllm_trajectory is not None:
-            field = next(f for f in ("dllm_template", "dllm_allowed_token_ids", "dllm_read_only", "dllm_max_steps")
-                         if getattr(params, f) is not None)
+            field = params.decision_field
             raise RequestError(f"{field} does not apply to a dllm_trajectory request: it scores a rollout's own "
                                "tokens and decodes nothing; leave it unset", field)
         raw, limit = params.dllm_template, params.max_new_tokens
@@ -125,6 +141,14 @@ class Decisions:
             raise RequestError("dllm_template has no slot, and a read (dllm_read_only) reads the template's slots: "
                                "mark the positions to read with the mask id, -1 or null", "dllm_template")
         return decisions
+
+
+def write_pinned(seq: Sequence, g: int, token: int) -> None:
+    """Write `token` at generated index g as the template pins it: revealed at step 0 (block step 0),
+    its logprob entry 0 -- the request chose it, not the model -- when logprobs are asked."""
+    seq.tokens[seq.prompt_len + g] = token
+    seq.out_steps[g] = seq.out_block_steps[g] = 0
+    seq.out_logprobs[g] = {token: 0.0} if seq.params.logprobs is not None else None
 
 
 def read_params(params: GenerationConfig, decisions: Decisions) -> GenerationConfig:

@@ -153,6 +153,20 @@ def allowed_mask(rows: list[int], sets: list[list[int]], vocab: int, device: tor
     return torch.tensor(rows, dtype=torch.long).to(device), keep.to(device)
 
 
+def within_allowed(x: torch.Tensor, allowed: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """`x` with every id outside each allowed row's set at -inf (`allowed`: the rows and their
+    `allowed_mask`; None: `x` as it is). A copy: `x` itself is left alone."""
+    if allowed is None:
+        return x
+    rows, keep = allowed
+    return x.index_copy(0, rows, x.index_select(0, rows).masked_fill(~keep, float("-inf")))
+
+
+def allowed_mass(raw: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """Per row of raw logits, the temperature-1 probability its allowed set (`keep`) holds."""
+    return (raw.float().softmax(-1) * keep).sum(-1)
+
+
 def pick_tokens(logits: torch.Tensor, groups: list[tuple[int, int, RowGroup]], need_confidence: bool = True,
                 overwrite: bool = False, keep_processed: bool = False) -> Picked:
     """Candidates, confidences (and entropies / processed logits on request) for every row, as tensors
@@ -294,10 +308,10 @@ def _pick_batch(logits: torch.Tensor, groups: list[tuple[int, int, RowGroup]], w
     if want_mass:
         mass = torch.full((n,), float("nan"), device=device)
         if b.allowed_rows:  # the set's raw (temperature-1) mass, then every other id of the row to -inf
-            rows_a, keep = allowed_mask(b.allowed_rows, b.allowed_sets, vocab, device)
+            rows_a, keep = allowed = allowed_mask(b.allowed_rows, b.allowed_sets, vocab, device)
             raw = logits.index_select(0, rows_a if in_order else rows_i.index_select(0, rows_a))
-            mass.index_copy_(0, rows_a, (raw.softmax(-1) * keep).sum(-1))
-            x.index_copy_(0, rows_a, x.index_select(0, rows_a).masked_fill(~keep, float("-inf")))
+            mass.index_copy_(0, rows_a, allowed_mass(raw, keep))
+            x = within_allowed(x, allowed)
     every_row = n_s == n
     if sampled:
         xs = x if every_row else x.index_select(0, sampled_i)
@@ -371,7 +385,7 @@ def logprob_values(values: torch.Tensor, chosen: torch.Tensor, k: int, mode: str
         top_v, top_i = rows.topk(k, dim=-1)
         return chosen_v, top_v, top_i
     at, keep = allowed
-    ranked = rows.index_copy(0, at, rows.index_select(0, at).masked_fill(~keep, float("-inf")))
+    ranked = within_allowed(rows, allowed)
     top_v, top_i = ranked.topk(min(k, rows.shape[-1]), dim=-1)
     outside = ~keep.gather(1, top_i.index_select(0, at))  # a set smaller than k: the rest of its top-k
     top_i = top_i.index_copy(0, at, top_i.index_select(0, at).masked_fill(outside, -1))

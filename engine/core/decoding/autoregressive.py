@@ -96,6 +96,6 @@ class AutoregressiveDecoding(DecodingStrategy):
         pinned = decisions.pinned(g)
         if pinned is not None:
             return pinned, rows.logprob_of([0], [pinned])[0] if rows.logprob_of is not None else None
-        if rows.label_mass is not None and rows.label_mass[0] == rows.label_mass[0]:  # NaN: no set
-            decisions.label_mass[g] = rows.label_mass[0]
+        if rows.label_mass is not None:
+            decisions.note_mass(g, rows.label_mass[0])
         return token, entry

@@ -130,8 +130,7 @@ class DecodingStrategy(ABC):
     def check_decisions(self, params: GenerationConfig, settings: Any, decisions: Decisions) -> None:
         """Raise RequestError naming the field when this paradigm cannot honour the request's typed
         decisions (`engine.core.decisions`: a template, allowed sets, a read); by default it honours none."""
-        field = next(f for f in ("dllm_template", "dllm_allowed_token_ids", "dllm_read_only", "dllm_max_steps")
-                     if getattr(params, f) is not None)
+        field = params.decision_field
         raise RequestError(f"{field}: typed decisions (templates, allowed sets, reads) are not served for "
                            f"{self.paradigm} decoding yet; leave it unset" + self.decisions_hint, field)
 

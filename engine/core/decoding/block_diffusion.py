@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from configs import EngineConfig, GenerationConfig
 from engine.carrier import StepEvent
-from engine.core.decisions import Decisions
+from engine.core.decisions import Decisions, write_pinned
 from engine.core.decoding.base import DecodingStrategy, Finalize, PickedRows
 from engine.core.decoding.block_state import BlockState
 from engine.core.decoding.indel import special_ids
@@ -83,15 +83,11 @@ class BlockDiffusionDecoding(DecodingStrategy):
         """Every reveal rule and joint_threshold honour templates, allowed sets and reads;
         joint_threshold_indel's deletes and inserts move positions, which a pinned position must not."""
         if RULES[settings.strategy].moves_tokens:
-            field = "dllm_template" if params.dllm_template is not None else (
-                "dllm_allowed_token_ids" if params.dllm_allowed_token_ids is not None else "dllm_read_only")
+            field = params.decision_field
             raise RequestError(f"{field}: typed decisions are not served with dllm_unmasking_strategy="
                                f"{settings.strategy!r}, whose deletes and inserts move positions (and it reads "
                                "the raw logits itself); use joint_threshold or a reveal rule", field)
-        if decisions.last_slot is None and decisions.length >= params.max_new_tokens:
-            raise RequestError("dllm_template pins every output position, which leaves nothing to decode: mark a "
-                               "slot (the mask id, -1 or null) or raise max_new_tokens past the template",
-                               "dllm_template")
+        decisions.check_leaves_a_slot(params.max_new_tokens)
 
     def decoding_params(self, params: GenerationConfig, settings: UnmaskingSettings) -> GenerationConfig:
         return RULES[settings.strategy].decoding_params(params)
@@ -209,12 +205,10 @@ def pin(seq: Sequence, block: BlockState, decisions: Decisions) -> bool:
     base, template = seq.prompt_len, decisions.template
     g0, g1 = block.masked[0] - base, min(block.end - base, len(template))
     pinned = [g for g in range(g0, g1) if template[g] is not None]
-    want_logprobs, floor = seq.params.logprobs is not None, seq.params.min_new_tokens
+    floor = seq.params.min_new_tokens
     for g in pinned:
         token = template[g]
-        seq.tokens[base + g] = token
-        seq.out_steps[g], seq.out_block_steps[g] = 0, 0
-        seq.out_logprobs[g] = {token: 0.0} if want_logprobs else None
+        write_pinned(seq, g, token)
         if token in seq.stop_ids and floor <= g < seq.stop_bound:
             seq.stop_bound = g + 1
     if pinned and seq.params.repetition_penalty != 1.0:  # the only reader of the tokens seen

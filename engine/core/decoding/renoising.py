@@ -43,10 +43,9 @@ import torch
 
 from configs import EngineConfig, GenerationConfig
 from configs.knobs import Paradigm, settings_of
-from engine.core.sampler import logprob_entries, logprob_values
+from engine.core.sampler import allowed_mass, logprob_entries, logprob_values, within_allowed
 
 STABLE, MAX_STEPS = "stable", "max_steps"
-NEG_INF = float("-inf")
 
 
 @settings_of(Paradigm.RENOISING)
@@ -133,14 +132,6 @@ class CanvasDecisions:
         return self.set_rows, keep.scatter_(1, self.set_ids, True)
 
 
-def within_sets(logits: torch.Tensor, sets: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-    """`logits` [L, V] with every id outside each set row's allowed ids at -inf (`sets`: `set_mask`)."""
-    if sets is None:
-        return logits
-    rows, keep = sets
-    return logits.index_copy(0, rows, logits.index_select(0, rows).masked_fill(~keep, NEG_INF))
-
-
 @dataclass
 class StepReport:
     """What one canvas step did: the canvas positions whose argmax changed and their new argmax, the
@@ -214,7 +205,7 @@ class CanvasState:
         knobs, gen, decisions = self.knobs, self.generator, self.decisions or CanvasDecisions()
         temperature = knobs.temperature(self.countdown)
         sets = decisions.set_mask(self.vocab_size)
-        restricted = within_sets(raw_logits, sets)
+        restricted = within_allowed(raw_logits, sets)
         z = filtered(restricted / temperature, self.top_k, self.top_p)
         probs = torch.softmax(z, dim=-1, dtype=torch.float32)
         sampled = torch.multinomial(probs, num_samples=1, generator=gen).view(1, -1)
@@ -265,7 +256,7 @@ class CanvasState:
         their sets, unfiltered)."""
         if sets is not None:
             rows, keep = sets
-            mass = (raw_logits.index_select(0, rows).softmax(-1) * keep).sum(-1)
+            mass = allowed_mass(raw_logits.index_select(0, rows), keep)
             self.label_mass = dict(zip(rows.tolist(), mass.tolist(), strict=True))
         if self.logprobs is None:
             return

@@ -78,10 +78,9 @@ def write_tokens(seq: Sequence, positions: list[int], picks: PickedRows, chosen:
     if seq.params.repetition_penalty != 1.0:  # the only reader of the tokens seen
         seq.penalty_ids.update([picked[i] for i in chosen])
     if picks.label_mass is not None:  # typed decisions: the mass each written slot's allowed set held
-        masses, of = picks.label_mass, seq.decisions.label_mass
+        masses, decisions = picks.label_mass, seq.decisions
         for i, g in zip(chosen, written):
-            if masses[i] == masses[i]:  # NaN: the position has no set
-                of[g] = masses[i]
+            decisions.note_mass(g, masses[i])
     return written
 
 

@@ -55,13 +55,13 @@ from dataclasses import dataclass, field
 import torch
 
 from configs import EngineConfig, GenerationConfig
-from engine.core.decisions import Decisions
+from engine.core.decisions import Decisions, write_pinned
 from engine.core.decoding.autoregressive import AutoregressiveDecoding
 from engine.core.decoding.base import DecodingStrategy, Finalize, PickedRows
 from engine.core.decoding.renoising import request_generator
 from engine.core.decoding.unmasking import tokens_this_step
 from engine.core.input_processing import check_knobs
-from engine.core.sampler import RowGroup, token_logprobs
+from engine.core.sampler import RowGroup, allowed_mask, allowed_mass, token_logprobs, within_allowed
 from engine.core.sequence import Sequence, Speculation
 from engine.core.step_plan import Feed, SampleSlice
 from engine.errors import RequestError
@@ -182,10 +182,7 @@ class SeededBlockDecoding(DecodingStrategy):
             return self.ar.check_decisions(params, settings, decisions)
         if settings.mode == "linear_spec":
             return super().check_decisions(params, settings, decisions)
-        if decisions.last_slot is None and decisions.length >= params.max_new_tokens:
-            raise RequestError("dllm_template pins every output position, which leaves nothing to decode: mark a "
-                               "slot (the mask id, -1 or null) or raise max_new_tokens past the template",
-                               "dllm_template")
+        decisions.check_leaves_a_slot(params.max_new_tokens)
         return None
 
     def start(self, seq: Sequence, settings: SeededSettings) -> None:
@@ -360,8 +357,8 @@ class SeededBlockDecoding(DecodingStrategy):
         state, b = seq.state, self.block_length
         raw = rows.logits.float()
         decisions, g = seq.decisions, state.start - seq.prompt_len
-        allowed = decisions.allowed(g) if decisions is not None and decisions.has_sets else None
-        logits = _within(raw, [allowed])
+        allowed = _allowed_rows(raw, [decisions.allowed(g)] if decisions is not None and decisions.has_sets else [])
+        logits = within_allowed(raw, allowed)
         if state.temperature:
             probs = torch.softmax(logits / state.temperature, -1).to(state.generator.device)
             seed = int(torch.multinomial(probs, 1, generator=state.generator)[0, 0])
@@ -380,7 +377,7 @@ class SeededBlockDecoding(DecodingStrategy):
         seq.out_steps[g], seq.out_block_steps[g] = seq.step_counter, 1
         seq.out_logprobs[g] = self._logprobs(seq, logits, raw, [0], [seed])[0]
         if allowed is not None:
-            decisions.label_mass[g] = _mass(raw[0], allowed)
+            decisions.label_mass[g] = float(allowed_mass(raw, allowed[1])[0])
         if decisions is not None and decisions.template:
             return self._pin(seq, decisions, g)
         return [g]
@@ -389,13 +386,9 @@ class SeededBlockDecoding(DecodingStrategy):
         """Write the template's pinned ids into the block just opened (its seed's too: drawn, then pinned),
         as revealed at step 0; mark a read's last block. Returns the generated indices the seed wrote."""
         state, base = seq.state, seq.prompt_len
-        want_logprobs = seq.params.logprobs is not None
         pinned = [j for j in range(self.block_length) if decisions.pinned(g + j) is not None]
         for j in pinned:
-            token = decisions.pinned(g + j)
-            seq.tokens[state.start + j] = token
-            seq.out_steps[g + j], seq.out_block_steps[g + j] = 0, 0
-            seq.out_logprobs[g + j] = {token: 0.0} if want_logprobs else None
+            write_pinned(seq, g + j, decisions.pinned(g + j))
             decisions.label_mass.pop(g + j, None)
         state.masked = [p for p in state.masked if seq.tokens[p] == self.mask_id]
         state.num_masked_at_start = len(state.masked)
@@ -408,14 +401,16 @@ class SeededBlockDecoding(DecodingStrategy):
     def _read_tail(self, seq: Sequence) -> int:
         """A read whose template positions are written: its pinned rest after the block (no forward needed);
         the position where the template ends."""
-        decisions, base, end = seq.decisions, seq.prompt_len, seq.state.read_end
-        for g in range(len(seq.tokens) - base, decisions.length):
-            token = decisions.pinned(g)
-            seq.tokens.append(token)
-            seq.out_steps.append(0)
-            seq.out_block_steps.append(0)
-            seq.out_logprobs.append({token: 0.0} if seq.params.logprobs is not None else None)
-        return end
+        decisions, first = seq.decisions, seq.num_generated_positions
+        n = decisions.length - first
+        if n > 0:
+            seq.tokens += [self.mask_id] * n
+            seq.out_steps += [None] * n
+            seq.out_block_steps += [None] * n
+            seq.out_logprobs += [None] * n
+            for g in range(first, decisions.length):
+                write_pinned(seq, g, decisions.pinned(g))
+        return seq.state.read_end
 
     def _denoise(self, seq: Sequence, rows: PickedRows) -> list[int]:
         """One denoising pass over the block: the release's transfer rule on the masked positions' rows."""
@@ -423,8 +418,9 @@ class SeededBlockDecoding(DecodingStrategy):
         raw = rows.logits.float()  # one row per masked position, in order
         decisions, base = seq.decisions, state.start - seq.prompt_len
         offsets = [p - state.start for p in state.masked]
-        sets = [decisions.allowed(base + j) for j in offsets] if decisions is not None and decisions.has_sets else []
-        logits = _within(raw, sets)
+        allowed = _allowed_rows(raw, [decisions.allowed(base + j) for j in offsets]
+                                if decisions is not None and decisions.has_sets else [])
+        logits = within_allowed(raw, allowed)
         candidates = self._candidates(logits, offsets, state)
         confidence = torch.full((b,), -torch.inf, device=logits.device)
         confidence[offsets] = torch.softmax(logits, -1).gather(-1, candidates[:, None])[:, 0]
@@ -448,12 +444,16 @@ class SeededBlockDecoding(DecodingStrategy):
         tokens = [picks[row_of[j]] for j in revealed]
         rows_of = [row_of[j] for j in revealed]
         entries = self._logprobs(seq, logits, raw, rows_of, tokens)
+        masses = {}  # the rows with a set: their set's raw mass
+        if allowed is not None:
+            at, keep = allowed
+            masses = dict(zip(at.tolist(), allowed_mass(raw.index_select(0, at), keep).tolist(), strict=True))
         for j, token, entry in zip(revealed, tokens, entries, strict=True):
             seq.tokens[state.start + j] = token
             seq.out_steps[base + j], seq.out_block_steps[base + j] = seq.step_counter, state.passes + 1
             seq.out_logprobs[base + j] = entry
-            if sets and sets[row_of[j]] is not None:
-                decisions.label_mass[base + j] = _mass(raw[row_of[j]], sets[row_of[j]])
+            if row_of[j] in masses:
+                decisions.label_mass[base + j] = masses[row_of[j]]
         done = {state.start + j for j in revealed}
         state.masked = [p for p in state.masked if p not in done]
         if state.read_steps is not None:
@@ -481,16 +481,9 @@ class SeededBlockDecoding(DecodingStrategy):
         return token_logprobs(logits, rows, tokens, seq.params.logprobs, self.logprobs_mode)
 
 
-def _within(logits: torch.Tensor, sets: list[list[int] | None]) -> torch.Tensor:
-    """`logits` with every id outside each row's allowed set at -inf (a row without one, or no sets: as is)."""
-    if not any(ids is not None for ids in sets):
-        return logits
-    keep = torch.zeros_like(logits, dtype=torch.bool)
-    for row, ids in enumerate(sets):
-        keep[row, ids if ids is not None else slice(None)] = True
-    return logits.masked_fill(~keep, -torch.inf)
-
-
-def _mass(raw: torch.Tensor, ids: list[int]) -> float:
-    """The raw (temperature-1) probability an allowed set holds in a row."""
-    return float(torch.softmax(raw, -1)[ids].sum())
+def _allowed_rows(logits: torch.Tensor, sets: list[list[int] | None]
+                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The rows of `logits` with an allowed set (`sets`, one entry per row, None: no set) and their
+    `allowed_mask`; None when no row has one."""
+    rows = [r for r, ids in enumerate(sets) if ids is not None]
+    return allowed_mask(rows, [sets[r] for r in rows], logits.shape[-1], logits.device) if rows else None
