@@ -24,13 +24,9 @@ positions inside the template); `read_params` is the generation settings a read 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from configs import GenerationConfig
 from engine.errors import RequestError
-
-if TYPE_CHECKING:
-    from engine.core.sequence import Sequence
 
 SLOT_MARKERS = (None, -1)  # besides the model's mask id
 
@@ -141,14 +137,6 @@ class Decisions:
             raise RequestError("dllm_template has no slot, and a read (dllm_read_only) reads the template's slots: "
                                "mark the positions to read with the mask id, -1 or null", "dllm_template")
         return decisions
-
-
-def write_pinned(seq: Sequence, g: int, token: int) -> None:
-    """Write `token` at generated index g as the template pins it: revealed at step 0 (block step 0),
-    its logprob entry 0 -- the request chose it, not the model -- when logprobs are asked."""
-    seq.tokens[seq.prompt_len + g] = token
-    seq.out_steps[g] = seq.out_block_steps[g] = 0
-    seq.out_logprobs[g] = {token: 0.0} if seq.params.logprobs is not None else None
 
 
 def read_params(params: GenerationConfig, decisions: Decisions) -> GenerationConfig:

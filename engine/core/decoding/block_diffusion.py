@@ -35,11 +35,11 @@ from __future__ import annotations
 
 from configs import EngineConfig, GenerationConfig
 from engine.carrier import StepEvent
-from engine.core.decisions import Decisions, write_pinned
+from engine.core.decisions import Decisions
 from engine.core.decoding.base import DecodingStrategy, Finalize, PickedRows
 from engine.core.decoding.block_state import BlockState
 from engine.core.decoding.indel import special_ids
-from engine.core.decoding.rules import RULES, DecodingRule
+from engine.core.decoding.rules import RULES, DecodingRule, write_pinned
 from engine.core.decoding.unmasking import SpecialIds, UnmaskingSettings
 from engine.core.input_processing import check_knobs
 from engine.core.sampler import RowGroup

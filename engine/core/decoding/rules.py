@@ -84,6 +84,14 @@ def write_tokens(seq: Sequence, positions: list[int], picks: PickedRows, chosen:
     return written
 
 
+def write_pinned(seq: Sequence, g: int, token: int) -> None:
+    """Write `token` at generated index g as the template pins it: revealed at step 0 (block step 0),
+    its logprob entry 0 -- the request chose it, not the model -- when logprobs are asked."""
+    seq.tokens[seq.prompt_len + g] = token
+    seq.out_steps[g] = seq.out_block_steps[g] = 0
+    seq.out_logprobs[g] = {token: 0.0} if seq.params.logprobs is not None else None
+
+
 def read_slots(block: BlockState, positions: list[int], chosen: list[int], masked: list[bool] | None = None
                ) -> list[int]:
     """`chosen`, and on a read's last step every still-masked template slot among `positions` (`masked`:

@@ -55,10 +55,11 @@ from dataclasses import dataclass, field
 import torch
 
 from configs import EngineConfig, GenerationConfig
-from engine.core.decisions import Decisions, write_pinned
+from engine.core.decisions import Decisions
 from engine.core.decoding.autoregressive import AutoregressiveDecoding
 from engine.core.decoding.base import DecodingStrategy, Finalize, PickedRows
 from engine.core.decoding.renoising import request_generator
+from engine.core.decoding.rules import write_pinned
 from engine.core.decoding.unmasking import tokens_this_step
 from engine.core.input_processing import check_knobs
 from engine.core.sampler import RowGroup, allowed_mask, allowed_mass, token_logprobs, within_allowed
