@@ -60,6 +60,61 @@ def _released() -> type:
 JointThresholdInDel = _released()
 
 
+class _Prompt(int):
+    """A block's prompt length (an int, as the released rule reads it) that also carries the
+    positions a template pins past it."""
+
+    pins: list[int]
+
+    def __new__(cls, length: int, pins: list[int]) -> _Prompt:
+        value = super().__new__(cls, length)
+        value.pins = pins
+        return value
+
+
+class PinnedInDel(JointThresholdInDel):
+    """The released rule with a template's pinned positions, extended the way blockserve serves them:
+    a pinned position joins the block's prompt mask (so the released step never treats it as a mask
+    and never edits it), and the rescan keeps it in place, running on each stretch of positions
+    between pins on its own. Without pins it is the released rule unchanged."""
+
+    def _block_start_list(self, forward_batch: ForwardBatch) -> list[int]:
+        return forward_batch.committed_lens  # pins are not the prompt
+
+    def init_step_state(self, forward_batch: ForwardBatch) -> list:
+        states = super().init_step_state(forward_batch)
+        for state, lead in zip(states, forward_batch.committed_lens, strict=True):
+            index = state["prompt_index"].tolist()
+            state["prompt_len"] = _Prompt(lead, [i for i in range(lead, len(index)) if index[i]])
+        return states
+
+    def _apply_edit_operations(self, block_tokens, old_block_tokens, is_orig_mask, prompt_len):
+        pins = getattr(prompt_len, "pins", [])
+        if not pins:
+            return super()._apply_edit_operations(block_tokens, old_block_tokens, is_orig_mask, prompt_len)
+        tokens, orig = list(old_block_tokens[:prompt_len]), list(is_orig_mask[:prompt_len])
+        start = int(prompt_len)
+        for stop in [*pins, self.block_size]:
+            run, run_orig = [], []
+            for i in range(start, stop):  # the released rescan, on this stretch
+                if block_tokens[i] == self.delete_token_id:
+                    continue
+                if block_tokens[i] == self.split_token_id:
+                    run += [self.mask_id, old_block_tokens[i]]
+                    run_orig += [False, is_orig_mask[i]]
+                else:
+                    run.append(block_tokens[i])
+                    run_orig.append(is_orig_mask[i])
+            n = stop - start
+            tokens += run[:n] + [self.mask_id] * (n - len(run))
+            orig += run_orig[:n] + [False] * (n - len(run_orig))
+            if stop < self.block_size:
+                tokens.append(old_block_tokens[stop])
+                orig.append(False)
+            start = stop + 1
+        return tokens, orig
+
+
 @dataclass
 class DllmConfig:
     """The fields of SGLang's DllmConfig the algorithm reads."""
@@ -80,12 +135,16 @@ class ForwardBatch:
     batch_size: int
     input_ids: torch.Tensor
     dllm_prompt_mask: torch.Tensor | None = None
+    #: `PinnedInDel`'s addition: each block's committed length (its prompt mask also holds the pins)
+    committed_lens: list[int] | None = None
 
 
-def algorithm(block_size: int, mask_id: int, delete_id: int, split_id: int, **config) -> JointThresholdInDel:
+def algorithm(block_size: int, mask_id: int, delete_id: int, split_id: int, *, pinned: bool = False,
+              **config) -> JointThresholdInDel:
     """The released algorithm under SGLang's YAML keys `config` (threshold, edit_threshold,
-    max_post_edit_steps)."""
-    return JointThresholdInDel(DllmConfig(block_size, mask_id, delete_id, split_id, config))
+    max_post_edit_steps); `pinned`: extended to templates' pins (`PinnedInDel`)."""
+    released = PinnedInDel if pinned else JointThresholdInDel
+    return released(DllmConfig(block_size, mask_id, delete_id, split_id, config))
 
 
 @dataclass
@@ -127,6 +186,10 @@ class Request:
     output: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     blocks: list[list[Step]] = field(default_factory=list)  # per block, its steps (block start: B * index)
+    template: list[int | None] = field(default_factory=list)  # per output index: a pinned id, or None
+
+    def pinned(self, g: int) -> int | None:
+        return self.template[g] if g < len(self.template) else None
 
     @property
     def token_ids(self) -> list[int]:
@@ -143,9 +206,14 @@ class SGLangInDel:
                  stop_ids: set[int], **config):
         self.logits, self.b, self.mask_id, self.stop_ids = logits, block_size, mask_id, stop_ids
         self.algo = algorithm(block_size, mask_id, delete_id, split_id, **config)
+        self.pinned_algo = algorithm(block_size, mask_id, delete_id, split_id, pinned=True, **config)
 
-    def generate(self, prompts: list[list[int]], max_new_tokens: list[int]) -> list[Request]:
-        reqs = [Request(p, m) for p, m in zip(prompts, max_new_tokens, strict=True)]
+    def generate(self, prompts: list[list[int]], max_new_tokens: list[int],
+                 templates: list[list[int | None]] | None = None) -> list[Request]:
+        """`templates`: per request, its template's pinned ids by output index (None at a slot): a
+        block opens with them in place, and the rule runs as `PinnedInDel`."""
+        reqs = [Request(p, m, template=t or []) for p, m, t in
+                zip(prompts, max_new_tokens, templates or [None] * len(prompts), strict=True)]
         while live := [r for r in reqs if r.finish_reason is None]:
             self._round(live)
             for r in live:
@@ -165,10 +233,16 @@ class SGLangInDel:
         b = self.b
         committed = [r.prompt + r.output for r in reqs]
         starts = [len(c) // b * b for c in committed]
-        blocks = [c[s:] + [self.mask_id] * (s + b - len(c)) for c, s in zip(committed, starts, strict=True)]
-        literal = any(self.mask_id in c for c in committed)
-        prompt_mask = torch.tensor([[s + i < len(c) for i in range(b)] for c, s in zip(committed, starts, strict=True)])
-        batch = ForwardBatch(len(reqs), torch.tensor(sum(blocks, [])), prompt_mask if literal else None)
+        blocks, fixed = [], []  # each block's ids, and its positions the rule must not write
+        for r, c, s in zip(reqs, committed, starts, strict=True):
+            pins = [None] * (len(c) - s) + [r.pinned(i - len(r.prompt)) for i in range(len(c), s + b)]
+            blocks.append(c[s:] + [self.mask_id if pins[i] is None else pins[i] for i in range(len(c) - s, b)])
+            fixed.append([s + i < len(c) or pins[i] is not None for i in range(b)])
+        pinned = any(r.template for r in reqs)
+        literal = pinned or any(self.mask_id in c for c in committed)
+        batch = ForwardBatch(len(reqs), torch.tensor(sum(blocks, [])), torch.tensor(fixed) if literal else None,
+                             [len(c) - s for c, s in zip(committed, starts, strict=True)])
+        algo = self.pinned_algo if pinned else self.algo
         for r in reqs:
             r.blocks.append([])
 
@@ -180,7 +254,7 @@ class SGLangInDel:
                 return types.SimpleNamespace(logits_output=types.SimpleNamespace(full_logits=full),
                                              can_run_graph=False)
 
-        step, rescans = self.algo.step, recording_rescans(self.algo)
+        step, rescans = algo.step, recording_rescans(algo)
 
         def recorded_step(fb, full_logits, states):
             before = fb.input_ids.view(len(reqs), b).tolist()
@@ -200,11 +274,11 @@ class SGLangInDel:
             assert call is None, "every rescan belongs to a request"
             return done
 
-        self.algo.step = recorded_step
+        algo.step = recorded_step
         try:
-            _, new_ids, *_ = self.algo._run_sync(Runner(), batch)
+            _, new_ids, *_ = algo._run_sync(Runner(), batch)
         finally:
-            del self.algo.step, self.algo._apply_edit_operations
+            del algo.step, algo._apply_edit_operations
         for r, c, s, ids in zip(reqs, committed, starts, new_ids or [], strict=False):
             assert len(ids) == s + b - len(c)
             r.output += ids.tolist()

@@ -249,6 +249,9 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
          "below this",
          _RENOISING, {"gt": 0.0, "allow_inf_nan": False},
          upstream={"sglang.algorithm": "stopping_config.confidence_threshold", "transformers": "confidence_threshold"}),
+    Knob("dllm_canvas_length", int, 0, "renoising: positions per canvas, at most the checkpoint's canvas_length (a "
+         "narrower canvas emits that many tokens at a time; vLLM's diffusion_canvas_length); 0: the checkpoint's",
+         _RENOISING, {"ge": 0}, label="Canvas"),
 )}
 RENOISING_KNOBS: tuple[str, ...] = tuple(k.name for k in KNOBS.values() if Paradigm.RENOISING in k.used_by)
 

@@ -2,7 +2,7 @@
 
 vLLM (0.34) names a typed read with its own fields, given at the top of a request body (OpenAI's
 completions and chat, SGLang's flat /generate) or of SGLang's `sampling_params`, or inside
-`vllm_xargs` / `extra_args` there. `from_vllm` maps them, in this one place for every endpoint, onto
+`vllm_xargs` / `extra_args` there. `vllm_body` maps them, in this one place for every endpoint, onto
 the engine's `dllm_*` fields (`configs.generation_config.DecisionFields`); `VllmNames.errors` puts the
 names the client wrote back into any refusal, so that a 400 names the field as it was given.
 
@@ -28,7 +28,6 @@ from pydantic import AfterValidator, Discriminator, Field, Tag, field_validator
 
 from configs import GenerationConfig
 from configs.limits import MAX_BATCH
-from deployments.engine_client import EngineClient
 from deployments.errors import ApiError
 from deployments.generation import Strict
 from deployments.wire import EngineRequest, Result, new_request_id
@@ -40,17 +39,16 @@ EXTRA_ARGS = ("vllm_xargs", "extra_args")
 VLLM_NAMES = ("diffusion_seed_canvas", "diffusion_pinned", "diffusion_constrained", "logprob_token_ids",
               "diffusion_read_only", "diffusion_max_steps", "diffusion_canvas_length")
 # a vLLM name -> the engine field it sets as it is
-TWINS = {"diffusion_read_only": "dllm_read_only", "diffusion_max_steps": "dllm_max_steps"}
+TWINS = {"diffusion_read_only": "dllm_read_only", "diffusion_max_steps": "dllm_max_steps",
+         "diffusion_canvas_length": "dllm_canvas_length"}
 
 
 @dataclass
 class VllmNames:
     """What a body gave under vLLM's names: the engine field each name set, by the name (within its
-    level: `diffusion_seed_canvas`, `vllm_xargs.diffusion_seed_canvas`) the client wrote it under, and
-    where it gave `diffusion_canvas_length` (None: nowhere)."""
+    level: `diffusion_seed_canvas`, `vllm_xargs.diffusion_seed_canvas`) the client wrote it under."""
 
     given: dict[str, str] = field(default_factory=dict)
-    canvas_length: str | None = None
 
     def rename(self, e: ApiError) -> ApiError:
         """A refusal naming an engine field the client gave under a vLLM name, in the client's words."""
@@ -147,8 +145,6 @@ def _level(level: Mapping[str, Any], where: str, names: VllmNames) -> dict[str, 
             raise ApiError(f"{where}{path} and {where}{target} disagree; give one of them", where + path)
         out[target] = value
         names.given[target] = path
-    if "diffusion_canvas_length" in found:
-        names.canvas_length = where + found["diffusion_canvas_length"][0]
     return out
 
 
@@ -170,26 +166,6 @@ def vllm_body(body: Any, nested: str | None = None) -> tuple[Any, VllmNames]:
     elif isinstance(inner, list):
         inner = [_level(p, f"{nested}[{i}].", names) if isinstance(p, dict) else p for i, p in enumerate(inner)]
     return {**body, nested: inner} if nested in body else body, names
-
-
-async def check_canvas_length(names: VllmNames, client: EngineClient) -> None:
-    """`diffusion_canvas_length` narrows a DiffusionGemma canvas in vLLM; the engine here decodes every
-    request on its model's canvas, so it is refused, saying which of the two it is."""
-    if names.canvas_length is None:
-        return
-    path, info = names.canvas_length, await client.info()
-    if info.model_type == "diffusion_gemma":
-        raise ApiError(f"{path}: a per-request canvas length is not supported yet (the engine decodes every "
-                       "request on the model's own canvas); leave it unset", path)
-    raise ApiError(f"{path} narrows a DiffusionGemma canvas; this model ({info.model_type}) has no canvas: "
-                   "leave it unset", path)
-
-
-async def from_vllm(body: Any, client: EngineClient, nested: str | None = None) -> tuple[Any, VllmNames]:
-    """`vllm_body`, then `check_canvas_length`, refusals naming the field as given."""
-    body, names = vllm_body(body, nested)
-    await check_canvas_length(names, client)
-    return body, names
 
 
 # ---- /v1/decisions: the request ------------------------------------------------------------------

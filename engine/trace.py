@@ -109,6 +109,8 @@ def trace_body(response: Response, tokenizer, prompt: str, model: str, block_len
         "step_trace": response.step_trace,
         "dllm_num_steps": response.num_steps,
     }
+    if response.acceptance_lengths is not None:  # LinearSpec: the viewer groups the tokens by verify
+        meta |= {"nfe": response.nfe, "acceptance_lengths": response.acceptance_lengths}
     extras: dict[str, Any] = {"model": model, "prompt": prompt, "paradigm": paradigm, "block_length": block_length}
     if paradigm == "renoising":
         meta |= {"block_step_map": response.block_step_map, "dllm_replay_canvases": response.dllm_replay_canvases}
@@ -264,6 +266,8 @@ def _trace(args: argparse.Namespace, given: dict[str, Any], config: EngineConfig
         print(args.prompt + render(pipe.tokenizer, response, colour=colour))
         print()
         length = pipe.engine.config.dllm_block_length
+        if renoising:  # the canvas the request ran on: --canvas-length narrows the model's
+            length = pipe.engine.config.dllm_canvas_length or length
         heads = {c["steps"][0]: c for c in canvases(response, length)} if renoising else {}
         written: set[int] = set()  # positions written so far: a second write is a token edit
         for event in step_events(response):

@@ -10,7 +10,7 @@ from typing import Any, Literal
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from deployments.decisions import DecisionRequest, decision_reads, decisions_response, from_vllm
+from deployments.decisions import DecisionRequest, decision_reads, decisions_response, vllm_body
 from deployments.engine_client import EngineClient
 from deployments.errors import ApiError, parse
 from deployments.http import ERRORS, HttpServing, Route, generation_route, request_body, sse_response
@@ -57,7 +57,7 @@ class OpenAIRoutes:
 
     async def _vllm(self, body: Any, route: Callable[[Any], Awaitable[Response]]) -> Response:
         """A completions or chat body with vLLM's typed-read fields taken, refusals in the client's names."""
-        body, names = await from_vllm(body, self.client)
+        body, names = vllm_body(body)
         with names.errors():
             return await route(body)
 

@@ -11,7 +11,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from deployments.decisions import from_vllm
+from deployments.decisions import vllm_body
 from deployments.engine_client import EngineClient
 from deployments.errors import ApiError, parse
 from deployments.http import ENGINE_ERRORS, HttpServing, Route, generation_route, json_roundtrip, sse_response
@@ -86,7 +86,7 @@ class SGLangRoutes:
         default) or deltas (`incremental_streaming_output`). A body or `query_model` (`?model=`) naming
         another model than this one is answered by this one, and `meta_info` says so (`model_note`).
         vLLM's typed-read fields are taken in the flat body and in `sampling_params` (`deployments.decisions`)."""
-        body, names = await from_vllm(body, self.client, _vllm_level(body))
+        body, names = vllm_body(body, _vllm_level(body))
         with names.errors():
             plan = generate_plan(body, self.served_model_name, query_model)
             reqs = [r for group in plan.groups for r in group]

@@ -27,9 +27,10 @@ def build_batch(items: list[ScheduledSeq], decoding: DecodingStrategy, page_size
     input_ids, positions, q_lens, kv_lens, sample_rows = (batch.input_ids, batch.positions, batch.q_lens,
                                                           batch.kv_lens, batch.sample_rows)
     pass_fields = decoding.pass_fields if decoding.has_pass_fields else None
+    view_fields = decoding.view_fields if decoding.has_pass_fields else None
     for it in items:
         if it.views is not None:
-            add_view_rows(batch, it, page_size)
+            add_view_rows(batch, it, page_size, view_fields)
             continue
         seq, start, end, base = it.seq, it.start, it.end, len(input_ids)
         input_ids += seq.tokens[start:end]

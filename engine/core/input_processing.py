@@ -51,7 +51,8 @@ def _tokenize(tokenizer: Any, limits: ModelLimits, prompt: str | list[int]) -> l
 def _check_trajectory(limits: ModelLimits, prompt: str | list[int], params: GenerationConfig) -> None:
     """The request-level rules of a trajectory (the trajectory's own values are `plan_trajectory`'s)."""
     if not limits.is_dllm:
-        raise RequestError("dllm_trajectory scores block-diffusion rollouts and this model is autoregressive: "
+        raise RequestError("dllm_trajectory scores block-diffusion rollouts and this request decodes "
+                           "autoregressively (an autoregressive model, or dllm_mode='ar'): "
                            "score an AR rollout with logprob_start_len (input-token logprobs over prompt + "
                            "output, max_new_tokens=0)", "dllm_trajectory")
     if isinstance(prompt, str):

@@ -150,7 +150,7 @@ class LLMEngine:
             stop_ids |= self.spec.eos_token_ids
         stop_ids = frozenset(stop_ids)
         trajectory = plan_trajectory(prompt_ids, params, self.limits, self.mask_id, stop_ids,
-                                     self.spec.family.predicts_next) \
+                                     self.decoding.trajectory_geometry(self.spec.family.predicts_next)) \
             if params.dllm_trajectory is not None else None
         # unseeded requests draw a fresh seed: distinct on every replica and after every restart
         seed = params.random_seed if params.random_seed is not None else secrets.randbits(63)

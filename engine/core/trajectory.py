@@ -27,6 +27,7 @@ views into a forward, collects their rows and builds the request's answer.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from engine.carrier import OutputChunk
@@ -40,10 +41,11 @@ if TYPE_CHECKING:
 
 
 # ---- one forward -----------------------------------------------------------------------------------
-def add_view_rows(batch: ForwardBatch, it: ScheduledSeq, page_size: int) -> None:
-    """Append the item's views to the batch: B query rows each at their absolute positions, a page table
-    of the shared context pages before the block and the view's scratch pages, one score row per
-    revealed output token."""
+def add_view_rows(batch: ForwardBatch, it: ScheduledSeq, page_size: int,
+                  view_fields: Callable[[ForwardBatch], None] | None = None) -> None:
+    """Append the item's views to the batch: B query rows each at their absolute positions (a seed's
+    view: one), a page table of the shared context pages before the block and the view's scratch
+    pages, one score row per revealed output token; `view_fields` adds a view's pass fields."""
     seq = it.seq
     state: TrajectoryState = seq.trajectory
     params = state.params
@@ -59,6 +61,8 @@ def add_view_rows(batch: ForwardBatch, it: ScheduledSeq, page_size: int) -> None
         batch.positions += range(v.start, end)
         batch.q_lens.append(len(v.tokens))
         batch.kv_lens.append(end)
+        if view_fields is not None:
+            view_fields(batch)
         batch.slot_mapping += [table[p // page_size] * page_size + p % page_size for p in range(v.start, end)]
         batch.page_tables.append(table)
         head = v.start % page_size  # context tokens sharing the block's first page

@@ -172,7 +172,7 @@ def allowed_ids(g: int, template: list[int | None] | None, allowed: list[int] | 
 def renoise(model, prompt: list[int], max_new_tokens: int, *, max_denoising_steps: int, t_min: float, t_max: float,
             entropy_bound: float, stability_threshold: int, confidence_threshold: float,
             template: list[int | None] | None = None, allowed: list[int] | dict[int, list[int]] | None = None,
-            read_steps: int | None = None) -> Renoised:
+            read_steps: int | None = None, canvas_length: int | None = None) -> Renoised:
     """`generate()`'s loop at batch 1, drawing from the global generator (seed it first) exactly what
     generate() draws: per canvas the uniform init, per step the multinomial over the processed logits
     and the renoise. Without the last three arguments it makes what generate() makes (no stop id).
@@ -187,6 +187,8 @@ def renoise(model, prompt: list[int], max_new_tokens: int, *, max_denoising_step
       Each set's label mass (its raw softmax mass) is taken at its canvas's last step.
     - `read_steps` k: the first canvas also stops after step k; it is emitted without the commit
       (encoder) pass and nothing follows it.
+    - `canvas_length`: a narrower canvas than the config's (vLLM's `diffusion_canvas_length`): the
+      sampler and every pass run on that many positions.
     """
     from transformers.models.diffusion_gemma.generation_diffusion_gemma import (
         EntropyBoundSampler,
@@ -195,7 +197,7 @@ def renoise(model, prompt: list[int], max_new_tokens: int, *, max_denoising_step
         StableAndConfidentStoppingCriteria,
     )
 
-    length, vocab = model.config.canvas_length, model.config.text_config.vocab_size
+    length, vocab = canvas_length or model.config.canvas_length, model.config.text_config.vocab_size
     sampler = EntropyBoundSampler(EntropyBoundSamplerConfig(entropy_bound=entropy_bound), length, vocab,
                                   max_denoising_steps)
     schedule = LinearTemperatureScheduleLogitsProcessor(t_min, t_max, max_denoising_steps)

@@ -5,14 +5,12 @@ refusals, each a 400 naming the field as the client wrote it."""
 
 from __future__ import annotations
 
-import asyncio
 import math
-from types import SimpleNamespace
 
 import httpx
 import pytest
 
-from deployments.decisions import from_vllm, vllm_body
+from deployments.decisions import vllm_body
 from deployments.errors import ApiError
 from testing.tiny_checkpoint import build_byte_tokenizer
 
@@ -177,13 +175,9 @@ def test_vllm_names_map_in_one_place():
     assert e.value.param == "diffusion_pinned"
 
 
-@pytest.mark.parametrize(("model_type", "says"), [("diffusion_gemma", "not supported yet"), ("sdar", "has no canvas")])
-def test_canvas_length_is_refused_saying_why(model_type, says):
-    """vLLM narrows a DiffusionGemma canvas with it; nothing here takes a per-request canvas length."""
-    class Client:
-        async def info(self):
-            return SimpleNamespace(model_type=model_type)
-
-    with pytest.raises(ApiError) as e:
-        asyncio.run(from_vllm({"vllm_xargs": {"diffusion_canvas_length": 8}}, Client()))
-    assert e.value.param == "vllm_xargs.diffusion_canvas_length" and says in e.value.message
+def test_canvas_length_is_the_renoising_knob():
+    """vLLM's narrower DiffusionGemma canvas is the engine's `dllm_canvas_length` (a model without a
+    canvas refuses it, in the client's name: REFUSALS above)."""
+    body, names = vllm_body({"vllm_xargs": {"diffusion_canvas_length": 8}})
+    assert body == {"dllm_canvas_length": 8}
+    assert names.given["dllm_canvas_length"] == "vllm_xargs.diffusion_canvas_length"

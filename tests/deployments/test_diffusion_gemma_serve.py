@@ -14,7 +14,7 @@ import torch
 from ray import serve
 
 from bench.diffusion_gemma import converging_checkpoint
-from testing.references.diffusion_gemma import Drafts, load_reference, settle_steps
+from testing.references.diffusion_gemma import Drafts, load_reference, renoise, settle_steps
 from tests.support.serve import deploy
 from tests.support.viewer import CHROMEDRIVER, CHROMIUM, browser, cells, console_errors, open_page  # noqa: F401 (a fixture)
 
@@ -115,6 +115,36 @@ def test_refusals_name_the_field(app, field, value):
         r = httpx.post(app.url + path, json=body, timeout=120)
         assert r.status_code == 400, (path, r.text)
         assert field in r.json()["error"]["message"] or "min_tokens" in r.json()["error"]["message"], (path, r.text)
+
+
+def test_a_vllm_client_narrows_and_seeds_the_canvas(app, ckpt):
+    """vLLM's names as a vLLM client sends them (`extra_args` / `vllm_xargs`): a seed canvas with two
+    pinned positions on a 6-position canvas gives the reference loop's tokens on canvases of 6 under
+    the request's seed, over /generate and /v1/completions alike; a canvas wider than the model's is a
+    400 in the client's name."""
+    pins, width = (PROMPT[0], PROMPT[1]), 6
+    xargs = {"diffusion_seed_canvas": [pins[0], 0, 0, 0, pins[1], 0], "diffusion_pinned": [0, 4],
+             "diffusion_canvas_length": width}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    torch.manual_seed(SEEDS[0])
+    want = renoise(load_reference(ckpt), PROMPT, MAX_NEW, max_denoising_steps=12, t_min=0.4, t_max=0.8,
+                   entropy_bound=0.1, stability_threshold=0, confidence_threshold=0.8,
+                   template=[pins[0], None, None, None, pins[1], None], canvas_length=width)
+    torch.set_num_threads(threads)
+    body = {"input_ids": PROMPT, "return_dllm_replay": True, "sampling_params": {
+        "max_new_tokens": MAX_NEW, "sampling_seed": SEEDS[0], "skip_special_tokens": True, "extra_args": xargs}}
+    got = httpx.post(app.url + "/generate", json=body, timeout=600)
+    assert got.status_code == 200, got.text
+    out = got.json()
+    assert out["output_ids"] == want.tokens and out["meta_info"]["step_map"] == want.settle
+    assert len(out["meta_info"]["dllm_replay_canvases"]) == -(-MAX_NEW // width)
+    completion = {"prompt": PROMPT, "max_tokens": MAX_NEW, "seed": SEEDS[0], "vllm_xargs": xargs}
+    choice = httpx.post(app.url + "/v1/completions", json=completion, timeout=600).json()["choices"][0]
+    assert choice["text"] == out["text"] and choice["step_map"] == want.settle
+    wide = {**completion, "vllm_xargs": {"diffusion_canvas_length": CANVAS + 1}}
+    r = httpx.post(app.url + "/v1/completions", json=wide, timeout=120)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "vllm_xargs.diffusion_canvas_length", r.text
 
 
 def test_chat_completion_uses_the_tokenizer_template(app):

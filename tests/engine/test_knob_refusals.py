@@ -44,7 +44,7 @@ SET = {"dllm_block_length": 4, "dllm_unmasking_strategy": "sequential", "dllm_de
        "dllm_commit_fusion": False, "dllm_mask_token_id": 3, "dllm_max_denoising_steps": 4,
        "dllm_entropy_bound": 0.5, "dllm_t_min": 0.3, "dllm_t_max": 0.7, "dllm_stability_threshold": 2,
        "dllm_stop_entropy": 0.01, "dllm_delete_token_id": 5, "dllm_split_token_id": 6, "dllm_mode": "ar",
-       "dllm_draft_lora": True}
+       "dllm_draft_lora": True, "dllm_canvas_length": 4}
 ENGINE = dict(max_model_len=64, num_kv_blocks=64, kv_block_size=16, device="cpu", dtype="float32")
 
 WRITERS = {

@@ -148,6 +148,24 @@ def test_renoising_positions_are_grouped_and_labelled_by_canvas(gemma_ckpt, tmp_
     assert [[int(a), int(b)] for *_, a, b, _ in heads] == steps
 
 
+def test_a_narrower_canvas_is_traced_on_its_own_width(gemma_ckpt, tmp_path, capsys):
+    """`--canvas-length 6`: the request decodes on canvases of 6, which the saved trace and the printed
+    canvas lines name, and its recorded settings repeat it."""
+    out = tmp_path / "narrow.json"
+    assert main([str(gemma_ckpt), PROMPT, "--max-new-tokens", "14", "--seed", "2", "--max-denoising-steps", "4",
+                 "--canvas-length", "6", "--no-colour", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    body = saved(out)
+    trace = body["trace"]
+    assert trace["canvas_length"] == 6 and trace["settings"]["dllm_canvas_length"] == 6
+    assert [c["positions"] for c in trace["canvases"]] == [[0, 6], [6, 12], [12, 14]]
+    assert "3 canvases of 6" in printed
+    request = {k: v for k, v in trace["settings"].items() if k != "seed"}
+    with pipeline(str(gemma_ckpt)) as pipe:
+        again = pipe(PROMPT, GenerationConfig(**request, random_seed=trace["settings"]["seed"]))
+    assert again.token_ids == body["output_ids"]
+
+
 def test_an_unseeded_renoising_trace_prints_the_seed_that_repeats_it(gemma_ckpt, tmp_path, capsys):
     first, second = tmp_path / "a.json", tmp_path / "b.json"
     argv = [str(gemma_ckpt), PROMPT, "--max-new-tokens", "16", "--max-denoising-steps", "4", "--no-colour"]

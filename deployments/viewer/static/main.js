@@ -122,14 +122,17 @@ async function serverInfo(key) {
   const engine = state.engine || {};
   const paradigm = state.dllm_paradigm || (state.is_dllm ? "block" : "autoregressive");
   const canvas = paradigm === "renoising";
+  const anchored = paradigm === "seeded_block"; // blocks from the prompt end
   const shape = canvas ? `renoising canvases of ${engine.dllm_block_length}`
-    : state.is_dllm ? `${paradigm === "block" ? "" : `${paradigm}, `}block length ${engine.dllm_block_length}`
+    : state.is_dllm ? `${paradigm === "block" ? "" : `${paradigm}, `}block length ${engine.dllm_block_length}` +
+      (anchored ? " from the prompt end" : "")
     : "autoregressive";
   $("server").textContent = `${info.served_model_name} (${state.model_type || "?"}, ${shape})`;
   $("server").classList.remove("unknown");
   showKnobs(paradigm);
   return {
     canvas,
+    anchored,
     blockLength: state.is_dllm && !canvas ? engine.dllm_block_length : null,
     incremental: Boolean(info.incremental_streaming_output),
     valueName: engine.logprobs_mode === "raw_logits" ? "logit" : "logprob",

@@ -81,10 +81,11 @@ export class Panel {
     this.stepLabel.textContent = `step ${at} / ${maxStep}`;
     const fragment = document.createDocumentFragment();
     for (const group of run.blocks()) {
-      // a canvas is drawn as a block is, named by its place among the canvases
+      // a canvas (a LinearSpec verify) is drawn as a block is, named by its place among the canvases (verifies)
       const box = element("div", run.canvas ? { class: "block canvas", "data-canvas": String(group.name) }
+        : run.speculative ? { class: "block verify", "data-verify": String(group.name) }
         : { class: "block", "data-block": String(group.block) });
-      box.append(element("span", { class: "block-label", title: run.describe(group) }, `${run.unit} ${group.name}`));
+      box.append(element("span", { class: "block-label", title: run.describe(group) }, run.groupLabel(group)));
       for (const p of group.positions) box.append(this.cell(p, at, maxStep, group));
       fragment.append(box);
     }

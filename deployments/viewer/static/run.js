@@ -10,15 +10,19 @@ export class Run {
   /**
    * @param {string} label  the panel's name (A, B, ...)
    * @param {object} opts   blockLength: the model's block length B (null when unknown);
+   *                        anchored: the blocks start at the prompt end (a seeded-block model's), so
+   *                        block k holds generated positions [kB, (k+1)B);
    *                        canvas: a renoising model's run, whose groups are canvases that follow the
    *                        prompt (told apart by block_step_map, numbered 1, 2, ... in order);
    *                        incremental: the stream sends deltas rather than cumulative chunks;
    *                        valueName: what the logprob rows hold ("logprob" or "logit")
    */
-  constructor(label, { blockLength = null, canvas = false, incremental = false, valueName = "logprob" } = {}) {
+  constructor(label, { blockLength = null, anchored = false, canvas = false, incremental = false,
+                       valueName = "logprob" } = {}) {
     this.label = label;
     this.canvas = canvas;
-    this.unit = canvas ? "canvas" : "block"; // what a group of positions is
+    this.anchored = anchored;
+    this.speculative = false; // a LinearSpec run (its chunks carry acceptance_lengths): grouped by verify
     this.blockLength = canvas ? null : blockLength;
     this.incremental = incremental;
     this.valueName = valueName;
@@ -68,6 +72,7 @@ export class Run {
     const meta = chunk.meta_info || {};
     if (meta.prompt_tokens != null) this.promptTokens = meta.prompt_tokens;
     if (meta.dllm_num_steps != null) this.serverSteps = meta.dllm_num_steps;
+    if (meta.acceptance_lengths != null) this.speculative = true;
     for (const event of meta.step_trace || []) this.applyEvent(event);
     const start = this.incremental ? this.outputIds.length : 0;
     const rows = meta.output_token_logprobs || [];
@@ -100,8 +105,20 @@ export class Run {
     return this.texts.has(tokenId) ? this.texts.get(tokenId) : `#${tokenId}`;
   }
 
-  /** The block of each position: by B and the prompt length when known, else by block_step_map. */
+  /** What a group of positions is: a canvas, a LinearSpec verify, or a block. */
+  get unit() {
+    return this.canvas ? "canvas" : this.speculative ? "verify" : "block";
+  }
+
+  /** The block of each position: a LinearSpec run's by the verify (its step) that accepted it; by B from
+   *  the prompt end for a seeded-block model; by B and the prompt length when known; else by
+   *  block_step_map. */
   blockOf(position) {
+    if (this.speculative) {
+      const { writes, final } = this.cells[position];
+      return final ? final.step : writes.length ? writes[writes.length - 1].step : 0;
+    }
+    if (this.blockLength && this.anchored) return Math.floor(position / this.blockLength);
     if (this.blockLength && this.promptTokens != null) {
       return Math.floor((this.promptTokens + position) / this.blockLength);
     }
@@ -112,23 +129,38 @@ export class Run {
   }
 
   /** Positions grouped by block, in order: [{ block, positions, name }]. `name` is what the page calls the
-   *  group: a block by its index (`block` k covers absolute positions [kB, (k+1)B)), a canvas by its
-   *  place among the canvases (1, 2, ...: its `block`, a step offset, only tells it apart). */
+   *  group: a block by its index (`block` k covers absolute positions [kB, (k+1)B), or generated ones
+   *  when anchored), a canvas or a verify by its place among them (canvases from 1; verifies from 0, the
+   *  prefill's token: its `block`, a step, only tells it apart). */
   blocks() {
     const groups = [];
     this.cells.forEach((_, position) => {
       const block = this.blockOf(position);
       const last = groups[groups.length - 1];
       if (last && last.block === block) last.positions.push(position);
-      else groups.push({ block, positions: [position], name: this.canvas ? groups.length + 1 : block });
+      else {
+        const name = this.canvas ? groups.length + 1 : this.speculative ? groups.length : block;
+        groups.push({ block, positions: [position], name });
+      }
     });
     return groups;
   }
 
-  /** A group of blocks() as a position's tooltip names it: "block 3", or "canvas 2: positions 16–31". */
+  /** A group's label on the page: "block 3", "canvas 2", "verify 4" ("prefill": a LinearSpec run's first token). */
+  groupLabel(group) {
+    return this.speculative && group.name === 0 ? "prefill" : `${this.unit} ${group.name}`;
+  }
+
+  /** A group of blocks() as a position's tooltip names it: "block 3", "canvas 2: positions 16–31", or
+   *  "verify 4: 5 tokens accepted". */
   describe(group) {
+    const first = group.positions[0], last = group.positions[group.positions.length - 1];
+    if (this.speculative) {
+      return group.name === 0 ? "prefill: its last row's token, the first seed"
+        : `verify ${group.name}: ${group.positions.length} tokens accepted (positions ${first}–${last})`;
+    }
     if (!this.canvas) return `block ${group.name}`;
-    return `canvas ${group.name}: positions ${group.positions[0]}–${group.positions[group.positions.length - 1]}`;
+    return `canvas ${group.name}: positions ${first}–${last}`;
   }
 
   /** Writes per step (edits count): Map step -> tokens written. */
@@ -155,7 +187,8 @@ export class Run {
 
 /** A saved file as runs: a /generate body (or a list of them, e.g. a batch), optionally with the
  *  `trace` extras `python -m engine.trace --json` writes (block_length, settings, token_texts; a
- *  `paradigm` of "renoising" groups the positions in canvases, by meta_info.block_step_map). */
+ *  `paradigm` of "renoising" groups the positions in canvases, by meta_info.block_step_map, one of
+ *  "seeded_block" counts its blocks from the prompt end). */
 export function runsFromSaved(json, firstLabel) {
   const bodies = Array.isArray(json) ? json : [json];
   return bodies.map((body, k) => {
@@ -165,7 +198,8 @@ export function runsFromSaved(json, firstLabel) {
     }
     const extras = body.trace || {};
     const run = new Run(String.fromCharCode(firstLabel.charCodeAt(0) + k),
-                        { blockLength: extras.block_length, canvas: extras.paradigm === "renoising" });
+                        { blockLength: extras.block_length, canvas: extras.paradigm === "renoising",
+                          anchored: extras.paradigm === "seeded_block" });
     run.settings = { ...(extras.prompt != null ? { prompt: extras.prompt } : {}), ...(extras.settings || {}) };
     for (const [id, text] of Object.entries(extras.token_texts || {})) run.texts.set(Number(id), text);
     run.applyChunk(body);

@@ -49,6 +49,7 @@ from engine.core.input_processing import check_knobs
 from engine.core.sampler import RowGroup
 from engine.core.sequence import Sequence
 from engine.core.step_plan import Feed, SampleSlice
+from engine.core.trajectory_plan import TrajectoryGeometry
 from engine.errors import RequestError
 
 if TYPE_CHECKING:
@@ -234,6 +235,16 @@ class DecodingStrategy(ABC):
         """Add what the network needs of this sequence's pass beyond its tokens and pages (the pass
         kinds of a network with encoder and canvas passes); called only when `has_pass_fields`."""
         return
+
+    def view_fields(self, batch: ForwardBatch) -> None:
+        """Add what the network needs of one trajectory-scoring view (a step's block as the model saw it,
+        `engine.core.trajectory`) beyond its tokens and pages; called only when `has_pass_fields`."""
+        return
+
+    def trajectory_geometry(self, predicts_next: bool) -> TrajectoryGeometry:
+        """How this paradigm's rollouts lay out their blocks, for trajectory scoring (`predicts_next`: the
+        family's rows propose the next position's token)."""
+        return TrajectoryGeometry(shifted=predicts_next)
 
     def trace_bound(self, seq: Sequence) -> int:
         """Generated indices at or past this stay out of the step trace: past the output once it is

@@ -80,13 +80,23 @@ class BlockDiffusionDecoding(DecodingStrategy):
         rule.check_request(params)
 
     def check_decisions(self, params: GenerationConfig, settings: UnmaskingSettings, decisions: Decisions) -> None:
-        """Every reveal rule and joint_threshold honour templates, allowed sets and reads;
-        joint_threshold_indel's deletes and inserts move positions, which a pinned position must not."""
+        """Every rule honours templates; joint_threshold_indel's deletes and inserts move content
+        between positions, so a position's allowed set or read answer would not stay with it: that
+        rule takes templates (its pins stay in place) but refuses sets and reads."""
         if RULES[settings.strategy].moves_tokens:
-            field = params.decision_field
-            raise RequestError(f"{field}: typed decisions are not served with dllm_unmasking_strategy="
-                               f"{settings.strategy!r}, whose deletes and inserts move positions (and it reads "
-                               "the raw logits itself); use joint_threshold or a reveal rule", field)
+            for field, asked in (("dllm_allowed_token_ids", decisions.has_sets),
+                                 ("dllm_read_only", decisions.read_steps is not None)):
+                if asked:
+                    raise RequestError(f"{field} is not served with dllm_unmasking_strategy={settings.strategy!r}: "
+                                       "its deletes and inserts move tokens between positions, so a slot's set or "
+                                       "answer would not stay at its slot; use joint_threshold or a reveal rule "
+                                       "(templates are served: pinned positions stay in place)", field)
+            edit_ids = {self.ids.delete_id, self.ids.split_id}
+            if edit_ids & set(decisions.template):
+                raise RequestError("dllm_template pins the model's DELETE or SPLIT token "
+                                   f"({self.ids.delete_id}, {self.ids.split_id}), which "
+                                   f"{settings.strategy!r} reads as an edit and never outputs; pin other ids",
+                                   "dllm_template")
         decisions.check_leaves_a_slot(params.max_new_tokens)
 
     def decoding_params(self, params: GenerationConfig, settings: UnmaskingSettings) -> GenerationConfig:

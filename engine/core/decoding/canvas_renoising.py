@@ -1,5 +1,7 @@
 """Renoising decoding (DiffusionGemma) as a decoding strategy: a canvas of L positions after the
-committed tokens, refined as a whole until it stops, then committed and followed by the next.
+committed tokens, refined as a whole until it stops, then committed and followed by the next. L is
+the model's canvas length, or a narrower one a request (or the engine config) sets with
+`dllm_canvas_length`; requests of different widths share a forward.
 
 A request's tokens are the prompt, the emitted tokens of its finished canvases and its open canvas
 (the tokens its next canvas pass is fed: uniform noise at first, then each step's accepted samples
@@ -67,8 +69,17 @@ class RenoisingDecoding(DecodingStrategy):
 
     @classmethod
     def from_config(cls, config: EngineConfig, spec: ModelSpec, mask_id: int | None) -> RenoisingDecoding:
-        return cls(config.dllm_block_length, spec.vocab_size, RenoiseKnobs.of_engine(config), config.logprobs_mode,
-                   str(resolve_device(config)))
+        """The strategy of the model's canvas (`dllm_block_length`, resolved from its canvas_length);
+        ValueError when the engine's `dllm_canvas_length` is wider."""
+        knobs = RenoiseKnobs.of_engine(config)
+        if knobs.canvas_length > config.dllm_block_length:
+            raise ValueError(f"dllm_canvas_length={knobs.canvas_length} is wider than the model's canvas "
+                             f"({config.dllm_block_length}); set at most that, or 0 for the model's")
+        return cls(config.dllm_block_length, spec.vocab_size, knobs, config.logprobs_mode, str(resolve_device(config)))
+
+    def width(self, knobs: RenoiseKnobs) -> int:
+        """The canvas length a request with these knobs decodes on: its own `canvas_length`, else the model's."""
+        return knobs.canvas_length or self.canvas_length
 
     def check_request(self, params: GenerationConfig, settings: None) -> None:
         super().check_request(params, settings)
@@ -83,24 +94,30 @@ class RenoisingDecoding(DecodingStrategy):
                 raise RequestError(f"{name} does not apply to this model: it decodes by renoising a canvas, whose "
                                    "schedule and entropy bound decide what is sampled; leave it unset", name)
         try:
-            self.knobs.for_request(params)
+            knobs = self.knobs.for_request(params)
         except ValueError as e:
             field = "dllm_t_min" if params.dllm_t_min is not None else "dllm_t_max"
             raise RequestError(str(e), field) from None
+        if knobs.canvas_length > self.canvas_length:
+            raise RequestError(f"dllm_canvas_length={knobs.canvas_length} is wider than this model's canvas "
+                               f"({self.canvas_length}): a request may only narrow it; set at most "
+                               f"{self.canvas_length}, or leave it unset", "dllm_canvas_length")
 
     def check_decisions(self, params: GenerationConfig, settings: None, decisions: Decisions) -> None:
-        """A template (a read's included) must fit the first canvas: it is that canvas's initial state."""
-        if decisions.length > self.canvas_length:
+        """A template (a read's included) must fit the request's first canvas: it is that canvas's
+        initial state."""
+        width = self.width(self.knobs.for_request(params))
+        if decisions.length > width:
             field = "dllm_template" if params.dllm_template is not None else "max_new_tokens"
             raise RequestError(f"{field}: a read or template covers {decisions.length} output positions but this "
-                               f"model's canvas holds {self.canvas_length}: the template is the first canvas's "
-                               "initial state (and a read is one canvas); shorten it", field)
+                               f"request's canvas holds {width}: the template is the first canvas's initial state "
+                               "(and a read is one canvas); shorten it or widen dllm_canvas_length", field)
 
     # ---- the request's state ------------------------------------------------------------------
     def start(self, seq: Sequence, settings: None) -> None:
         p, decisions = seq.params, seq.decisions
-        generator = request_generator(seq.seed, self.device)
-        seq.state = CanvasState(self.knobs.for_request(p), generator, self.canvas_length, self.vocab_size,
+        generator, knobs = request_generator(seq.seed, self.device), self.knobs.for_request(p)
+        seq.state = CanvasState(knobs, generator, self.width(knobs), self.vocab_size,
                                  top_k=p.top_k, top_p=p.top_p, logprobs=p.logprobs, logprobs_mode=self.logprobs_mode,
                                  read_steps=decisions.read_steps if decisions is not None else None)
         seq.stop_bound = p.max_new_tokens
@@ -108,7 +125,7 @@ class RenoisingDecoding(DecodingStrategy):
 
     def _canvas_decisions(self, seq: Sequence, first: int) -> CanvasDecisions | None:
         """The decisions of the canvas over generated indices first..first+L-1."""
-        decisions, n = seq.decisions, self.canvas_length
+        decisions, n = seq.decisions, seq.state.canvas_length
         if decisions is None:
             return None
         sets = {pos: ids for pos in range(n) if (ids := decisions.allowed(first + pos)) is not None}
@@ -117,7 +134,7 @@ class RenoisingDecoding(DecodingStrategy):
     def _open_canvas(self, seq: Sequence) -> None:
         seq.state.start = len(seq.tokens)
         seq.tokens += seq.state.open_canvas(self._canvas_decisions(seq, seq.state.start - seq.prompt_len))
-        n = self.canvas_length
+        n = seq.state.canvas_length
         seq.out_steps += [None] * n
         seq.out_block_steps += [None] * n
         seq.out_logprobs += [None] * n
@@ -130,7 +147,7 @@ class RenoisingDecoding(DecodingStrategy):
         start = seq.state.start
         if seq.num_computed < start:
             return start, False  # the prompt, or the commit of the last canvas
-        return start + self.canvas_length, True
+        return start + seq.state.canvas_length, True
 
     def cacheable_prefix(self, seq: Sequence) -> int:
         # committed tokens, less one: the first forward of an admitted request is an encoder pass
@@ -142,11 +159,11 @@ class RenoisingDecoding(DecodingStrategy):
         start = seq.state.start
         if seq.num_computed >= start:
             return True
-        return seq.step_counter > 0 and start - seq.num_computed <= self.canvas_length
+        return seq.step_counter > 0 and start - seq.num_computed <= seq.state.canvas_length
 
     def sample_positions(self, seq: Sequence, end: int) -> list[int]:
         start = seq.state.start
-        return list(range(start, start + self.canvas_length))
+        return list(range(start, start + seq.state.canvas_length))
 
     def computed_after(self, seq: Sequence, end: int, sampled: bool) -> int:
         return seq.state.start if sampled else end
@@ -167,19 +184,20 @@ class RenoisingDecoding(DecodingStrategy):
     # ---- one canvas step ----------------------------------------------------------------------
     def advance(self, seq: Sequence, rows: PickedRows) -> list[int]:
         canvas, start, base = seq.state, seq.state.start, seq.prompt_len
+        n = canvas.canvas_length
         report = canvas.step(rows.read_logits().float())  # this request's logits only, dropped after the step
         seq.step_counter += 1
-        seq.tokens[start: start + self.canvas_length] = canvas.tokens[0].tolist()
+        seq.tokens[start: start + n] = canvas.tokens[0].tolist()
         canvas.report = report
         if report.ended:
             canvas_settle = canvas.settle.tolist()
             tokens, settle = canvas.close_canvas()
-            seq.tokens[start: start + self.canvas_length] = tokens
+            seq.tokens[start: start + n] = tokens
             first = start - base
-            seq.out_steps[first: first + self.canvas_length] = settle
-            seq.out_block_steps[first: first + self.canvas_length] = canvas_settle
+            seq.out_steps[first: first + n] = settle
+            seq.out_block_steps[first: first + n] = canvas_settle
             if canvas.last_logprobs is not None:
-                seq.out_logprobs[first: first + self.canvas_length] = canvas.last_logprobs
+                seq.out_logprobs[first: first + n] = canvas.last_logprobs
             if canvas.label_mass:
                 seq.decisions.label_mass.update({first + pos: m for pos, m in canvas.label_mass.items()})
             canvas.ended = True
@@ -188,7 +206,7 @@ class RenoisingDecoding(DecodingStrategy):
 
     def num_final(self, seq: Sequence) -> int:
         canvas = seq.state
-        return canvas.start - seq.prompt_len + (self.canvas_length if canvas.ended else 0)
+        return canvas.start - seq.prompt_len + (canvas.canvas_length if canvas.ended else 0)
 
     def after_step(self, seq: Sequence) -> None:
         if seq.state.ended:

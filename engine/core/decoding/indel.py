@@ -25,6 +25,11 @@ m = `max_post_edit_steps`:
    at that position in this block (and not the mask, at an original mask).
 6. The writes go in; a DELETE or SPLIT among them rescans the block. Cleanup ends the block.
 
+A template's pinned positions (`InDelBlock.pinned`) are what SGLang's rule makes of committed
+positions inside the block: never a mask, never edited, never written. They also stay where they
+are: the rescan runs on each stretch of free positions between pins (and the block's ends) on its
+own, each cut or padded back to its own length, so content never crosses a pin.
+
 Everything here mirrors SGLang's tensors and calls (argmax, softmax, topk) so that ties resolve as
 they do there. `InDelBlock` is the block's state between steps; `indel_step` returns the block
 after the step as `Item`s that say where each position's content came from, so the caller carries
@@ -71,6 +76,7 @@ class InDelBlock:
     seen: set[tuple[int, ...]] = field(default_factory=set)  # the steps' input blocks
     history: dict[int, set[int]] = field(default_factory=dict)  # position -> tokens written there
     last: StepOutcome | None = None  # the last step that changed the block (its trace event)
+    pinned: frozenset[int] = frozenset()  # positions a template pins: fixed, never written or moved
 
 
 @dataclass(frozen=True)
@@ -155,6 +161,8 @@ def indel_step(state: InDelBlock, tokens: list[int], logits: torch.Tensor, offse
     if m == 0 and num_orig and not (orig & ~reveal).any().item():
         cleanup, reveal = True, masked
     edits = (p > settings.edit_threshold) & (current != x) & ~masked
+    if state.pinned:
+        edits[list(state.pinned)] = False
     write_positions = (reveal | edits).nonzero()[:, 0]
     if not write_positions.numel():
         return None
@@ -179,7 +187,7 @@ def indel_step(state: InDelBlock, tokens: list[int], logits: torch.Tensor, offse
         if token != tokens[pos]:
             writes[pos] = token
     if {delete_id, split_id} & set(writes.values()):
-        items, deleted = _rescan(tokens, writes, state.orig_mask, ids)
+        items, deleted = _rescan(tokens, writes, state.orig_mask, ids, state.pinned)
         moves = [(it.source, j) for j, it in enumerate(items)
                  if it.source is not None and it.source != j and it.token != mask_id]
         outcome = StepOutcome(items, writes, cleanup, True, moves, deleted)
@@ -190,14 +198,32 @@ def indel_step(state: InDelBlock, tokens: list[int], logits: torch.Tensor, offse
     return outcome
 
 
-def _rescan(tokens: list[int], writes: dict[int, int], orig_mask: list[bool], ids: SpecialIds
-            ) -> tuple[list[Item], list[int]]:
+def _rescan(tokens: list[int], writes: dict[int, int], orig_mask: list[bool], ids: SpecialIds,
+            pinned: frozenset[int] = frozenset()) -> tuple[list[Item], list[int]]:
     """The block after writes with DELETE / SPLIT among them, and the input positions whose content
-    left it: left to right, a DELETE drops its position, a SPLIT becomes a new mask and the
-    position's previous content; cut or padded with new masks to the block's length."""
+    left it: each stretch of positions between pins on its own, pins kept in place."""
     items: list[Item] = []
     deleted: list[int] = []
-    for i, old in enumerate(tokens):
+    start = 0
+    for stop in [*sorted(pinned), len(tokens)]:
+        run, gone = _rescan_run(tokens, writes, orig_mask, ids, start, stop)
+        items += run
+        deleted += gone
+        if stop < len(tokens):
+            items.append(Item(stop, tokens[stop], False, orig_mask[stop]))
+        start = stop + 1
+    return items, sorted(deleted)
+
+
+def _rescan_run(tokens: list[int], writes: dict[int, int], orig_mask: list[bool], ids: SpecialIds,
+                start: int, stop: int) -> tuple[list[Item], list[int]]:
+    """Positions [start, stop) after the writes: left to right, a DELETE drops its position, a SPLIT
+    becomes a new mask and the position's previous content; cut or padded with new masks back to
+    stop - start positions."""
+    items: list[Item] = []
+    deleted: list[int] = []
+    for i in range(start, stop):
+        old = tokens[i]
         token = writes.get(i, old)
         if token == ids.delete_id:
             deleted.append(i)
@@ -205,7 +231,7 @@ def _rescan(tokens: list[int], writes: dict[int, int], orig_mask: list[bool], id
             items += [Item(None, ids.mask_id, False, False), Item(i, old, False, orig_mask[i])]
         else:
             items.append(Item(i, token, i in writes, orig_mask[i]))
-    n = len(tokens)
+    n = stop - start
     deleted += [it.source for it in items[n:] if it.source is not None]
     items = items[:n] + [Item(None, ids.mask_id, False, False)] * (n - len(items))
-    return items, sorted(deleted)
+    return items, deleted

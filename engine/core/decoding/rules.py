@@ -295,13 +295,20 @@ class InDelRule(EditRule):
                     "dllm_split_token_id), and this model has none")
         return None
 
+    def sample_positions(self, seq: Sequence) -> list[int]:
+        # every generated position, pinned ones too: the step reads the block as one stretch (a pin's
+        # row is never written; it only keeps the rescan's positions in place)
+        block = seq.state
+        return list(range(max(block.start, seq.prompt_len), block.end))
+
     def lowered_logits(self, seq: Sequence, positions: list[int]) -> tuple[float, list[int]] | None:
         return None  # no λ penalty (an engine-wide one is joint_threshold's)
 
     def advance(self, seq: Sequence, rows: PickedRows, ids: SpecialIds) -> list[int]:
         block, positions = seq.state, rows.positions
-        if block.rule_state is None:  # the block's first step: every generated position is an original mask
-            block.rule_state = InDelBlock([True] * len(positions))
+        if block.rule_state is None:  # the block's first step: every unpinned generated position is an original mask
+            pinned = frozenset(i for i, p in enumerate(positions) if p in block.pinned)
+            block.rule_state = InDelBlock([i not in pinned for i in range(len(positions))], pinned=pinned)
         state: InDelBlock = block.rule_state
         state.last = None
         outcome = indel_step(state, [seq.tokens[p] for p in positions], rows.logits, positions[0] - block.start,

@@ -65,6 +65,7 @@ from engine.core.input_processing import check_knobs
 from engine.core.sampler import RowGroup, allowed_mask, allowed_mass, token_logprobs, within_allowed
 from engine.core.sequence import Sequence, Speculation
 from engine.core.step_plan import Feed, SampleSlice
+from engine.core.trajectory_plan import TrajectoryGeometry
 from engine.errors import RequestError
 from engine.model.spec import ModelSpec
 from engine.worker.forward_batch import MASK_BIDIRECTIONAL, MASK_CAUSAL, ForwardBatch
@@ -161,9 +162,11 @@ class SeededBlockDecoding(DecodingStrategy):
             raise RequestError(f"dllm_block_length={params.dllm_block_length}: this model decodes blocks of "
                                f"{self.block_length} tokens and the block length cannot change per request; leave "
                                "it unset", "dllm_block_length")
-        if params.dllm_trajectory is not None:
-            raise RequestError("dllm_trajectory is not served for this model yet (its blocks start at the prompt "
-                               "end, each seeded by a causal forward); leave it unset", "dllm_trajectory")
+        if params.dllm_trajectory is not None and settings.mode != "diffusion":
+            raise RequestError(f"dllm_trajectory scores dllm_mode='diffusion' rollouts and this request has "
+                               f"dllm_mode={settings.mode!r} (its tokens are autoregressive: score them with "
+                               "logprob_start_len over prompt + output, max_new_tokens=0); set dllm_mode to "
+                               "'diffusion'", "dllm_trajectory")
         if settings.mode == "ar":
             if params.dllm_confidence_threshold is not None:
                 raise RequestError("dllm_confidence_threshold is read by dllm_mode='diffusion' only and this "
@@ -240,6 +243,16 @@ class SeededBlockDecoding(DecodingStrategy):
         batch.mask_kinds.append(MASK_BIDIRECTIONAL if denoising else MASK_CAUSAL)
         if self.draft_lora:
             batch.draft_rows.append(denoising and seq.state.speculating)
+
+    def view_fields(self, batch: ForwardBatch) -> None:
+        """A trajectory view is a denoising pass's block (or a seed's one position) over the causal
+        context: bidirectional, with the plain weights."""
+        batch.mask_kinds.append(MASK_BIDIRECTIONAL)
+        if self.draft_lora:
+            batch.draft_rows.append(False)
+
+    def trajectory_geometry(self, predicts_next: bool) -> TrajectoryGeometry:
+        return TrajectoryGeometry(seeded=True)
 
     def row_groups(self, slices: list[SampleSlice]) -> list[RowGroup]:
         """An autoregressive request's rows as `AutoregressiveDecoding` samples them; a diffusion request's

@@ -238,6 +238,37 @@ def test_a_template_longer_than_the_canvas_is_refused(engine):
     assert not engine.has_unfinished()
 
 
+NARROW = 6  # a request's canvas narrower than the model's (vLLM's diffusion_canvas_length)
+
+
+def test_narrow_canvases_among_full_ones_equal_the_reference(engine, model, vocab, prompt, refs):
+    """`dllm_canvas_length` narrows a request's canvases: equal to the reference loop on canvases of that
+    many positions, draw for draw, with a template and without, beside full-width requests."""
+    template = [None, random_tokens(1, 5, vocab)[0], None, None]
+    requests = {"narrow": (prompt, request({}, 4, dllm_canvas_length=NARROW)),
+                "narrow_pins": (prompt, request({"template": template}, 5, dllm_canvas_length=NARROW)),
+                "free0": (prompt, params(max_new_tokens=MAX_NEW, random_seed=0))}
+    results = run(engine, requests)
+    narrow = reference(model, prompt, 4, canvas_length=NARROW)
+    pinned = reference(model, prompt, 5, canvas_length=NARROW, template=template)
+    check(results["narrow"], narrow, {})
+    check(results["narrow_pins"], pinned, {"template": template})
+    check(results["free0"], refs["free0"], {})
+    assert len(results["narrow"].dllm_replay_canvases) == -(-MAX_NEW // NARROW)
+    assert narrow.tokens != reference(model, prompt, 4, canvas_length=NARROW + 1).tokens  # the width matters
+
+
+def test_a_canvas_wider_than_the_models_is_refused(engine):
+    with pytest.raises(RequestError, match="wider than this model's canvas") as refused:
+        engine.add_request([1, 2, 3], GenerationConfig(max_new_tokens=8, dllm_canvas_length=CANVAS + 1))
+    assert refused.value.param == "dllm_canvas_length"
+    with pytest.raises(RequestError, match="canvas holds 3") as refused:
+        engine.add_request([1, 2, 3], GenerationConfig(max_new_tokens=8, dllm_canvas_length=3,
+                                                       dllm_template=[-1, -1, -1, -1]))
+    assert refused.value.param == "dllm_template"
+    assert not engine.has_unfinished()
+
+
 # ---- tp=2: rank 0 runs the engine, rank 1 every forward it makes -----------------------------------
 class RankZero:
     """The executor of an engine at tp=2: rank 0's runner in this process, each call first handed to

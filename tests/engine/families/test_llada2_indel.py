@@ -174,16 +174,16 @@ def llada2(tiny):
         yield ref, pipe
 
 
-def check(out, want, prompt: list[int], mask_id: int, case) -> None:
+def check(out, want, prompt: list[int], mask_id: int, case, template: list[int | None] = ()) -> None:
     """Tokens and finish reason as the released rule's; the trace's writes are its changing writes,
-    step by step; replaying the trace (writes, then deletes and moves) gives its blocks, and the
-    output's tokens, step_map and logprobs."""
+    step by step; replaying the trace (writes, then deletes and moves) over the template's pins gives
+    its blocks, and the output's tokens, step_map and logprobs."""
     assert out.token_ids == want.output, case
     assert out.finish_reason == want.finish_reason, case
     steps = [(k, s) for k, block in enumerate(want.blocks) for s in block if s.writes]
     assert len(out.step_trace) == len(steps), case
     first_block = len(prompt) // B
-    state: dict[int, tuple[int, int, float]] = {}
+    state: dict[int, tuple[int, int, float]] = {g: (t, 0, 0.0) for g, t in enumerate(template) if t is not None}
     for event, (k, step) in zip(out.step_trace, steps, strict=True):
         start = (first_block + k) * B
         shift = len(prompt) - start  # block position of generated index g: g + shift
@@ -245,6 +245,55 @@ def test_whole_requests_equal_the_released_rule(llada2, m, e):
     if e == 0.0:  # (at edit threshold 0.6 and m = 0 these weights write DELETE but no SPLIT)
         assert any("moves" in ev for out in outs for ev in out.step_trace), "the cases delete or split"
         assert DELETE in written and SPLIT in written, "the cases write both edit tokens"
+
+
+def test_templates_keep_their_pins_in_place(llada2):
+    """A template under the rule: its pinned positions are never written, deleted, split or moved
+    (the rescan runs between them), every request equal to the released rule and loop with the pins
+    in the block's prompt mask and the rescan kept between them (`PinnedInDel`), batched with free
+    requests and alone; the cases delete and split around the pins."""
+    ref, pipe = llada2
+    mask_id = pipe.engine.decoding.mask_id
+    rng = random.Random(7)
+
+    def template(length: int) -> list[int | None]:
+        return [rng.choice(ordinary) if rng.random() < 0.3 else None for _ in range(length)]
+
+    prompts = [prompt_of(n, n) for n in (1, 31, 33, 70)]
+    ordinary = [t for t in range(300) if t not in (mask_id, DELETE, SPLIT)]
+    cases = [(p, n, template(t)) for n, t in ((40, 12), (80, 70)) for p in prompts]
+    cases += [(prompts[0], 40, []), (prompts[2], 80, [])]  # free requests in the same batch
+    params = [GenerationConfig(max_new_tokens=n, logprobs=0, return_step_trace=True, dllm_unmasking_strategy=RULE,
+                               dllm_max_post_edit_steps=1, dllm_template=t or None) for _, n, t in cases]
+    outs = pipe([p for p, _, _ in cases], params)
+    oracle = SGLangInDel(ref.logits, B, mask_id, DELETE, SPLIT, set(pipe.engine.spec.eos_token_ids), threshold=0.5,
+                         edit_threshold=0.0, max_post_edit_steps=1)
+    wants = oracle.generate([p for p, _, _ in cases], [n for _, n, _ in cases], [t for _, _, t in cases])
+    for (prompt, n, t), out, want in zip(cases, outs, wants, strict=True):
+        check(out, want, prompt, mask_id, (len(prompt), n, t), t)
+        for g, token in enumerate(t[: len(out.token_ids)]):
+            if token is not None:
+                assert (out.token_ids[g], out.step_map[g]) == (token, 0), (len(prompt), g)
+    pinned_moves = [ev for (_, _, t), out in zip(cases, outs, strict=True) if t for ev in out.step_trace
+                    if "moves" in ev]
+    assert pinned_moves, "the templated cases delete or split"
+    alone = pipe(cases[1][0], params[1])
+    assert (alone.token_ids, alone.step_map, alone.step_trace) == (outs[1].token_ids, outs[1].step_map,
+                                                                    outs[1].step_trace)
+
+
+def test_sets_and_reads_are_refused_templates_served(llada2):
+    _, pipe = llada2
+    base = dict(max_new_tokens=8, dllm_unmasking_strategy=RULE, dllm_template=[None, 5, None])
+    for extra, field in ((dict(dllm_allowed_token_ids=[1, 2]), "dllm_allowed_token_ids"),
+                         (dict(dllm_read_only=True), "dllm_read_only")):
+        with pytest.raises(RequestError, match="stay at its slot") as e:
+            pipe([1, 2], GenerationConfig(**base, **extra))
+        assert e.value.param == field
+    with pytest.raises(RequestError, match="DELETE or SPLIT") as e:
+        pipe([1, 2], GenerationConfig(**{**base, "dllm_template": [None, DELETE]}))
+    assert e.value.param == "dllm_template"
+    assert pipe([1, 2], GenerationConfig(**base)).token_ids[1] == 5
 
 
 def test_replay_fields_and_samples(llada2):
