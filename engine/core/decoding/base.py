@@ -108,8 +108,6 @@ class DecodingStrategy(ABC):
     samples_logits: bool = False
     #: whether its passes need fields beyond tokens and pages (`pass_fields` is called only then)
     has_pass_fields: bool = False
-    #: what a request refused typed decisions may do instead (appended to the refusal)
-    decisions_hint: str = ""
 
     def request_settings(self, params: GenerationConfig, config: EngineConfig,
                          engine_set: frozenset[str] = frozenset()) -> Any:
@@ -133,7 +131,7 @@ class DecodingStrategy(ABC):
         decisions (`engine.core.decisions`: a template, allowed sets, a read); by default it honours none."""
         field = params.decision_field
         raise RequestError(f"{field}: typed decisions (templates, allowed sets, reads) are not served for "
-                           f"{self.paradigm} decoding yet; leave it unset" + self.decisions_hint, field)
+                           f"{self.paradigm} decoding yet; leave it unset", field)
 
     def decoding_params(self, params: GenerationConfig, settings: Any) -> GenerationConfig:
         """The settings a request `check_request` accepted decodes with (by default its own)."""

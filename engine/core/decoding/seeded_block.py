@@ -79,10 +79,18 @@ _DIFFUSION_REFUSES = {
 
 @dataclass(frozen=True)
 class SeededSettings:
-    """A request's mode, and its diffusion threshold (None: the step's quota, one position per pass)."""
+    """A request's mode, its diffusion threshold (None: the step's quota, one position per pass), and
+    whether it sets typed decisions (a `linear_spec` request then decodes as `ar`)."""
 
     mode: str
     threshold: float | None
+    typed: bool = False
+
+    @property
+    def autoregressive(self) -> bool:
+        """The request decodes token by token: `ar`, or `linear_spec` with typed decisions -- its output
+        is `ar`'s by definition, and a forced token or an allowed set is one `ar` takes as it is."""
+        return self.mode == "ar" or self.mode == "linear_spec" and self.typed
 
 
 @dataclass
@@ -129,7 +137,6 @@ class SeededBlockDecoding(DecodingStrategy):
     paradigm = "seeded_block"
     needs_confidence = False
     has_pass_fields = True
-    decisions_hint = " in this dllm_mode (dllm_mode='ar' takes them)"
 
     def __init__(self, block_length: int, mask_id: int, logprobs_mode: str | None, device: str = "cpu",
                  draft_lora: bool = False):
@@ -151,10 +158,10 @@ class SeededBlockDecoding(DecodingStrategy):
         threshold = params.dllm_confidence_threshold
         if threshold is None and "dllm_confidence_threshold" in engine_set:
             threshold = config.dllm_confidence_threshold
-        return SeededSettings(params.dllm_mode or config.dllm_mode, threshold)
+        return SeededSettings(params.dllm_mode or config.dllm_mode, threshold, params.has_decisions)
 
     def autoregressive(self, settings: SeededSettings) -> bool:
-        return settings.mode == "ar"
+        return settings.autoregressive
 
     def check_request(self, params: GenerationConfig, settings: SeededSettings) -> None:
         check_knobs(params, self.paradigm, None)
@@ -179,18 +186,16 @@ class SeededBlockDecoding(DecodingStrategy):
                                    "unset, or use dllm_mode='ar'", name)
 
     def check_decisions(self, params: GenerationConfig, settings: SeededSettings, decisions: Decisions) -> None:
-        """`ar` requests take templates, allowed sets and reads as an autoregressive model's, `diffusion`
-        requests as a mask-based block's (pins written when their block opens, the seed's too); `linear_spec`
-        requests do not yet."""
-        if settings.mode == "ar":
+        """`ar` requests take templates, allowed sets and reads as an autoregressive model's, and so do
+        `linear_spec` ones (they decode as `ar`: `SeededSettings.autoregressive`); `diffusion` requests as
+        a mask-based block's (pins written when their block opens, the seed's too)."""
+        if settings.autoregressive:
             return self.ar.check_decisions(params, settings, decisions)
-        if settings.mode == "linear_spec":
-            return super().check_decisions(params, settings, decisions)
         decisions.check_leaves_a_slot(params.max_new_tokens)
         return None
 
     def start(self, seq: Sequence, settings: SeededSettings) -> None:
-        if settings.mode == "ar":
+        if settings.autoregressive:
             seq.decodes_autoregressively = True
             self.ar.start(seq, None)
             return

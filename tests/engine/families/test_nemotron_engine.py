@@ -148,11 +148,18 @@ def test_an_ar_mode_read_scores_each_slot_as_the_causal_model_does(pipe, model):
         assert abs(out.label_mass[g] - float(row[labels].exp().sum())) < 1e-4
 
 
-def test_linear_spec_refuses_typed_decisions_by_name(pipe):
-    with pytest.raises(RequestError) as err:
-        pipe.engine.add_request(make_prompt(3), GenerationConfig(max_new_tokens=8, dllm_template=[-1, 7],
-                                                                 dllm_mode="linear_spec"))
-    assert err.value.param == "dllm_template" and "dllm_mode='ar'" in str(err.value)
+@pytest.mark.parametrize("decisions", [
+    {"dllm_template": [-1, 40, -1, 41]},
+    {"dllm_template": [-1, 40, -1, 41], "dllm_allowed_token_ids": [5, 9, 17]},
+    {"dllm_template": [-1, 40, 41, -1], "dllm_allowed_token_ids": [5, 9, 17], "dllm_read_only": True}])
+def test_linear_spec_takes_typed_decisions_as_ar(pipe, decisions):
+    """LinearSpec's output is ar's: with typed decisions a linear_spec request decodes as ar (the same
+    tokens, logprobs and label masses, no speculation fields)."""
+    prompt = make_prompt(12)
+    spec, ar = (pipe(prompt, GenerationConfig(max_new_tokens=8, logprobs=0, dllm_mode=mode, **decisions))
+                for mode in ("linear_spec", "ar"))
+    assert (spec.token_ids, spec.logprobs, spec.label_mass) == (ar.token_ids, ar.logprobs, ar.label_mass)
+    assert spec.token_ids[1] == 40 and spec.nfe is None and spec.acceptance_lengths is None
 
 
 def test_modes_are_named_as_the_table_and_sglang_name_them(pipe, model, ids):
