@@ -367,6 +367,7 @@ class LLMEngine:
             it.seq.num_computed = it.kv_final if it.sample else it.end
         self.kv.register_many([(it.seq.table, it.seq.tokens, it.seq.num_computed) for it in fwd.items])
         chunks: list[OutputChunk] = []
+        self.stats.unmasking_steps += self.is_dllm * len(fwd.slices)  # one step of each sequence it sampled
         for seq, error in self.decoding.apply([(sl.seq, rows) for sl, rows in zip(fwd.slices, fwd.rows)],
                                               self._finalize):
             chunks += self.isolation.fail_alone(seq, error)
@@ -379,9 +380,7 @@ class LLMEngine:
     def _finalize(self, seq: Sequence, written: list[int], num_final: int) -> bool:
         """The engine's part of a sequence's step (`decoding.Finalize`): the newly final tokens go to the
         stop rule, the step to the trace; True once the request is finished."""
-        stats = self.stats
-        stats.generated_tokens += len(written)
-        stats.unmasking_steps += self.is_dllm
+        self.stats.generated_tokens += len(written)
         limit = seq.params.max_new_tokens
         final = num_final if num_final < limit else limit
         if final > seq.stop.num_consumed:

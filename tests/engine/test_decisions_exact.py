@@ -168,6 +168,17 @@ def test_one_step_read_inside_one_block_is_one_forward(family, pipes):
     assert_equal(out, case.reference(family), case)
 
 
+def test_pinned_blocks_count_no_extra_step(sdar, pipes):
+    """A template that pins whole blocks after the prompt's: the engine's step count is the request's
+    (a block opened already final adds no step of its own)."""
+    pipe, b = pipes(sdar), sdar.block
+    template = [None] * b + list(range(50, 50 + 2 * b)) + [None]
+    before = pipe.engine.stats.unmasking_steps
+    out = pipe(sdar.prompt(b), GenerationConfig(max_new_tokens=len(template), ignore_eos=True, dllm_template=template))
+    assert out.token_ids[b: 3 * b] == list(range(50, 50 + 2 * b))
+    assert pipe.engine.stats.unmasking_steps - before == out.num_steps
+
+
 @pytest.mark.parametrize(("fields", "field"), [
     ({"dllm_template": [10**6]}, "dllm_template"),
     ({"dllm_template": [None] * 9, "max_new_tokens": 8}, "dllm_template"),
