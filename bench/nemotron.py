@@ -121,10 +121,11 @@ def modes(root: Path, toy: bool, requests: int, tokens: int, prompt_len: int, ch
     return report
 
 
-def drafting(root: Path, steps: int, requests: int, tokens: int, prompt_len: int) -> dict[str, Any]:
-    """`ar` against `linear_spec`, one request at a time, on the tiny checkpoint trained to draft."""
+def drafting(root: Path, steps: int, requests: int, tokens: int, prompt_len: int, toy: bool) -> dict[str, Any]:
+    """`ar` against `linear_spec`, one request at a time, on the tiny checkpoint trained to draft (`toy`: a
+    few small batches, for the run's shape only)."""
     torch.manual_seed(0)
-    path = write_drafting_nemotron(root / "drafting", steps=steps)
+    path = write_drafting_nemotron(root / "drafting", steps=steps, **(dict(batch=4, length=32) if toy else {}))
     block = json.loads((path / "config.json").read_text())["block_size"]
     engine = new_engine(path, 1, prompt_len, tokens, block)
     batch = periodic(requests, prompt_len, torch.Generator().manual_seed(1)).tolist()
@@ -162,8 +163,8 @@ def main(argv: list[str] | None = None) -> None:
         root = Path(tmp)
         report = {"toy": args.toy, "requests": args.requests, "tokens": args.tokens, "prompt_len": args.prompt_len,
                   "modes": modes(root, args.toy, args.requests, args.tokens, args.prompt_len, args.check),
-                  "drafting": drafting(root, 20 if args.toy else args.train_steps, args.requests, args.tokens,
-                                       args.prompt_len)}
+                  "drafting": drafting(root, 5 if args.toy else args.train_steps, args.requests, args.tokens,
+                                       args.prompt_len, args.toy)}
     print(json.dumps(report, indent=2))
 
 

@@ -30,7 +30,7 @@ from testing.tiny.nemotron_labs_diffusion import load_ministral3, to_released_na
 PERIOD = 3  # the toy language's motif length
 MOTIF_IDS = (40, 120)  # motif tokens are drawn from [40, 120): ordinary byte tokens
 LENGTH = 96  # training sequence length: the positions the bench decodes at
-BATCH = 32
+BATCH = 32  # sequences per training step
 
 
 def periodic(n: int, length: int, generator: torch.Generator) -> torch.Tensor:
@@ -39,11 +39,11 @@ def periodic(n: int, length: int, generator: torch.Generator) -> torch.Tensor:
     return motifs.repeat(1, -(-length // PERIOD))[:, :length]
 
 
-def write_drafting_nemotron(path: str | Path, *, steps: int = 200, seed: int = 0, lr: float = 3e-3,
-                            **shape) -> Path:
+def write_drafting_nemotron(path: str | Path, *, steps: int = 300, seed: int = 0, lr: float = 3e-3,
+                            batch: int = BATCH, length: int = LENGTH, **shape) -> Path:
     """Write the tiny checkpoint (`shape`: `write_tiny_nemotron_labs_diffusion`'s arguments) to `path`,
-    train it `steps` steps of AdamW on both objectives (batches of BATCH sequences) and save the trained
-    weights in its place; returns `path`."""
+    train it `steps` steps of AdamW on both objectives (batches of `batch` sequences of `length` tokens)
+    and save the trained weights in its place; returns `path`."""
     path = write_tiny_nemotron_labs_diffusion(path, seed=seed, **shape)
     cfg = json.loads((path / "config.json").read_text())
     mask_id, b = cfg["mask_token_id"], cfg["block_size"]
@@ -51,12 +51,12 @@ def write_drafting_nemotron(path: str | Path, *, steps: int = 200, seed: int = 0
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     generator = torch.Generator().manual_seed(seed)
     for _ in range(steps):
-        tokens = periodic(BATCH, LENGTH, generator)
+        tokens = periodic(batch, length, generator)
         logits = model(input_ids=tokens, use_cache=False).logits
         loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
-        start = int(torch.randint(PERIOD * 2, LENGTH - b + 1, (1,), generator=generator))
+        start = int(torch.randint(PERIOD * 2, length - b + 1, (1,), generator=generator))
         noisy = tokens[:, : start + b].clone()
-        hidden = torch.rand((BATCH, b), generator=generator) < torch.rand((BATCH, 1), generator=generator)
+        hidden = torch.rand((batch, b), generator=generator) < torch.rand((batch, 1), generator=generator)
         hidden[:, 0] = False  # the seed is given
         if hidden.any():
             block = noisy[:, start:]
