@@ -310,6 +310,9 @@ SPECS: list[Spec] = [
     Spec("docs/viewer.md", "python3 -m webbrowser", "skip", "opens a browser window (no display here)"),
     Spec("docs/viewer.md", "curl -s localhost:8000/viewer", needs="readme", check=_http_200),
     Spec("docs/viewer.md", "--json dynamic.json", check=_files("dynamic.json", "sequential.json")),
+    Spec("docs/viewer.md", "sudo apt-get install -y chromium", "skip",
+         "installs Debian packages with sudo (the walk's machine has no sudo; .ci/run installs the same two "
+         "packages, and README's test command already installed the test extra)"),
     Spec("docs/viewer.md", "BLOCKSERVE_VIEWER_SCREENSHOT", needs="none", check=_viewer_test, timeout=1200),
     Spec("docs/reliability.md", "tests/deployments/test_reliability_*.py", needs="none", timeout=3000,
          reason="pytest's summary and bench.load's exit status"),
