@@ -80,7 +80,8 @@ class RuleSpec:
     the knob; they replace the family's and the table's defaults). `greedy`: it picks from the model's
     own logits and never samples, so a request decoding with it that leaves `temperature` unset is
     greedy (temperature 0, whatever the API's default temperature), and one that sets a sampling
-    temperature is refused naming `temperature`."""
+    temperature is refused naming `temperature`. `refuses`: request fields the rule cannot honour, each
+    with why; a request setting one to anything but its default is refused naming it."""
 
     name: str
     paradigms: tuple[Paradigm, ...]
@@ -88,6 +89,15 @@ class RuleSpec:
     edits: bool = False
     defaults: Mapping[str, Any] = field(default_factory=dict)
     greedy: bool = False
+    refuses: Mapping[str, str] = field(default_factory=dict)
+
+
+# token editing rewrites tokens after they were written, so a rollout's step map no longer gives each
+# token's input: such rollouts cannot be scored
+_EDITED_TRAJECTORY = {"dllm_trajectory": "a rollout decoded with token editing cannot be scored: its tokens' "
+                                         "inputs changed after they were written; score rollouts decoded without "
+                                         "edits"}
+_GREEDY_LOGITS = "it decodes greedily from the model's own logits"
 
 
 RULE_SPECS: dict[str, RuleSpec] = {r.name: r for r in (
@@ -99,11 +109,13 @@ RULE_SPECS: dict[str, RuleSpec] = {r.name: r for r in (
              "dllm_entropy_threshold"),
     RuleSpec("random", _BLOCK, "the step's quota of positions drawn uniformly (seeded by the request)"),
     RuleSpec("joint_threshold", _BLOCK, "reveal above dllm_confidence_threshold (else the most confident) and "
-             "rewrite revealed tokens whose candidate is more confident than dllm_edit_threshold", edits=True),
+             "rewrite revealed tokens whose candidate is more confident than dllm_edit_threshold", edits=True,
+             refuses=_EDITED_TRAJECTORY),
     RuleSpec("joint_threshold_indel", _BLOCK, "joint_threshold's reveals and rewrites (at least 1 + the masks it "
              "introduced while original masks remain), plus insert/delete edits: a DELETE candidate drops its "
              "position, a SPLIT one inserts a mask before its token; greedy; threshold 0.5 unless set", edits=True,
-             defaults={"dllm_confidence_threshold": 0.5}, greedy=True),
+             defaults={"dllm_confidence_threshold": 0.5}, greedy=True,
+             refuses={**_EDITED_TRAJECTORY, "repetition_penalty": _GREEDY_LOGITS, "min_new_tokens": _GREEDY_LOGITS}),
 )}
 # a runtime Literal over the table's names, so that no second list of them exists
 UnmaskingStrategy = Literal[tuple(RULE_SPECS)]  # type: ignore[valid-type]

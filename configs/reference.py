@@ -12,7 +12,7 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
 from configs import EngineConfig, GenerationConfig
-from configs.knobs import ENGINE_WIDE_IGNORED, KNOBS, PARADIGMS, RULE_SPECS, Knob
+from configs.knobs import ENGINE_WIDE_IGNORED, KNOBS, PARADIGMS, RULE_SPECS, Knob, RuleSpec
 
 _BOUNDS = {"ge": "≥", "gt": ">", "le": "≤", "lt": "<", "min_length": "min length", "max_length": "max length"}
 
@@ -53,6 +53,10 @@ def _names(names) -> str:
     return ", ".join(f"`{n}`" for n in names)
 
 
+def _refused_by(rule: RuleSpec) -> str:
+    return ", ".join(["a sampling `temperature`"] * rule.greedy + [f"`{name}`" for name in rule.refuses])
+
+
 def _refused_on(knob: Knob) -> str:
     return ", ".join(f"`{p}`" + (" (per request; engine-wide: ignored)" if p in ENGINE_WIDE_IGNORED else "")
                      for p in PARADIGMS if p not in knob.used_by)
@@ -63,9 +67,10 @@ def knob_tables() -> str:
     paradigms = ["| paradigm | meaning | unmasking rules |", "|---|---|---|"]
     paradigms += [f"| `{p}` | {_cell(doc)} | {_names(r.name for r in RULE_SPECS.values() if p in r.paradigms) or '-'} |"
                   for p, doc in PARADIGMS.items()]
-    rules = ["| rule | paradigms | edits tokens | reveals |", "|---|---|---|---|"]
-    rules += [f"| `{r.name}` | {_names(r.paradigms)} | {'yes' if r.edits else 'no'} | {_cell(r.doc)} |"
-              for r in RULE_SPECS.values()]
+    rules = ["| rule | paradigms | edits tokens | reveals | refuses (a 400 naming the field) |",
+             "|---|---|---|---|---|"]
+    rules += [f"| `{r.name}` | {_names(r.paradigms)} | {'yes' if r.edits else 'no'} | {_cell(r.doc)} | "
+              f"{_refused_by(r) or '-'} |" for r in RULE_SPECS.values()]
     knobs = ["| knob | per request | read by (paradigms) | read by (rules) | refused on | under another rule |",
              "|---|---|---|---|---|---|"]
     knobs += [f"| `{k.name}` | {'yes' if k.per_request else 'engine-wide only'} | {_names(k.used_by)} | "

@@ -149,6 +149,29 @@ def test_the_knobs_a_family_reads_are_accepted(engines):
         engine.step()
 
 
+# a value other than the default of every request field a rule's spec refuses
+REFUSED_VALUES = {"dllm_trajectory": {"output_ids": [5, 6], "step_map": [1, 2]}, "repetition_penalty": 1.2,
+                  "min_new_tokens": 2}
+
+
+@pytest.fixture(scope="module")
+def editing_engine(checkpoints) -> LLMEngine:
+    """LLaDA2 with edit tokens, so that every editing rule is served."""
+    return LLMEngine(checkpoints["llada2_moe"], EngineConfig(**ENGINE, dllm_delete_token_id=SET["dllm_delete_token_id"],
+                                                             dllm_split_token_id=SET["dllm_split_token_id"]))
+
+
+@pytest.mark.parametrize(("rule", "field"), [(r.name, f) for r in RULE_SPECS.values() for f in r.refuses])
+def test_what_a_rule_spec_refuses_is_refused_by_name(editing_engine, rule, field):
+    """`RuleSpec.refuses`, declared once in the table, is what a request under the rule is refused."""
+    params = GenerationConfig(max_new_tokens=0 if field == "dllm_trajectory" else 4, dllm_unmasking_strategy=rule,
+                              logprobs=0, **{field: REFUSED_VALUES[field]})
+    with pytest.raises(RequestError, match=f"does not apply to {rule}") as err:
+        editing_engine.add_request([1, 2, 3], params)
+    assert err.value.param == field
+    assert not editing_engine.has_unfinished()
+
+
 def test_every_rule_of_the_table_is_one_rule_object():
     assert set(RULES) == set(RULE_SPECS)
     for name, rule in RULES.items():

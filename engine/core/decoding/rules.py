@@ -134,11 +134,16 @@ class DecodingRule(ABC):
         return self.spec.edits
 
     def check_request(self, params: GenerationConfig) -> None:
-        """Raise RequestError naming the field when a request asks what this rule cannot do: a rule that
-        only decodes greedily (`RuleSpec.greedy`) refuses a sampling temperature the request set."""
+        """Raise RequestError naming the field when a request asks what this rule cannot do, as its spec
+        declares: a rule that only decodes greedily (`RuleSpec.greedy`) refuses a sampling temperature
+        the request set, and every rule the fields it `refuses` when set to anything but their default."""
         if self.spec.greedy and not params.is_greedy and "temperature" in params.model_fields_set:
             raise RequestError(f"temperature={params.temperature}: {self.spec.name} decodes greedily from the "
                                "model's own logits and does not sample; set temperature to 0", "temperature")
+        fields = type(params).model_fields
+        for name, why in self.spec.refuses.items():
+            if getattr(params, name) != fields[name].default:
+                raise RequestError(f"{name} does not apply to {self.spec.name}: {why}; leave it unset", name)
 
     def decoding_params(self, params: GenerationConfig) -> GenerationConfig:
         """The settings an accepted request decodes with: its own, made greedy under a rule that only
@@ -211,13 +216,6 @@ class EditRule(DecodingRule):
 
     pick: Callable[[BlockRows, int, UnmaskingSettings], list[int] | None] | None = None
 
-    def check_request(self, params: GenerationConfig) -> None:
-        super().check_request(params)
-        if params.dllm_trajectory is not None:
-            raise RequestError(f"dllm_trajectory: a rollout decoded with token editing ({self.spec.name}) cannot be "
-                               "scored: its tokens' inputs changed after they were written; score rollouts decoded "
-                               "without edits", "dllm_trajectory")
-
     def sample_positions(self, seq: Sequence) -> list[int]:
         # revealed ones may be rewritten; a template's pinned ones never are
         block = seq.state
@@ -278,15 +276,6 @@ class InDelRule(EditRule):
 
     wants_logits: bool = True
     moves_tokens: bool = True
-
-    def check_request(self, params: GenerationConfig) -> None:
-        super().check_request(params)
-        refused = {"repetition_penalty": params.repetition_penalty != 1.0,
-                   "min_new_tokens": params.min_new_tokens > 0}
-        for name, bad in refused.items():
-            if bad:
-                raise RequestError(f"{name} does not apply to {self.spec.name}: it decodes greedily from the "
-                                   "model's own logits; leave it unset", name)
 
     def missing(self, ids: SpecialIds) -> str | None:
         if ids.delete_id is None or ids.split_id is None:
