@@ -98,6 +98,9 @@ _EDITED_TRAJECTORY = {"dllm_trajectory": "a rollout decoded with token editing c
                                          "inputs changed after they were written; score rollouts decoded without "
                                          "edits"}
 _GREEDY_LOGITS = "it decodes greedily from the model's own logits"
+# insert/delete editing moves tokens between positions: typed decisions tied to a position cannot hold
+_MOVES = ("its deletes and inserts move tokens between positions, so a slot's {} would not stay at its slot (use "
+          "joint_threshold or a reveal rule; templates are served, their pinned positions stay in place)")
 
 
 RULE_SPECS: dict[str, RuleSpec] = {r.name: r for r in (
@@ -115,7 +118,8 @@ RULE_SPECS: dict[str, RuleSpec] = {r.name: r for r in (
              "introduced while original masks remain), plus insert/delete edits: a DELETE candidate drops its "
              "position, a SPLIT one inserts a mask before its token; greedy; threshold 0.5 unless set", edits=True,
              defaults={"dllm_confidence_threshold": 0.5}, greedy=True,
-             refuses={**_EDITED_TRAJECTORY, "repetition_penalty": _GREEDY_LOGITS, "min_new_tokens": _GREEDY_LOGITS}),
+             refuses={**_EDITED_TRAJECTORY, "repetition_penalty": _GREEDY_LOGITS, "min_new_tokens": _GREEDY_LOGITS,
+                      "dllm_allowed_token_ids": _MOVES.format("set"), "dllm_read_only": _MOVES.format("answer")}),
 )}
 # a runtime Literal over the table's names, so that no second list of them exists
 UnmaskingStrategy = Literal[tuple(RULE_SPECS)]  # type: ignore[valid-type]

@@ -151,7 +151,7 @@ def test_the_knobs_a_family_reads_are_accepted(engines):
 
 # a value other than the default of every request field a rule's spec refuses
 REFUSED_VALUES = {"dllm_trajectory": {"output_ids": [5, 6], "step_map": [1, 2]}, "repetition_penalty": 1.2,
-                  "min_new_tokens": 2}
+                  "min_new_tokens": 2, "dllm_allowed_token_ids": [7, 8], "dllm_read_only": True}
 
 
 @pytest.fixture(scope="module")

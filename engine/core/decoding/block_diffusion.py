@@ -80,23 +80,13 @@ class BlockDiffusionDecoding(DecodingStrategy):
         rule.check_request(params)
 
     def check_decisions(self, params: GenerationConfig, settings: UnmaskingSettings, decisions: Decisions) -> None:
-        """Every rule honours templates; joint_threshold_indel's deletes and inserts move content
-        between positions, so a position's allowed set or read answer would not stay with it: that
-        rule takes templates (its pins stay in place) but refuses sets and reads."""
-        if RULES[settings.strategy].moves_tokens:
-            for field, asked in (("dllm_allowed_token_ids", decisions.has_sets),
-                                 ("dllm_read_only", decisions.read_steps is not None)):
-                if asked:
-                    raise RequestError(f"{field} is not served with dllm_unmasking_strategy={settings.strategy!r}: "
-                                       "its deletes and inserts move tokens between positions, so a slot's set or "
-                                       "answer would not stay at its slot; use joint_threshold or a reveal rule "
-                                       "(templates are served: pinned positions stay in place)", field)
-            edit_ids = {self.ids.delete_id, self.ids.split_id}
-            if edit_ids & set(decisions.template):
-                raise RequestError("dllm_template pins the model's DELETE or SPLIT token "
-                                   f"({self.ids.delete_id}, {self.ids.split_id}), which "
-                                   f"{settings.strategy!r} reads as an edit and never outputs; pin other ids",
-                                   "dllm_template")
+        """Every rule honours templates (what a rule cannot take beside them, e.g. joint_threshold_indel's
+        sets and reads, its spec refuses: `check_request`); an editing rule that moves tokens reads its
+        DELETE and SPLIT ids as edits, so a template may not pin them."""
+        if RULES[settings.strategy].moves_tokens and {self.ids.delete_id, self.ids.split_id} & set(decisions.template):
+            raise RequestError("dllm_template pins the model's DELETE or SPLIT token "
+                               f"({self.ids.delete_id}, {self.ids.split_id}), which {settings.strategy!r} reads as "
+                               "an edit and never outputs; pin other ids", "dllm_template")
         decisions.check_leaves_a_slot(params.max_new_tokens)
 
     def decoding_params(self, params: GenerationConfig, settings: UnmaskingSettings) -> GenerationConfig:
