@@ -198,7 +198,7 @@ def plan_trajectory(prompt: list[int], params: GenerationConfig, limits: ModelLi
         if rows and seed:
             q = start - 1  # the seed's row: the causal row of the position before its block
             token = prompt[q] if q < prompt_len else generated[q - prompt_len]
-            views.append(View(q, [token], step, [0], rows, [out[g] for g in rows], -(-(q + 1) // page) - q // page))
+            views.append(View(q, [token], step, [0], rows, [out[g] for g in rows], _pages_touched(q, q + 1, page)))
         elif rows:
             offsets = [prompt_len + g - start for g in rows]
             inherited = geometry.shifted and offsets == [0]
@@ -210,7 +210,7 @@ def plan_trajectory(prompt: list[int], params: GenerationConfig, limits: ModelLi
                       else generated[p - prompt_len] if 0 < generated_steps[p - prompt_len] < step else mask_id
                       for p in range(start, start + b)]
             views.append(View(start, tokens, step, offsets, rows, [out[g] for g in rows],
-                              -(-(start + b) // page) - start // page, sorted(seen) if penalized else None,
+                              _pages_touched(start, start + b, page), sorted(seen) if penalized else None,
                               inherited))
         seen.update(generated[g] for g in revealed)
     pages = -(-last_start // page) + max(v.scratch_pages for v in views)
@@ -222,6 +222,11 @@ def plan_trajectory(prompt: list[int], params: GenerationConfig, limits: ModelLi
         params=params.model_copy(update={"dllm_trajectory": None}),
         stop_ids=sorted(stop_ids), processed=processed, entries=[None] * len(out),
         entropy=[None] * len(out) if t.return_entropy else None)
+
+
+def _pages_touched(start: int, end: int, page: int) -> int:
+    """How many KV pages positions [start, end) lie in."""
+    return -(-end // page) - start // page
 
 
 def _is_seed(generated_steps: list[int], g: int, b: int) -> bool:

@@ -19,6 +19,7 @@ from testing.tiny_checkpoint import load_hf_reference, write_tiny_checkpoint
 from tests.support.lm_head import record_lm_head_rows
 from tests.support.paths import ROOT
 from tests.support.sampling_reference import processed_logprobs
+from tests.support.trajectories import scoring_config
 
 B = 4
 # Logits of a few units, as a trained model's: float32 rounding then stays far below the tolerances
@@ -52,12 +53,6 @@ def _prompt(n: int, salt: int = 0) -> list[int]:
 
 
 trajectory = DllmTrajectory.from_response  # a rollout's trajectory, as a trainer sends it back
-
-
-def scoring_config(out: Response, gen: GenerationConfig, **kw) -> GenerationConfig:
-    """Score `out` under the sampling parameters it was generated with."""
-    return gen.model_copy(update={"max_new_tokens": 0, "dllm_trajectory": trajectory(out, **kw),
-                                  "return_dllm_replay": False, "stop_token_ids": gen.stop_token_ids})
 
 
 def hf_step_rows(hf, mask_id: int, prompt: list[int], out: Response) -> list[torch.Tensor]:

@@ -20,6 +20,7 @@ from engine.errors import RequestError
 from testing.tiny.nemotron_labs_diffusion import write_tiny_nemotron_labs_diffusion
 from tests.support import nemotron
 from tests.support.nemotron import LOGIT_SCALE, TOL, diffusion, make_prompt
+from tests.support.trajectories import scoring_config
 
 ckpt, model, ids = nemotron.ckpt, nemotron.model, nemotron.ids  # the tiny checkpoint's fixtures
 NEW = 20  # blocks of 8 from the prompt end: two whole blocks and half a third
@@ -51,7 +52,7 @@ def values(out: Response) -> list[float]:
 
 def check_scores(pipe, prompt: list[int], outs: list[Response], configs: list[GenerationConfig]) -> None:
     """Each rollout scored (all in one batch) gives its own tokens, step map and logprobs back."""
-    scored = pipe([prompt] * len(outs), [score_config(o, c) for o, c in zip(outs, configs, strict=True)])
+    scored = pipe([prompt] * len(outs), [scoring_config(o, c) for o, c in zip(outs, configs, strict=True)])
     for out, got in zip(outs, scored, strict=True):
         assert (got.token_ids, got.step_map) == (out.token_ids, out.step_map)
         torch.testing.assert_close(torch.tensor(values(got)), torch.tensor(values(out)), atol=TOL, rtol=0,
@@ -90,11 +91,6 @@ def test_passes_that_reveal_nothing_and_positions_left_masked(tmp_path, ids):
         outs = pipe([prompt] * 2, configs)
         assert any(0 in o.step_map for o in outs), "a position stays masked"
         check_scores(pipe, prompt, outs, configs)
-
-
-def score_config(out: Response, config: GenerationConfig) -> GenerationConfig:
-    return config.model_copy(update={"max_new_tokens": 0, "return_dllm_replay": False,
-                                     "dllm_trajectory": DllmTrajectory.from_response(out)})
 
 
 def test_scores_equal_the_release_loop(pipes, model, ids):
