@@ -46,10 +46,10 @@ async def _send_all(url: str, prompts: list[list[int]], budgets: list[int], conc
 
 
 def _serve_run(path: Path, engine: dict[str, Any], prompts: list[list[int]], budgets: list[int],
-               warmup: tuple[list[list[int]], list[int]], concurrency: int, threads: int, base_url: str | None
+               warmup: tuple[list[list[int]], list[int]], concurrency: int, threads: int
                ) -> tuple[list[list[int] | None], float]:
     with contextlib.ExitStack() as stack:
-        base_url = base_url or stack.enter_context(local_serve(num_cpus=4))
+        base_url = stack.enter_context(local_serve(num_cpus=4))
         # Ray only now: the cluster local_serve starts must be on loopback, which is settled before `import ray`
         from ray import serve
 
@@ -66,13 +66,12 @@ def _serve_run(path: Path, engine: dict[str, Any], prompts: list[list[int]], bud
 
 
 def bench_serving(path: Path, config: EngineConfig, shape: BenchShape, prompts: list[list[int]],
-                  budgets: list[int], warmup: tuple[list[list[int]], list[int]], concurrency: int,
-                  base_url: str | None = None) -> dict[str, Any]:
+                  budgets: list[int], warmup: tuple[list[list[int]], list[int]], concurrency: int
+                  ) -> dict[str, Any]:
     """Tokens/s of the same greedy workload in-process and over Ray Serve HTTP, and their ratio. Both
     sides first serve the `warmup` requests (other prompts, so the prefix cache holds nothing of the
     timed ones): the allocator and Ray's lazy set-up are warm when the clock starts. The served side runs
-    on the Serve instance at `base_url` (this driver connected to its cluster), else on a throwaway
-    local cluster."""
+    on a throwaway local cluster."""
     params = [GenerationConfig(max_new_tokens=m) for m in budgets]
     pipe = pipeline(str(path), config)
     run_engine(pipe.engine, warmup[0], [GenerationConfig(max_new_tokens=m) for m in warmup[1]], shape, concurrency)
@@ -82,7 +81,7 @@ def bench_serving(path: Path, config: EngineConfig, shape: BenchShape, prompts: 
     local = [o.token_ids for o in run.outputs]
     with contextlib.redirect_stdout(sys.stderr):  # Ray's messages: stdout carries only the figures
         served, seconds = _serve_run(path, config.model_dump(), prompts, budgets, warmup, concurrency,
-                                     torch.get_num_threads(), base_url)
+                                     torch.get_num_threads())
     served_tokens = sum(len(o) for o in served if o is not None)
     local_rate = run.output_tokens / run.seconds
     served_rate = served_tokens / seconds

@@ -12,9 +12,9 @@ from bench.serving import bench_serving
 from bench.workloads import make_prompts
 
 
-def bench_serve(path: Path, p: Plan, base_url: str | None = None) -> dict:
-    """The DLLM workload at `serve_concurrency` through Ray Serve HTTP and in-process (wall clock);
-    `base_url`: a running Serve instance to use instead of a throwaway local cluster."""
+def bench_serve(path: Path, p: Plan) -> dict:
+    """The DLLM workload at `serve_concurrency` through Ray Serve HTTP (on a throwaway local cluster) and
+    in-process (wall clock)."""
     c = p.serve_concurrency
     n = num_requests(p, c)
     avoid = stop_ids_of(path) | {mask_id_of(path)}
@@ -22,4 +22,4 @@ def bench_serve(path: Path, p: Plan, base_url: str | None = None) -> dict:
     warm_prompts, warm_budgets = make_prompts(replace(p.traffic, seed=p.traffic.seed + 2), p.shape.vocab_size, avoid)
     log(f"serve: dllm concurrency={c} requests={n}, in-process then over Ray Serve HTTP")
     return bench_serving(path, engine_config(), p.shape, prompts[:n], budgets[:n],
-                         (warm_prompts[:c], warm_budgets[:c]), c, base_url)
+                         (warm_prompts[:c], warm_budgets[:c]), c)

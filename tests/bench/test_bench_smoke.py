@@ -1,10 +1,10 @@
 """Every bench entry point run at toy size, so none can rot: `python -m bench --toy` as a user types it
-(every part, `bench.memory` among them, its Ray Serve part on a cluster of its own; that part also on
-this session's cluster), `bench.overhead`, `bench.moe`, `bench.weight_sync`, `bench.prefix_routing`, `bench.load`,
-`bench.outputs`, `bench.fused_elementwise`, `bench.diffusion_gemma`.
-bench.gpu_check's CPU-side parts are tests/bench/test_gpu_check.py's, bench.trajectory_scoring's
-tests/engine/test_trajectory_scoring.py's. The figures of a toy run mean nothing; what is checked is that
-each part runs to the end and that its own cross-checks (outputs equal to the baselines') hold."""
+(every part, `bench.memory` among them, its Ray Serve part on a cluster of its own), `bench.overhead`,
+`bench.moe`, `bench.weight_sync`, `bench.prefix_routing`, `bench.load`, `bench.outputs`,
+`bench.fused_elementwise`, `bench.diffusion_gemma`. bench.gpu_check's CPU-side parts are
+tests/bench/test_gpu_check.py's, bench.trajectory_scoring's tests/engine/test_trajectory_scoring.py's.
+The figures of a toy run mean nothing; what is checked is that each part runs to the end and that its
+own cross-checks (outputs equal to the baselines') hold."""
 
 from __future__ import annotations
 
@@ -16,8 +16,6 @@ import sys
 import pytest
 
 from bench import load, prefix_routing, weight_sync
-from bench.models import TOY_SHAPE, write_bench_models
-from bench.parts.serve import bench_serve
 from bench.plan import plan
 from tests.support.paths import ROOT
 
@@ -78,12 +76,6 @@ def test_every_plan_fits_its_bench_model(mode):
     assert p.traffic.prompt_len[1] + p.traffic.max_new_tokens[1] + 4 <= longest  # + a DLLM block
 
 
-def test_bench_serve_part(serve_cluster, tmp_path):
-    paths = write_bench_models(tmp_path, TOY_SHAPE)
-    r = bench_serve(paths["sdar"], plan("toy"), base_url=serve_cluster.url)
-    assert r["http"]["errors"] == 0 and r["match_rate"] == 1.0, r
-
-
 @pytest.mark.system  # the bench command as a user types it, in a process of its own
 def test_outputs_dump_and_compare(tmp_path):
     """Two dumps of the same checkout compare identical (exit 0); a changed token is caught (exit 1)."""
@@ -120,12 +112,13 @@ PARADIGM_FIGURES = {"family", "rule", "layers", "tokens", "steps", "full_batch_s
 def test_overhead_paradigms():
     """`--paradigms` at toy size: a prefix in `--only` picks every rule under it, and the whole list
     (every paradigm and rule, each family's tiny checkpoint) runs to the end with every figure."""
-    r = _run_module("bench.overhead", "--paradigms", "--concurrency", "4", "--tokens", "8", "--profile-steps", "2",
-                    "--only", "block_diffusion,ar")
-    assert r["mode"] == "paradigms" and r["concurrency"] == 4 and r["tokens"] == 8
-    assert list(r["paradigms"]) == [*(f"block_diffusion/{rule}" for rule in (
+    from bench.overhead import PARADIGMS, select_paradigms
+
+    assert select_paradigms("block_diffusion,ar") == [*(f"block_diffusion/{rule}" for rule in (
         "low_confidence_dynamic", "low_confidence_static", "sequential", "entropy_bounded", "random")), "ar"]
     r = _run_module("bench.overhead", "--paradigms", "--concurrency", "4", "--tokens", "16", "--profile-steps", "2")
+    assert r["mode"] == "paradigms" and r["concurrency"] == 4 and r["tokens"] == 16
+    assert list(r["paradigms"]) == list(PARADIGMS)
     assert {"token_editing/joint_threshold", "sub_block/low_confidence_dynamic", "renoising/diffusion_gemma",
             "ar"} <= set(r["paradigms"])
     for name, figures in r["paradigms"].items():

@@ -16,11 +16,11 @@ from deployments.errors import ApiError
 from deployments.sglang.serving import generate_body, generate_plan
 from engine.carrier import Response
 from tests.support.http import sse_events
-from tests.support.ray_env import QUIET, SERVE_ENGINE
 
 TIMEOUT = 120
 IDS = [40, 41, 42, 43, 44, 45, 46]
 FLAT = {"input_ids": IDS, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+MODELS = ("sdar-tiny", "qwen3-tiny")  # the shipped Ray Serve LLM config's
 
 
 # ---- the request models (no Ray) -------------------------------------------------------------------
@@ -87,20 +87,10 @@ def test_a_named_other_model_is_noted_in_meta_info(body, query, note):
 
 # ---- over HTTP: an application of several models ----------------------------------------------------
 @pytest.fixture(scope="module")
-def several_models(serve_cluster, tiny_checkpoints):
-    """deployments.llm's application serving the tiny SDAR as `tiny-sdar` and the tiny Qwen3 as
-    `tiny-qwen`, one engine replica each."""
-    from ray import serve
-
-    from deployments.llm import LLMConfig, LLMServingArgs, build_openai_app
-
-    configs = [LLMConfig(model_loading_config=dict(model_id=name, model_source=str(tiny_checkpoints[ckpt])),
-                         engine_kwargs=dict(SERVE_ENGINE), deployment_config=dict(num_replicas=1))
-               for name, ckpt in (("tiny-sdar", "sdar"), ("tiny-qwen", "qwen3"))]
-    app = build_openai_app(LLMServingArgs(llm_configs=configs, ingress_deployment_config={"num_replicas": 1}))
-    serve.run(app, name="generate_models", route_prefix="/generate_models", logging_config=QUIET)
-    yield f"{serve_cluster.url}/generate_models"
-    serve.delete("generate_models", _blocking=False)
+def several_models(serve_pool):
+    """deployments.llm's application of the shipped Ray Serve LLM config (the session's pool holds it):
+    the tiny SDAR as `sdar-tiny` and the tiny Qwen3 as `qwen3-tiny`, one engine replica each."""
+    return serve_pool["llm_yaml"].url
 
 
 def _post(url: str, body: dict, **kw) -> httpx.Response:
@@ -112,18 +102,18 @@ def test_flat_body_with_model_is_routed_to_that_model(several_models):
     refused = _post(url, FLAT)
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "model", refused.text
     assert "the body's `model` field" in refused.json()["error"]["message"]  # what it asks for ...
-    for model in ("tiny-sdar", "tiny-qwen"):  # ... answers, by the model named
+    for model in MODELS:  # ... answers, by the model named
         r = _post(url, FLAT | {"model": model})
         assert r.status_code == 200, r.text
         by_query = _post(url, FLAT, params={"model": model})
         assert by_query.status_code == 200, by_query.text
         assert r.json()["output_ids"] == by_query.json()["output_ids"] and len(r.json()["output_ids"]) == 6
         assert "ignored_model" not in r.json()["meta_info"]
-    answers = {m: _post(url, FLAT | {"model": m}).json()["output_ids"] for m in ("tiny-sdar", "tiny-qwen")}
-    assert answers["tiny-sdar"] != answers["tiny-qwen"]  # two models, two answers
+    answers = {m: _post(url, FLAT | {"model": m}).json()["output_ids"] for m in MODELS}
+    assert answers["sdar-tiny"] != answers["qwen3-tiny"]  # two models, two answers
     # streamed, and a text prompt
     with httpx.stream("POST", url, json={"prompt": "Hello", "max_tokens": 4, "temperature": 0, "stream": True,
-                                         "model": "tiny-qwen"}, timeout=TIMEOUT) as r:
+                                         "model": "qwen3-tiny"}, timeout=TIMEOUT) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         events = sse_events(r.iter_lines())
     assert events[-1] == "[DONE]" and events[-2]["meta_info"]["finish_reason"] is not None

@@ -1,11 +1,9 @@
 """deployments.llm: Ray Serve LLM configs serve blockserve. The shipped YAML (a Ray Serve LLM config
 with only import_path changed) serves two models; LLMConfig objects (this module's and
 ray.serve.llm's are taken too) serve one; the official openai client completes against each by name; an unknown
-model is a 404 naming it. Both apps are deployed at once into the session's cluster."""
+model is a 404 naming it. The YAML's app is the session pool's (tests/support/serve_pool.py)."""
 
 from __future__ import annotations
-
-import importlib
 
 import httpx
 import openai
@@ -15,8 +13,9 @@ import yaml
 from engine import EngineConfig, GenerationConfig, pipeline
 from tests.support.paths import ROOT
 from tests.support.ray_env import QUIET
+from tests.support.serve_pool import SHIPPED_LLM_CONFIG
 
-SHIPPED = ROOT / "configs" / "ray-serve-llm.yaml"
+SHIPPED = ROOT / SHIPPED_LLM_CONFIG
 
 
 def shipped_app() -> dict:
@@ -24,26 +23,20 @@ def shipped_app() -> dict:
 
 
 @pytest.fixture(scope="module")
-def apps(serve_cluster, tiny_checkpoints):
+def apps(serve_pool, tiny_checkpoints):
     """`yaml`: the shipped YAML's app (sdar-tiny and qwen3-tiny), built from its import_path and args as
-    `serve run` builds it. `objects`: one model from an LLMServingArgs of an LLMConfig."""
+    `serve run` builds it (the session's pool holds it). `objects`: one model from an LLMServingArgs of an
+    LLMConfig."""
     from ray import serve
-    from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
 
     from deployments.llm import LLMConfig, LLMServingArgs, build_openai_app
 
-    spec = shipped_app()
-    module, _, attr = spec["import_path"].partition(":")
-    builder = getattr(importlib.import_module(module), attr)
-    from_yaml = call_user_app_builder_with_args_if_necessary(builder, spec["args"])  # as `serve run` calls it
     config = LLMConfig(model_loading_config=dict(model_id="tiny-qwen", model_source=str(tiny_checkpoints["qwen3"])),
                        engine_kwargs=dict(max_model_len=256, block_size=4, max_num_seqs=8, dtype="float"))
     objects = build_openai_app(LLMServingArgs(llm_configs=[config], ingress_deployment_config={"num_replicas": 1}))
-    serve.run_many([serve.RunTarget(from_yaml, name="llm_yaml", route_prefix="/llm_yaml", logging_config=QUIET),
-                    serve.RunTarget(objects, name="llm_objects", route_prefix="/llm_objects", logging_config=QUIET)])
-    yield {"yaml": f"{serve_cluster.url}/llm_yaml", "objects": f"{serve_cluster.url}/llm_objects"}
-    for name in ("llm_yaml", "llm_objects"):
-        serve.delete(name, _blocking=False)
+    serve.run(objects, name="llm_objects", route_prefix="/llm_objects", logging_config=QUIET)
+    yield {"yaml": serve_pool["llm_yaml"].url, "objects": f"{serve_pool.cluster.url}/llm_objects"}
+    serve.delete("llm_objects", _blocking=False)
 
 
 def client(url: str) -> openai.OpenAI:

@@ -43,14 +43,17 @@ def params(**kwargs) -> GenerationConfig:
     return GenerationConfig(return_dllm_replay=True, **kwargs)
 
 
-def transformers_oracle(ckpt, vocab: int) -> dict:
-    """transformers' 3-canvas output per (seed, prompt length): tokens, settle steps, last-step logits
-    per canvas, canvases' step counts. Shorter max_new_tokens take its first canvases (the same draws)."""
+def transformers_oracle(ckpt, vocab: int, pairs: list[tuple[int, int]] | None = None) -> dict:
+    """transformers' 3-canvas output per (seed, prompt length) -- of `pairs`, or every seed at every
+    length: tokens, settle steps, last-step logits per canvas, canvases' step counts. Shorter
+    max_new_tokens take its first canvases (the same draws)."""
     model = load_reference(ckpt)
     out = {}
     for length in PROMPT_LENGTHS:
         prompt = torch.randint(0, vocab, (length,), generator=torch.Generator().manual_seed(100 + length)).tolist()
         for seed in SEEDS:
+            if pairs is not None and (seed, length) not in pairs:
+                continue
             drafts = Drafts()
             torch.manual_seed(seed)
             seqs = model.generate(torch.tensor([prompt]), max_new_tokens=max(MAX_NEW), streamer=drafts,
@@ -74,9 +77,12 @@ def check_response(result: Response, ref, max_new: int) -> None:
     assert result.num_steps == sum(ref["steps"][:canvases])
 
 
+PROBE = (3, 9)  # the (seed, prompt length) probed alone and among others
+
+
 def probe_among_others(oracle, size: int) -> dict[str, tuple[list[int], GenerationConfig]]:
     """A seeded request, alone or with size - 1 others (other prompts, seeds, lengths)."""
-    seed, length = 3, 9
+    seed, length = PROBE
     requests = {"probe": (oracle[seed, length]["prompt"], params(max_new_tokens=40, random_seed=seed))}
     others = [k for k in oracle if k != (seed, length)]
     for i in range(size - 1):

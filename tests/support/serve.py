@@ -23,7 +23,7 @@ class ServeCluster:
 class ServedApp:
     name: str
     url: str  # base URL including the route prefix
-    model: str  # checkpoint path
+    model: str  # checkpoint path (a shipped Serve config's path for an application built from one)
     engine: dict
 
 

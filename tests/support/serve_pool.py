@@ -4,12 +4,16 @@ the tests that reach it run on one xdist worker, support/worker_groups.py)."""
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
+import yaml
 
+from tests.support.paths import ROOT
 from tests.support.ray_env import QUIET, SERVE_ENGINE
 from tests.support.serve import ServeCluster, ServedApp, app_builder
 
@@ -24,14 +28,42 @@ class AppSpec:
     args: dict = field(default_factory=dict)
     drills: bool = False
 
+    def build(self, checkpoints: dict[str, Path]) -> Any:
+        return app_builder(self.drills)({"model": str(checkpoints[self.checkpoint]), "engine": self.engine,
+                                         **self.args})
+
+    def model(self, checkpoints: dict[str, Path]) -> str:
+        return str(checkpoints[self.checkpoint])
+
+
+@dataclass(frozen=True)
+class ShippedApp:
+    """The first application of a Serve config the repository ships (`config`, a path under the root),
+    built from its import_path and args as `serve run` builds it; its models are the config's own."""
+
+    config: str
+    engine: dict = field(default_factory=dict)  # the config's engines: not restated here
+
+    def build(self, checkpoints: dict[str, Path]) -> Any:
+        from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
+
+        spec = yaml.safe_load((ROOT / self.config).read_text())["applications"][0]
+        module, _, attr = spec["import_path"].partition(":")
+        return call_user_app_builder_with_args_if_necessary(getattr(importlib.import_module(module), attr),
+                                                            spec["args"])
+
+    def model(self, checkpoints: dict[str, Path]) -> str:
+        return str(ROOT / self.config)
+
 
 KEY = "reliability-secret-key"  # the `secure` app's API key
 TP2_KEY = "tp2-secret-key"  # the `sdar_tp2` app's API key
 QWEN3_KEY = "qwen3-secret-key"  # the `qwen3_keyed` app's API key
 KV_ENGINE = dict(SERVE_ENGINE, num_kv_blocks=16)  # 16 pages x 4 tokens: far less than the work sent
+SHIPPED_LLM_CONFIG = "configs/ray-serve-llm.yaml"
 
 # The applications tests of several modules share, each deployed once per session on first use.
-APPS: dict[str, AppSpec] = {
+APPS: dict[str, AppSpec | ShippedApp] = {
     # tiny SDAR, one replica, 1 MiB body limit
     "sdar": AppSpec("sdar", dict(SERVE_ENGINE), {"ingress": {"max_body_bytes": 1 << 20}}),
     # tiny Qwen3 with raw_logprobs scoring, two replicas, unary requests batched over 0.1 s windows
@@ -54,6 +86,9 @@ APPS: dict[str, AppSpec] = {
     # tiny Qwen3 behind API key `QWEN3_KEY`, a 4 KiB body limit, streaming deltas (incremental_streaming_output)
     "qwen3_keyed": AppSpec("qwen3", dict(SERVE_ENGINE), {"incremental_streaming_output": True,
                                                          "ingress": {"api_key": QWEN3_KEY, "max_body_bytes": 4096}}),
+    # docs/migrate.md's Ray Serve LLM config: sdar-tiny and qwen3-tiny behind one OpenAI-style front
+    # (the several-model application: routing by `model`, the viewer's model picker)
+    "llm_yaml": ShippedApp(SHIPPED_LLM_CONFIG),
 }
 
 
@@ -69,18 +104,14 @@ class ServePool(Mapping):
         from ray import serve
 
         missing = [n for n in names if n not in self._running]
-        targets = []
-        for name in missing:
-            spec = APPS[name]
-            args = {"model": str(self.checkpoints[spec.checkpoint]), "engine": spec.engine, **spec.args}
-            targets.append(serve.RunTarget(app_builder(spec.drills)(args), name=name, route_prefix=f"/{name}",
-                                           logging_config=QUIET))
+        targets = [serve.RunTarget(APPS[name].build(self.checkpoints), name=name, route_prefix=f"/{name}",
+                                   logging_config=QUIET) for name in missing]
         if targets:
             serve.run_many(targets)
         for name in missing:
             spec = APPS[name]
-            self._running[name] = ServedApp(name, f"{self.cluster.url}/{name}",
-                                            str(self.checkpoints[spec.checkpoint]), spec.engine)
+            self._running[name] = ServedApp(name, f"{self.cluster.url}/{name}", spec.model(self.checkpoints),
+                                            spec.engine)
         return {n: self._running[n] for n in names}
 
     def release(self, *names: str) -> None:

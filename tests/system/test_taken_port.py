@@ -1,8 +1,10 @@
 """A second server on a port the first one holds: README's `serve run serve_config.yaml` serves; then
-`blockserve serve` and `serve run` of each other Serve config the repository ships (docs/migrate.md's
-configs/ray-serve-llm.yaml, docs/deploy.md's configs/multinode.yaml) on the same port are each
-refused with the port named (`blockserve serve` in one line), exit non-zero, and never listen there:
-every /health probe of the first answers 200 while they try."""
+`blockserve serve` and `serve run` of docs/deploy.md's configs/multinode.yaml (which binds 0.0.0.0, not
+the first one's 127.0.0.1) on the same port are each refused with the port named (`blockserve serve` in
+one line), exit non-zero, and never listen there: every /health probe of the first answers 200 while
+they try. What refuses the port is the controller settings every Serve config the repository ships
+carries (`controller_options`); each config is checked to carry them, so a `serve run` of each one is
+not needed (each would start a Ray cluster of its own)."""
 
 from __future__ import annotations
 
@@ -23,9 +25,10 @@ from tests.support.ports import free_port
 from tests.support.processes import stop_process, wait_healthy
 
 MIN_PROBES = 100
-# every Serve config the repository ships besides serve_config.yaml (the first server)
-SECOND_CONFIGS = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "configs").glob("*.yaml")
-                        if "applications" in yaml.safe_load(p.read_text()))
+# every Serve config the repository ships
+SERVE_CONFIGS = sorted(str(p.relative_to(ROOT)) for p in [ROOT / "serve_config.yaml", *ROOT.glob("configs/*.yaml")]
+                       if "applications" in yaml.safe_load(p.read_text()))
+SECOND_CONFIG = "configs/multinode.yaml"  # served second: binds every address, so it overlaps 127.0.0.1
 
 
 def _env(ray_tmp: str) -> dict[str, str]:
@@ -124,6 +127,16 @@ def test_the_controller_callback_refuses_a_port_held_outside_the_cluster(monkeyp
     assert PortInUseError.named_in("ray.exceptions.ActorDiedError: out of memory") is None
 
 
+@pytest.mark.parametrize("config", SERVE_CONFIGS)
+def test_every_shipped_serve_config_sets_the_controller_that_refuses_a_taken_port(config):
+    """The settings that make Serve's controller refuse a port another server holds (and its proxies bind
+    the port alone) are `blockserve serve`'s own, word for word, in every config the repository ships."""
+    from deployments.single_machine import CONTROLLER_OPTIONS
+
+    assert SECOND_CONFIG in SERVE_CONFIGS and "serve_config.yaml" in SERVE_CONFIGS
+    assert yaml.safe_load((ROOT / config).read_text())["controller_options"] == CONTROLLER_OPTIONS
+
+
 @pytest.fixture
 def ray_tmp():
     """A Ray temp directory for the servers this test starts, short enough for Ray's socket paths."""
@@ -131,7 +144,7 @@ def ray_tmp():
         yield path
 
 
-@pytest.mark.system  # three servers of their own, each starting its own Ray cluster
+@pytest.mark.system  # servers of their own, two of them each starting its own Ray cluster
 def test_a_second_server_on_a_taken_port_is_refused_and_takes_none_of_its_traffic(tmp_path, ray_tmp):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -152,18 +165,16 @@ def test_a_second_server_on_a_taken_port_is_refused_and_takes_none_of_its_traffi
         assert set(prober.answers) == {200}, prober.answers
         assert prober.listeners == {frozenset({proxy})}
 
-        # serve run of each other config (Ray's own CLI): Serve's controller refuses the port before it
-        # starts a proxy; the command's last line names the port (and the host the config binds)
-        for name in SECOND_CONFIGS:
-            config = _on_port(name, port, tmp_path)
-            host = yaml.safe_load(config.read_text())["http_options"]["host"]
-            done, prober = _second([str(BIN / "serve"), "run", str(config)], env, url, port)
-            assert done.returncode != 0, name
-            last = done.stderr.strip().splitlines()[-1]
-            assert f"port {port} on {host} is already in use" in last, (name, done.stderr[-4000:])
-            assert "stop that one, or choose another port" in last, (name, done.stderr[-4000:])
-            assert set(prober.answers) == {200}, (name, prober.answers)
-            assert prober.listeners == {frozenset({proxy})}, name
+        # serve run of another config (Ray's own CLI): Serve's controller refuses the port before it starts
+        # a proxy; the command's last line names the port and the host the config binds
+        config = _on_port(SECOND_CONFIG, port, tmp_path)
+        done, prober = _second([str(BIN / "serve"), "run", str(config)], env, url, port)
+        assert done.returncode != 0
+        last = done.stderr.strip().splitlines()[-1]
+        assert f"port {port} on 0.0.0.0 is already in use" in last, done.stderr[-4000:]
+        assert "stop that one, or choose another port" in last, done.stderr[-4000:]
+        assert set(prober.answers) == {200}, prober.answers
+        assert prober.listeners == {frozenset({proxy})}
         assert first.poll() is None and httpx.get(url + "/health", timeout=30).status_code == 200
     finally:
         stop_process(first, timeout=90)

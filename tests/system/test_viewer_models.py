@@ -18,12 +18,10 @@ import urllib.parse
 
 import httpx
 import pytest
-import yaml
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import Select, WebDriverWait
 
 from configs.knobs import KNOBS, PARADIGMS, rules_of
-from tests.support.paths import ROOT
 from tests.support.ray_env import QUIET
 from tests.support.viewer import (
     CHROMEDRIVER,
@@ -38,7 +36,6 @@ from tests.support.viewer import (
     wait_state,
 )
 
-SHIPPED = ROOT / "configs" / "ray-serve-llm.yaml"
 MODELS = ["sdar-tiny", "qwen3-tiny"]  # the shipped YAML's, in its order
 CANVAS = 16
 DG_PROMPT = list(range(30, 39))  # 9 tokens: three canvases of 16, 16 and 8 for 40 new tokens
@@ -56,32 +53,24 @@ def has_diffusion_gemma() -> bool:
 
 
 @pytest.fixture(scope="module")
-def apps(serve_cluster, tmp_path_factory):
+def apps(serve_pool, tmp_path_factory):
     """`models`: the shipped YAML's application (sdar-tiny and qwen3-tiny behind one front ingress), built
-    from its import_path and args as `serve run` builds it; `dg`: a tiny DiffusionGemma (when transformers
-    has the family), deployed beside it."""
+    from its import_path and args as `serve run` builds it (the session's pool holds it); `dg`: a tiny
+    DiffusionGemma (when transformers has the family), deployed beside it."""
+    urls = {"models": serve_pool["llm_yaml"].url}
+    if not has_diffusion_gemma():
+        yield urls
+        return
     from ray import serve
-    from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
 
+    from bench.diffusion_gemma import converging_checkpoint
     from deployments.app import build_app
 
-    spec = yaml.safe_load(SHIPPED.read_text())["applications"][0]
-    module, _, attr = spec["import_path"].partition(":")
-    builder = getattr(importlib.import_module(module), attr)
-    targets = [serve.RunTarget(call_user_app_builder_with_args_if_necessary(builder, spec["args"]),
-                               name="viewer_models", route_prefix="/viewer_models", logging_config=QUIET)]
-    urls = {"models": f"{serve_cluster.url}/viewer_models"}
-    if has_diffusion_gemma():
-        from bench.diffusion_gemma import converging_checkpoint
-
-        ckpt = converging_checkpoint(tmp_path_factory.mktemp("viewer_dg") / "tiny", CANVAS)
-        targets.append(serve.RunTarget(build_app({"model": str(ckpt), "engine": DG_ENGINE}), name="viewer_dg",
-                                       route_prefix="/viewer_dg", logging_config=QUIET))
-        urls["dg"] = f"{serve_cluster.url}/viewer_dg"
-    serve.run_many(targets)
-    yield urls
-    for target in targets:
-        serve.delete(target.name, _blocking=False)
+    ckpt = converging_checkpoint(tmp_path_factory.mktemp("viewer_dg") / "tiny", CANVAS)
+    serve.run(build_app({"model": str(ckpt), "engine": DG_ENGINE}), name="viewer_dg", route_prefix="/viewer_dg",
+              logging_config=QUIET)
+    yield urls | {"dg": f"{serve_pool.cluster.url}/viewer_dg"}
+    serve.delete("viewer_dg", _blocking=False)
 
 
 # ---- helpers -------------------------------------------------------------------------------------
