@@ -29,7 +29,9 @@ one JSON object; per paradigm: `overhead_us_per_seq_step` over the steps that ra
 (editing and canvas requests finish at different steps, so these can be few:
 `overhead_us_per_seq_step_all_steps` is the same over every timed step), `python_calls_per_seq_step`
 over `--profile-steps` steps (cProfile; not timed) in the middle of the run (where the warm-up run,
-decoding the same requests, had its middle), steps, full_batch_steps, generated_tokens (the engine's
+decoding the same requests, had its middle) and `engine_python_calls_per_seq_step`, the same without
+the calls inside the forward (on the CPU its attention backend's bucketing; on a GPU a graph replay
+makes none), steps, full_batch_steps, generated_tokens (the engine's
 count: editing and canvas steps count every token they write) and forward_cpu_ms_per_step. `--only`
 takes names or prefixes (`block_diffusion`: each of its rules). At the defaults the whole list takes
 about 2.5 minutes on two shared CPU cores, DiffusionGemma's ~400 steps most of it. The mode uses only
@@ -70,15 +72,30 @@ def _pages(output_len: int, concurrency: int) -> int:
 
 class _ForwardClock:
     """Wraps the executor's forward: adds its thread CPU time to `seconds`, and optionally sweeps
-    `sweep_bytes` of memory after it (counted as forward time)."""
+    `sweep_bytes` of memory after it (counted as forward time). While `step_profile` (the step's
+    profiler) is set, the forward's Python calls go to `forward_profile` instead, so that the step's
+    profile holds the engine's calls only."""
 
     def __init__(self, execute, device: str, sweep_bytes: int = 0):
         self.execute = execute
         self.cuda = device == "cuda"
         self.buffer = torch.zeros(sweep_bytes // 4) if sweep_bytes else None
         self.seconds = 0.0
+        self.step_profile: cProfile.Profile | None = None
+        self.forward_profile = cProfile.Profile()
 
     def __call__(self, batch):
+        if self.step_profile is None:
+            return self._timed(batch)
+        self.step_profile.disable()
+        self.forward_profile.enable()
+        try:
+            return self._timed(batch)
+        finally:
+            self.forward_profile.disable()
+            self.step_profile.enable()
+
+    def _timed(self, batch):
         t0 = time.thread_time()
         out = self.execute(batch)
         if self.cuda:  # the kernels run asynchronously: wait here, or the wait lands in the sampler's copy
@@ -226,9 +243,11 @@ def measure_paradigm(path: Path, paradigm: Paradigm, tokens: int, concurrency: i
         while engine.has_unfinished():
             running = len(engine.scheduler.running) + len(engine.scheduler.waiting)
             if profile_at is not None and profile_at <= steps < profile_at + profile_steps:
+                clock.step_profile = profile
                 profile.enable()
                 engine.step()
                 profile.disable()
+                clock.step_profile = None
                 profiled_sequences += running
                 steps += 1
                 continue
@@ -239,7 +258,10 @@ def measure_paradigm(path: Path, paradigm: Paradigm, tokens: int, concurrency: i
             seconds, sequences = seconds + overhead, sequences + running
             if running == concurrency:
                 full.append(overhead / running)
-        calls = pstats.Stats(profile).total_calls / profiled_sequences if profiled_sequences else None
+        engine_calls = forward_calls = None
+        if profiled_sequences:
+            engine_calls = pstats.Stats(profile).total_calls / profiled_sequences
+            forward_calls = pstats.Stats(clock.forward_profile).total_calls / profiled_sequences
         return {
             "tokens": tokens,
             "steps": steps,
@@ -247,7 +269,8 @@ def measure_paradigm(path: Path, paradigm: Paradigm, tokens: int, concurrency: i
             "generated_tokens": engine.stats.generated_tokens,
             "overhead_us_per_seq_step": round(1e6 * statistics.fmean(full), 2) if full else None,
             "overhead_us_per_seq_step_all_steps": round(1e6 * seconds / sequences, 2) if sequences else None,
-            "python_calls_per_seq_step": round(calls, 2) if calls is not None else None,
+            "python_calls_per_seq_step": round(engine_calls + forward_calls, 2) if profiled_sequences else None,
+            "engine_python_calls_per_seq_step": round(engine_calls, 2) if profiled_sequences else None,
             "profiled_steps": [profile_at, profile_at + profile_steps] if profile_at is not None else None,
             "forward_cpu_ms_per_step": round(1e3 * clock.seconds / steps, 4) if steps else None,
         }

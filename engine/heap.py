@@ -1,9 +1,13 @@
-"""Keeping the cyclic garbage collector off the heap a serving process starts with."""
+"""The serving process's heap: the cyclic garbage collector kept off what the process starts with, and
+freed memory handed back."""
 
 from __future__ import annotations
 
 import atexit
+import ctypes
 import gc
+
+import torch
 
 
 def freeze_startup_heap() -> None:
@@ -14,8 +18,27 @@ def freeze_startup_heap() -> None:
     time of a step. Only for a process the engine owns (a Serve engine replica, a benchmark):
     `pipeline()` and `LLMEngine` never call it, because in a trainer's process an object frozen here
     that later became cyclic garbage would stay until `gc.unfreeze()`. Freed memory is still given
-    back on release (engine.worker.runner.return_freed_memory collects with the heap unfrozen)."""
+    back on release (`return_freed_memory` collects with the heap unfrozen)."""
     gc.collect()
     gc.freeze()
     atexit.unregister(gc.unfreeze)  # once per process; at exit extension modules then see no leaks
     atexit.register(gc.unfreeze)
+
+
+def return_freed_memory(device: torch.device) -> None:
+    """Hand freed memory back: CUDA's cached blocks, and on CPU glibc's free heap pages (large
+    tensors are mmap'ed and go back on free; smaller ones may sit in malloc arenas until trimmed).
+    A heap frozen by `freeze_startup_heap` is collected too, then frozen again."""
+    frozen = gc.get_freeze_count() > 0
+    if frozen:
+        gc.unfreeze()
+    gc.collect()
+    if frozen:
+        gc.freeze()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        return
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: the allocator keeps what it keeps
+        pass

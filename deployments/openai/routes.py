@@ -1,5 +1,5 @@
 """OpenAI's routes (the ingress's route group `OpenAIRoutes`): /v1/completions, /v1/chat/completions
-(unary or SSE chunks; vLLM's typed-read fields taken too, `deployments.decisions`), /v1/models, and
+(unary or SSE chunks; vLLM's typed-read fields taken too, `deployments.vllm_names`), /v1/models, and
 SGLang's /v1/decisions (served with them, as SGLang serves it beside its OpenAI routes)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Any, Literal
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from deployments.decisions import DecisionRequest, decision_reads, decisions_response, vllm_body
+from deployments.decisions import DecisionRequest, decision_reads, decisions_response
 from deployments.engine_client import EngineClient
 from deployments.errors import ApiError, parse
 from deployments.http import ERRORS, HttpServing, Route, generation_route, request_body, sse_response
@@ -23,6 +23,7 @@ from deployments.openai.serving import (
     shown_logprobs,
 )
 from deployments.tokens import TokenText
+from deployments.vllm_names import vllm_body
 from deployments.wire import EngineRequest, new_request_id
 
 

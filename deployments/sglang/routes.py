@@ -11,13 +11,13 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from deployments.decisions import vllm_body
 from deployments.engine_client import EngineClient
 from deployments.errors import ApiError, parse
 from deployments.http import ENGINE_ERRORS, HttpServing, Route, generation_route, json_roundtrip, sse_response
 from deployments.sglang.protocol import AbortRequest, GenerateRequest, NativeGenerateRequest, is_native
 from deployments.sglang.serving import CumulativeStream, generate_body, generate_plan
 from deployments.tokens import TokenText
+from deployments.vllm_names import vllm_body
 from deployments.wire import ControlAnswer
 
 
@@ -85,7 +85,7 @@ class SGLangRoutes:
         the chunks of all of them interleave, each with its `index`. Chunks are cumulative (SGLang's
         default) or deltas (`incremental_streaming_output`). A body or `query_model` (`?model=`) naming
         another model than this one is answered by this one, and `meta_info` says so (`model_note`).
-        vLLM's typed-read fields are taken in the flat body and in `sampling_params` (`deployments.decisions`)."""
+        vLLM's typed-read fields are taken in the flat body and in `sampling_params` (`deployments.vllm_names`)."""
         body, names = vllm_body(body, _vllm_level(body))
         with names.errors():
             plan = generate_plan(body, self.served_model_name, query_model)

@@ -25,15 +25,16 @@ class IncrementalDetokenizer:
 
     def add(self, token_ids: list[int]) -> list[int]:
         """Add each token in turn; returns the text's length after each."""
-        stream, backend, ends = self._stream, self._backend, []
+        stream, backend, ends, text = self._stream, self._backend, [], self.text
         for token_id in token_ids:
             piece = stream.step(backend, token_id)
             if piece is None:  # an incomplete UTF-8 sequence: the stream waits for its next bytes
                 self._pending += 1
             else:
                 self._pending = 0
-                self.text += piece
-            ends += (len(self.text),)
+                text += piece
+            ends += (len(text),)
+        self.text = text
         self._ids += token_ids
         return ends
 

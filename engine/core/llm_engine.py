@@ -7,10 +7,11 @@ half's, which the device ran meanwhile). The engine only orchestrates: what to f
 strategy's (`engine.core.decoding`), where an output ends is the stop rule's (`engine.core.stopping`),
 batch layout and scoring rows live in `engine.core.batch` / `engine.core.scoring`.
 
-Two concerns are collaborators the engine holds: fault isolation (`isolation`,
-`engine.core.fault_isolation`: a failing step is re-run one request at a time) and the operations on
-every rank (`ranks`, `engine.core.rank_operations`: memory, the trainer's update group, weight
-updates, offered as the engine's own methods).
+Three concerns are collaborators the engine holds: the sampler's side of a step (`sampling`,
+`engine.core.step_sampling`: how each sequence's rows are picked, and the picks read back per
+sequence), fault isolation (`isolation`, `engine.core.fault_isolation`: a failing step is re-run one
+request at a time) and the operations on every rank (`ranks`, `engine.core.rank_operations`: memory,
+the trainer's update group, weight updates, offered as the engine's own methods).
 """
 
 from __future__ import annotations
@@ -20,36 +21,25 @@ import logging
 import secrets
 import time
 from dataclasses import asdict, replace
-from functools import partial
 from typing import Any
-
-import torch
 
 from configs import EngineConfig, GenerationConfig
 from engine.answers import EngineLoad, ExecutorFacts
 from engine.carrier import OutputChunk, Response
 from engine.core.batch import build_batch
 from engine.core.decisions import Decisions, read_params
-from engine.core.decoding.base import DecodingStrategy, PickedRows
+from engine.core.decoding.base import DecodingStrategy
 from engine.core.fault_isolation import FaultIsolation
 from engine.core.input_processing import ModelLimits, process_input
 from engine.core.model_settings import EngineStats, engine_setup
 from engine.core.output_builder import OutputBuilder
 from engine.core.overlap import LaunchedForward, OverlapSchedule
 from engine.core.rank_operations import RankOperations
-from engine.core.sampler import (
-    PickedOnHost,
-    RowGroup,
-    allowed_mask,
-    logprob_entries,
-    logprob_values,
-    pick_tokens,
-    token_logprobs,
-)
 from engine.core.scheduler import Scheduler
 from engine.core.scoring import take_score_rows
 from engine.core.sequence import SeqStatus, Sequence
-from engine.core.step_plan import SampleSlice, ScheduledSeq
+from engine.core.step_plan import ScheduledSeq
+from engine.core.step_sampling import StepSampling
 from engine.core.stopping import StopChecker
 from engine.core.trajectory import TrajectoryOutput, scoring_done, take_view_rows
 from engine.core.trajectory_plan import context_tokens, plan_trajectory
@@ -107,6 +97,7 @@ class LLMEngine:
         self.isolation = FaultIsolation(self.seqs, self.stats, self._forward, self._apply, self.fail)
         self._ids = itertools.count()
         self.overlap = OverlapSchedule()
+        self.sampling = StepSampling(self.decoding, config.logprobs_mode)
 
     # the operations on every rank (memory, the trainer's update group, weight updates): `ranks`'
     release_memory = Delegated("ranks")
@@ -274,7 +265,7 @@ class LLMEngine:
 
     def _land(self, launched: LaunchedForward) -> list[OutputChunk]:
         """Read a launched forward's picks back and apply them."""
-        fwd, failed = self.isolation.guarded(launched.items, lambda: self._read(launched))
+        fwd, failed = self.isolation.guarded(launched.items, lambda: self.sampling.read(launched))
         return failed if fwd is None else self._apply(fwd)
 
     def _land_all(self) -> None:
@@ -284,7 +275,7 @@ class LLMEngine:
 
     def _forward(self, items: list[ScheduledSeq]) -> LaunchedForward:
         """Run the model and the sampler; nothing is applied to the sequences yet."""
-        return self._read(self._launch(items))
+        return self.sampling.read(self._launch(items))
 
     def _launch(self, items: list[ScheduledSeq]) -> LaunchedForward:
         """Queue the forward and the sampling; on CUDA nothing here waits for the device (but a
@@ -296,68 +287,8 @@ class LLMEngine:
         self.stats.forwards += 1
         launched = LaunchedForward(items, batch, result, slices)
         if slices and not self.decoding.samples_logits:
-            self._pick(launched)
+            self.sampling.pick(launched)
         return launched
-
-    def _pick(self, fwd: LaunchedForward) -> None:
-        """Queue the sampler on the forward's logits, and the copy of its picks to the host."""
-        fwd.groups = groups = self.decoding.row_groups(fwd.slices)
-        any_logprobs = any_logits = False
-        for g in groups:
-            any_logprobs = any_logprobs or g.params.logprobs is not None
-            any_logits = any_logits or g.want_logits
-        processed = any_logprobs and self.config.logprobs_mode in ("processed_logprobs", "processed_logits")
-        picked = pick_tokens(fwd.result.logits, [(sl.first, len(sl.positions), g) for sl, g in zip(fwd.slices, groups)],
-                             self.decoding.needs_confidence, overwrite=not (any_logprobs or any_logits),
-                             keep_processed=processed)
-        logprobs = None
-        if any_logprobs:  # computed on the device for every row, read back with the picks
-            fwd.ks = [k for sl, g in zip(fwd.slices, groups) for k in [g.params.logprobs] * len(sl.positions)]
-            values = picked.processed if processed else fwd.result.logits
-            logprobs = logprob_values(values, picked.tokens, max(k for k in fwd.ks if k is not None),
-                                      self.config.logprobs_mode, self._allowed_rows(fwd.slices, groups, values))
-        fwd.on_host = PickedOnHost(picked, logprobs)
-
-    @staticmethod
-    def _allowed_rows(slices: list[SampleSlice], groups: list[RowGroup], values: torch.Tensor
-                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The logits rows with an allowed set and their `allowed_mask` (None: no row has one)."""
-        rows, sets = [], []
-        for sl, g in zip(slices, groups):
-            if g.allowed is not None:
-                for r, ids in enumerate(g.allowed, start=sl.first):
-                    if ids is not None:
-                        rows.append(r)
-                        sets.append(ids)
-        return allowed_mask(rows, sets, values.shape[-1], values.device) if rows else None
-
-    def _read(self, fwd: LaunchedForward) -> LaunchedForward:
-        """Wait for the picks on the host and cut them per sequence (a strategy that samples its rows
-        itself gets each sequence's raw logits rows)."""
-        if self.decoding.samples_logits:
-            logits = fwd.result.logits
-            fwd.rows = [PickedRows(sl.positions, [], [], None, [], read_logits=partial(
-                logits.__getitem__, slice(sl.first, sl.first + len(sl.positions)))) for sl in fwd.slices]
-            return fwd
-        if fwd.on_host is None:
-            return fwd
-        tokens, confidence, entropy = fwd.on_host.lists()
-        chosen_v, top_v, top_i = fwd.on_host.logprob_lists()
-        entries: list[dict | None] = [None] * len(tokens)
-        if chosen_v is not None:
-            entries = logprob_entries(tokens, fwd.ks, chosen_v, top_v, top_i)
-        mass = fwd.on_host.label_mass()
-        for sl, group in zip(fwd.slices, fwd.groups):
-            first, end = sl.first, sl.first + len(sl.positions)
-            rows = PickedRows(sl.positions, tokens[first:end], confidence[first:end],
-                              entropy[first:end] if entropy is not None else None, entries[first:end],
-                              label_mass=mass[first:end] if mass is not None and group.allowed is not None else None)
-            if group.want_logits:
-                rows.logits = fwd.result.logits[first:end]
-                rows.logprob_of = partial(token_logprobs, rows.logits, k=group.params.logprobs,
-                                          mode=self.config.logprobs_mode)
-            fwd.rows.append(rows)
-        return fwd
 
     def _apply(self, fwd: LaunchedForward) -> list[OutputChunk]:
         if fwd.batch.score_rows:

@@ -25,6 +25,7 @@ class OutputBuilder:
         self.want_trace = self.is_dllm and p.return_step_trace
         self.want_block_steps = self.is_dllm and p.return_block_step_map
         self.want_replay = self.is_dllm and p.return_dllm_replay
+        self.want_input_rows = seq.wants_input_logprobs
         decisions = seq.decisions
         #: generated index -> its allowed set's mass, when the request has sets (written by its strategy)
         self.label_masses = decisions.label_mass if decisions is not None and decisions.has_sets else None
@@ -68,20 +69,18 @@ class OutputBuilder:
         start = self.sent_tokens
         new_ids = seq.tokens[seq.prompt_len + start : seq.prompt_len + end]
         delta = stop.text[self.sent_text : text_end]
-        has_news = new_ids or delta or self.pending_trace or finished
-        prefill_done = seq.num_computed >= seq.score_end or finished
-        if self.pending_input_rows and not prefill_done:
-            has_news = False  # input rows travel together, once the prompt is fully scored
-        if not has_news:
+        if not (new_ids or delta or self.pending_trace or finished):
             return None
+        if self.pending_input_rows and not (finished or seq.num_computed >= seq.score_end):
+            return None  # input rows travel together, once the prompt is fully scored
         chunk = OutputChunk(
             request_id=seq.request_id,
             text=delta,
             token_ids=new_ids,
-            step_map=[int(s) for s in seq.out_steps[start:end]] if self.is_dllm else None,
+            step_map=seq.out_steps[start:end] if self.is_dllm else None,
             logprobs=list(seq.out_logprobs[start:end]) if self.want_logprobs else None,
             step_trace=self.pending_trace if self.want_trace else None,
-            block_step_map=[int(s) for s in seq.out_block_steps[start:end]] if self.want_block_steps else None,
+            block_step_map=seq.out_block_steps[start:end] if self.want_block_steps else None,
             label_mass=None if self.label_masses is None else [self.label_masses.get(g) for g in range(start, end)],
             finish_reason=seq.finish_reason if finished else None,
             matched=seq.matched if finished else None,
@@ -98,7 +97,7 @@ class OutputBuilder:
         if finished and self.want_replay:
             for name, value in self.replay(seq, end).items():
                 setattr(chunk, name, value)
-        if seq.wants_input_logprobs:
+        if self.want_input_rows:
             chunk.input_token_logprobs = self.pending_input_rows if self.first else []
             if seq.params.logprobs:
                 chunk.input_top_logprobs = self.pending_input_top if self.first else []

@@ -45,7 +45,7 @@ def uniforms(seed: int, first: int, count: int) -> list[float]:
     return [(_splitmix64((key + k) & _MASK64) >> 11) * 2.0**-53 for k in range(first, first + count)]
 
 
-@dataclass
+@dataclass(slots=True)
 class RowGroup:
     """Consecutive logits rows that belong to one sequence and share its settings."""
 
@@ -65,7 +65,7 @@ class RowGroup:
     allowed: list[list[int] | None] | None = None
 
 
-@dataclass
+@dataclass(slots=True)
 class Picked:
     """Per row, on the logits' device: the token, its confidence (None when not needed: plain greedy
     AR), the entropy of the distribution (None unless a group asked; NaN for the others), the
@@ -140,7 +140,7 @@ CPU_CHUNK_ROWS = 8  # rows per batched pass on the CPU
 
 
 def _is_plain_greedy(g: RowGroup) -> bool:
-    return (g.params.is_greedy and g.params.repetition_penalty == 1.0 and not any(g.suppress) and g.lowered is None
+    return (g.params.is_greedy and g.params.repetition_penalty == 1.0 and True not in g.suppress and g.lowered is None
             and g.allowed is None)
 
 
@@ -151,6 +151,14 @@ def allowed_mask(rows: list[int], sets: list[list[int]], vocab: int, device: tor
     at = [r for r, ids in enumerate(sets) for _ in ids]
     keep[at, [i for ids in sets for i in ids]] = True
     return torch.tensor(rows, dtype=torch.long).to(device), keep.to(device)
+
+
+def allowed_rows(logits: torch.Tensor, sets: list[list[int] | None]
+                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The rows of `logits` with an allowed set (`sets`, one entry per row, None: no set) and their
+    `allowed_mask`; None when no row has one."""
+    rows = [r for r, ids in enumerate(sets) if ids is not None]
+    return allowed_mask(rows, [sets[r] for r in rows], logits.shape[-1], logits.device) if rows else None
 
 
 def within_allowed(x: torch.Tensor, allowed: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
@@ -177,9 +185,13 @@ def pick_tokens(logits: torch.Tensor, groups: list[tuple[int, int, RowGroup]], n
     `overwrite=True` says the caller is done with `logits`: on CPU the softmax is then written over
     them instead of into a fresh rows x vocab tensor (same values, no page faults)."""
     logits = logits.float()
-    want_entropy = any(g.want_entropy for _, _, g in groups)
-    want_mass = any(g.allowed is not None for _, _, g in groups)
-    if all(_is_plain_greedy(g) for _, _, g in groups):  # the common case, batched
+    want_entropy = want_mass = False
+    plain = True  # every row greedy over the raw logits: the common case, batched
+    for _, _, g in groups:
+        want_entropy = want_entropy or g.want_entropy
+        want_mass = want_mass or g.allowed is not None
+        plain = plain and _is_plain_greedy(g)
+    if plain:
         processed = logits if keep_processed else None
         if not need_confidence and not want_entropy:
             return Picked(row_max(logits)[1], None, None, processed)
@@ -364,59 +376,3 @@ def draw(probs: torch.Tensor, us: torch.Tensor) -> torch.Tensor:
     never taken)."""
     cdf = probs.double().cumsum(-1)
     return torch.searchsorted(cdf, us[:, None] * cdf[:, -1:], right=True).clamp_(max=probs.shape[-1] - 1)[:, 0]
-
-
-def logprob_values(values: torch.Tensor, chosen: torch.Tensor, k: int, mode: str | None,
-                   allowed: tuple[torch.Tensor, torch.Tensor] | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """(value of each row's chosen token, top-k values, top-k ids), on the values' device.
-
-    `values` are the raw logits (modes raw_*) or the processed logits the sampler drew from (modes
-    processed_*); *_logits modes report them as they are, the others their log_softmax. `allowed`
-    (rows, their `allowed_mask`): the top-k of those rows ranks only their allowed ids (past a set
-    smaller than k the ids come back as -1, which `logprob_entries` drops)."""
-    rows = values.float()
-    if mode not in ("raw_logits", "processed_logits"):
-        rows = rows.log_softmax(-1)
-    chosen_v = rows.gather(1, chosen[:, None])[:, 0]
-    if k == 0:
-        return chosen_v, None, None
-    if allowed is None:
-        top_v, top_i = rows.topk(k, dim=-1)
-        return chosen_v, top_v, top_i
-    at, keep = allowed
-    ranked = within_allowed(rows, allowed)
-    top_v, top_i = ranked.topk(min(k, rows.shape[-1]), dim=-1)
-    outside = ~keep.gather(1, top_i.index_select(0, at))  # a set smaller than k: the rest of its top-k
-    top_i = top_i.index_copy(0, at, top_i.index_select(0, at).masked_fill(outside, -1))
-    return chosen_v, top_v, top_i
-
-
-def logprob_entries(chosen: list[int], ks: list[int | None], chosen_v: list[float],
-                    top_v: list[list[float]] | None, top_i: list[list[int]] | None) -> list[dict[int, float] | None]:
-    """Per row: None when not requested, else {chosen: value, top-1: value, ...}, from the lists of
-    `logprob_values` computed for every row (top-k with the largest k any row asked for)."""
-    out: list[dict[int, float] | None] = [None] * len(chosen)
-    for i, k in enumerate(ks):
-        if k is None:
-            continue
-        entry = {chosen[i]: chosen_v[i]}
-        if k:
-            for v, t in zip(top_v[i][:k], top_i[i][:k]):
-                if t >= 0:  # -1: past the row's allowed set
-                    entry.setdefault(t, v)
-        out[i] = entry
-    return out
-
-
-def token_logprobs(rows: torch.Tensor, indices: list[int], tokens: list[int], k: int | None, mode: str | None
-                   ) -> list[dict[int, float] | None]:
-    """The logprob entries (as `logprob_entries` makes them) of `tokens[i]` in row `indices[i]` of the
-    raw logits `rows`, for a rule that writes tokens other than the sampler's picks. Processed modes
-    read the raw rows too: valid for greedy rows without processors, the only ones such a rule has."""
-    if k is None or not tokens:
-        return [None] * len(tokens)
-    chosen = torch.tensor(tokens, device=rows.device)
-    chosen_v, top_v, top_i = logprob_values(rows[torch.tensor(indices, device=rows.device)], chosen, k, mode)
-    return logprob_entries(tokens, [k] * len(tokens), chosen_v.tolist(),
-                           None if top_v is None else top_v.tolist(), None if top_i is None else top_i.tolist())

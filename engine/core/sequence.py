@@ -90,5 +90,14 @@ class Sequence:
         """One past the last position whose logits score an input token (rows for N .. L-2)."""
         return self.prompt_len - 1 if self.wants_input_logprobs else 0
 
+    def append_positions(self, tokens: list[int]) -> None:
+        """Append generated positions holding `tokens` (masks, a canvas' noise, a block's seed), none of
+        them revealed yet: no step, no block step, no logprob."""
+        n = len(tokens)
+        self.tokens += tokens
+        self.out_steps += [None] * n
+        self.out_block_steps += [None] * n
+        self.out_logprobs += [None] * n
+
     def finish(self, reason: str, num_output: int, matched: int | str | None = None) -> None:
         self.finish_reason, self.num_output, self.matched = reason, num_output, matched

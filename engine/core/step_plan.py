@@ -35,7 +35,7 @@ class RowKind(enum.Enum):
     SCORE_VIEWS = "score_views"  # trajectory scoring: the denoising steps of a rollout replayed as views
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledSeq:
     """One sequence of the step."""
 
@@ -67,7 +67,7 @@ class ScheduledSeq:
         return RowKind.DECODE if self.end - self.start == 1 else RowKind.DENOISE
 
 
-@dataclass
+@dataclass(slots=True)
 class SampleSlice:
     """The logits rows [first, first + len(positions)) pick tokens for `positions` of `seq`."""
 

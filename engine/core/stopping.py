@@ -64,7 +64,7 @@ class StopChecker:
             if p.include_stop_str_in_output:
                 self._detok.add([token_id])
             self._detok.flush()
-            return self._decide(g + 1, "stop", token_id, len(self.text))
+            return self._decide(g + 1, "stop", token_id, len(self._detok.text))
         old_len = len(self._detok.text)
         ends = self._detok.add([token_id])
         if may_stop and self._words:
@@ -75,7 +75,7 @@ class StopChecker:
                 return self._decide(g + 1, "stop", word, end)
         if g + 1 >= p.max_new_tokens:
             self._detok.flush()
-            return self._decide(g + 1, "length", None, len(self.text))
+            return self._decide(g + 1, "length", None, len(self._detok.text))
         return None
 
     def consume_final(self, tokens: list[int], offset: int, num_final: int) -> StopDecision | None:
@@ -93,7 +93,7 @@ class StopChecker:
         first = self.num_consumed
         new = tokens[offset + first: offset + min(num_final, p.max_new_tokens)]
         stop_at = None
-        if self._stop_ids:
+        if not self._stop_ids.isdisjoint(new):
             for i, token in enumerate(new):
                 if token in self._stop_ids:
                     stop_at = i
@@ -110,20 +110,20 @@ class StopChecker:
             return self.consume(new[stop_at])  # the stop id ends the output (the per-token rule)
         if self.num_consumed >= p.max_new_tokens:
             self._detok.flush()
-            return self._decide(self.num_consumed, "length", None, len(self.text))
+            return self._decide(self.num_consumed, "length", None, len(self._detok.text))
         return None
 
     def end_from_outside(self) -> None:
         """The request ends without a stop (abort / error): its text is everything consumed."""
         self._detok.flush()
-        self.text_end = len(self.text)
+        self.text_end = len(self._detok.text)
 
     def visible_end(self) -> int:
         """How much of `text` is safe to stream now: the output's text once decided; before that, all
         but the characters that could still turn out to start a stop string."""
         if self.text_end is not None:
             return self.text_end
-        return max(0, len(self.text) - self.hold_back)
+        return max(0, len(self._detok.text) - self.hold_back)
 
     # ---- internals ---------------------------------------------------------------------------
     def _decide(self, n: int, reason: str, matched: int | str | None, text_end: int) -> StopDecision:

@@ -17,9 +17,7 @@ directory on CPU, where host memory is what is being freed).
 from __future__ import annotations
 
 import bisect
-import ctypes
 import dataclasses
-import gc
 import logging
 import shutil
 import tempfile
@@ -30,6 +28,7 @@ from safetensors.torch import load_file, save_file
 
 from configs import EngineConfig
 from engine.errors import WeightUpdateError
+from engine.heap import return_freed_memory
 from engine.model.checkpoint import ModelSpec, iter_weights
 from engine.model.families import build_network
 from engine.model.interfaces import (
@@ -91,25 +90,6 @@ def build_model(spec: ModelSpec, device: torch.device, dtype: torch.dtype, tp: T
     if checks_loaded(model):  # checks across tensors a family makes once all are in
         model.check_loaded()
     return model
-
-
-def return_freed_memory(device: torch.device) -> None:
-    """Hand freed memory back: CUDA's cached blocks, and on CPU glibc's free heap pages (large
-    tensors are mmap'ed and go back on free; smaller ones may sit in malloc arenas until trimmed).
-    A heap frozen by engine.heap.freeze_startup_heap is collected too, then frozen again."""
-    frozen = gc.get_freeze_count() > 0
-    if frozen:
-        gc.unfreeze()
-    gc.collect()
-    if frozen:
-        gc.freeze()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        return
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: the allocator keeps what it keeps
-        pass
 
 
 def log_softmax_(x: torch.Tensor) -> torch.Tensor:

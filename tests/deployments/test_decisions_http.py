@@ -10,8 +10,8 @@ import math
 import httpx
 import pytest
 
-from deployments.decisions import vllm_body
 from deployments.errors import ApiError
+from deployments.vllm_names import vllm_body
 from testing.tiny_checkpoint import build_byte_tokenizer
 
 TOK = build_byte_tokenizer()

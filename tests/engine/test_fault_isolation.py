@@ -13,7 +13,7 @@ import asyncio
 import httpx
 import pytest
 
-import engine.core.llm_engine as engine_module
+import engine.core.step_sampling as sampling_module
 from engine import EngineConfig, GenerationConfig, pipeline
 
 ODD = {  # each must neither fail its batch mates nor raise a 5xx
@@ -68,14 +68,14 @@ def test_out_of_range_penalty_is_refused_naming_its_field():
 
 
 def test_a_failing_step_ends_only_its_request(pipe, alone, monkeypatch):
-    real = engine_module.pick_tokens
+    real = sampling_module.pick_tokens
 
     def faulty(logits, groups, *args, **kwargs):  # fault injection: this seed's sampling raises
         if any(g.seed == 666 for _, _, g in groups):
             raise RuntimeError("injected sampler fault")
         return real(logits, groups, *args, **kwargs)
 
-    monkeypatch.setattr(engine_module, "pick_tokens", faulty)
+    monkeypatch.setattr(sampling_module, "pick_tokens", faulty)
     gens = [_normal(i) for i in range(7)] + [GenerationConfig(max_new_tokens=12, do_sample=True, top_k=3,
                                                               random_seed=666)]
     outs = pipe([_prompt(i) for i in range(8)], gens)

@@ -10,7 +10,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorDeviceMismatchError
 
 from configs import GenerationConfig
-from engine.core.sampler import RowGroup, logprob_values, pick_tokens
+from engine.core.logprobs import logprob_values
+from engine.core.sampler import RowGroup, pick_tokens
 from tests.support.fake_cuda import fake_cuda, fake_cuda_guard  # noqa: F401 - fixtures
 
 VOCAB = 64

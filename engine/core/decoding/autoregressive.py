@@ -82,8 +82,7 @@ class AutoregressiveDecoding(DecodingStrategy):
                 seq.out_logprobs += (entry,)
                 if seq.params.repetition_penalty != 1.0:  # the only reader of the tokens seen
                     seq.penalty_ids.add(token)
-                generated = len(seq.tokens) - seq.prompt_len
-                finalize(seq, [generated - 1], generated)
+                finalize(seq, [g], g + 1)
             except Exception as e:  # noqa: BLE001 - ends this request only
                 failed.append((seq, e))
         return failed

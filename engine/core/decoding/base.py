@@ -60,7 +60,7 @@ if TYPE_CHECKING:
     from engine.worker.forward_batch import ForwardBatch
 
 
-@dataclass
+@dataclass(slots=True)
 class PickedRows:
     """What the sampler made of one sequence's rows (one entry per sampled position); for a strategy
     that samples its rows itself (`samples_logits`), a reader of their raw logits instead."""

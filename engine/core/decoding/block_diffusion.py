@@ -116,10 +116,7 @@ class BlockDiffusionDecoding(DecodingStrategy):
             start = len(seq.tokens)
             end = (start // b + 1) * b
             n = end - start
-            seq.tokens += [self.mask_id] * n
-            seq.out_steps += [None] * n
-            seq.out_block_steps += [None] * n
-            seq.out_logprobs += [None] * n
+            seq.append_positions([self.mask_id] * n)
             block = seq.state = BlockState(settings, start=start - start % b, end=end,
                                            masked=list(range(start, end)), num_masked_at_start=n)
             if decisions is None or not decisions.template:

@@ -133,11 +133,7 @@ class RenoisingDecoding(DecodingStrategy):
 
     def _open_canvas(self, seq: Sequence) -> None:
         seq.state.start = len(seq.tokens)
-        seq.tokens += seq.state.open_canvas(self._canvas_decisions(seq, seq.state.start - seq.prompt_len))
-        n = seq.state.canvas_length
-        seq.out_steps += [None] * n
-        seq.out_block_steps += [None] * n
-        seq.out_logprobs += [None] * n
+        seq.append_positions(seq.state.open_canvas(self._canvas_decisions(seq, seq.state.start - seq.prompt_len)))
 
     def release(self, seq: Sequence) -> None:
         self._dropped.append(seq.request_id)

@@ -43,7 +43,8 @@ import torch
 
 from configs import EngineConfig, GenerationConfig
 from configs.knobs import Paradigm, settings_of
-from engine.core.sampler import allowed_mass, logprob_entries, logprob_values, within_allowed
+from engine.core.logprobs import logprob_entries, logprob_values
+from engine.core.sampler import allowed_mass, within_allowed
 
 STABLE, MAX_STEPS = "stable", "max_steps"
 

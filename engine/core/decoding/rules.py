@@ -174,8 +174,9 @@ class DecodingRule(ABC):
 
     def num_final(self, seq: Sequence) -> int:
         """Revealed tokens are final: the leading generated positions that hold one."""
-        n, limit = seq.num_revealed, seq.num_generated_positions
-        while n < limit and seq.out_steps[n] is not None:
+        n, steps = seq.num_revealed, seq.out_steps  # one entry per generated position
+        limit = len(steps)
+        while n < limit and steps[n] is not None:
             n += 1
         seq.num_revealed = n
         return n
@@ -190,14 +191,17 @@ class RevealRule(DecodingRule):
     from the block's denoising steps)."""
 
     choose: Rule | None = None
+    #: whether `choose` draws (it is then given the request's `step_seed`; others get 0)
+    draws: bool = False
 
     def advance(self, seq: Sequence, rows: PickedRows, ids: SpecialIds) -> list[int]:
-        block, settings = seq.state, seq.state.settings
-        positions = rows.positions
+        block = seq.state
+        settings, positions = block.settings, rows.positions
         count = len(positions)
-        n = max(1, min(tokens_this_step(block.num_masked_at_start, settings.denoising_steps, block.step_index), count))
-        chosen = self.choose(rows.confidence, rows.entropy or [0.0] * count, n, settings, step_seed(seq))
-        chosen = read_slots(block, positions, sorted(chosen))
+        n = tokens_this_step(block.num_masked_at_start, settings.denoising_steps, block.step_index)
+        n = 1 if n < 1 else count if n > count else n
+        chosen = self.choose(rows.confidence, rows.entropy, n, settings, step_seed(seq) if self.draws else 0)
+        chosen = sorted(chosen) if block.read_left is None else read_slots(block, positions, sorted(chosen))
         seq.step_counter += 1
         block.step_index += 1
         revealed = write_tokens(seq, positions, rows, chosen)
@@ -358,7 +362,7 @@ RULES: dict[str, DecodingRule] = {r.spec.name: r for r in (
     RevealRule(RULE_SPECS["low_confidence_static"], choose=low_confidence_static),
     RevealRule(RULE_SPECS["low_confidence_dynamic"], choose=low_confidence_dynamic),
     RevealRule(RULE_SPECS["entropy_bounded"], needs_entropy=True, choose=entropy_bounded),
-    RevealRule(RULE_SPECS["random"], choose=random_order),
+    RevealRule(RULE_SPECS["random"], choose=random_order, draws=True),
     EditRule(RULE_SPECS["joint_threshold"], pick=joint_threshold),
     InDelRule(RULE_SPECS["joint_threshold_indel"]),
 )}

@@ -50,8 +50,6 @@ uniform tensor [B, vocab]; so a request draws the same whatever its batch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
 from configs import EngineConfig, GenerationConfig
@@ -60,9 +58,12 @@ from engine.core.decoding.autoregressive import AutoregressiveDecoding
 from engine.core.decoding.base import DecodingStrategy, Finalize, PickedRows
 from engine.core.decoding.renoising import request_generator
 from engine.core.decoding.rules import write_pinned
+from engine.core.decoding.seeded_speculation import LinearSpeculation
+from engine.core.decoding.seeded_state import SeededSettings, SeededState
 from engine.core.decoding.unmasking import tokens_this_step
 from engine.core.input_processing import check_knobs
-from engine.core.sampler import RowGroup, allowed_mask, allowed_mass, token_logprobs, within_allowed
+from engine.core.logprobs import token_logprobs
+from engine.core.sampler import RowGroup, allowed_mass, allowed_rows, within_allowed
 from engine.core.sequence import Sequence, Speculation
 from engine.core.step_plan import Feed, SampleSlice
 from engine.core.trajectory_plan import TrajectoryGeometry
@@ -75,58 +76,6 @@ from engine.worker.runner import resolve_device
 _DIFFUSION_REFUSES = {
     "repetition_penalty": lambda p: p.repetition_penalty != 1.0, "min_new_tokens": lambda p: p.min_new_tokens > 0,
     "top_k": lambda p: p.top_k > 0, "top_p": lambda p: p.top_p < 1.0, "min_p": lambda p: p.min_p > 0.0}
-
-
-@dataclass(frozen=True)
-class SeededSettings:
-    """A request's mode, its diffusion threshold (None: the step's quota, one position per pass), and
-    whether it sets typed decisions (a `linear_spec` request then decodes as `ar`)."""
-
-    mode: str
-    threshold: float | None
-    typed: bool = False
-
-    @property
-    def autoregressive(self) -> bool:
-        """The request decodes token by token: `ar`, or `linear_spec` with typed decisions -- its output
-        is `ar`'s by definition, and a forced token or an allowed set is one `ar` takes as it is."""
-        return self.mode == "ar" or self.mode == "linear_spec" and self.typed
-
-
-@dataclass
-class SeededState:
-    """A diffusion-mode request's open block and how its tokens are drawn."""
-
-    block_length: int
-    threshold: float | None
-    temperature: float  # 0: argmax
-    generator: torch.Generator | None  # the request's draws (temperature > 0)
-    start: int  # the open block's first position (while `seeding`: the next block's)
-    speculating: bool = False  # linear_spec: blocks are drafted and verified, not denoised
-    seeding: bool = True  # the next forward is causal up to `start`; its last row draws the seed
-    verifying: bool = False  # linear_spec: the next forward verifies the drafted block (causal)
-    masked: list[int] = field(default_factory=list)  # the open block's positions holding the mask id
-    num_masked_at_start: int = 0  # the open block's masks when it opened (the passes' quota spreads them)
-    passes: int = 0  # denoising passes of the open block
-    # a read (typed decisions): its passes in the block holding the template's last slot (None: not that
-    # block), where the template ends, and whether its positions are all written
-    read_steps: int | None = None
-    read_end: int = 0
-    read_complete: bool = False
-
-    @property
-    def end(self) -> int:
-        return self.start + self.block_length
-
-    @property
-    def block_done(self) -> bool:
-        """The open block is denoised: no mask left, or its B passes spent."""
-        return not self.seeding and (not self.masked or self.passes >= self.block_length)
-
-    @property
-    def bidirectional(self) -> bool:
-        """The next forward is a denoising or drafting pass (the others are causal)."""
-        return not self.seeding and not self.verifying
 
 
 def _diffusing(seq: Sequence) -> bool:
@@ -144,6 +93,7 @@ class SeededBlockDecoding(DecodingStrategy):
         self.draft_lora = draft_lora  # linear_spec's drafts run the network's draft adapter
         self.logprobs_mode, self.device = logprobs_mode, device
         self.ar = AutoregressiveDecoding()
+        self.speculation = LinearSpeculation(block_length, mask_id, self._logprobs)
 
     @classmethod
     def from_config(cls, config: EngineConfig, spec: ModelSpec, mask_id: int) -> SeededBlockDecoding:
@@ -305,78 +255,19 @@ class SeededBlockDecoding(DecodingStrategy):
         if state.seeding:
             written = self._seed(seq, rows)
         elif state.verifying:
-            written = self._verify(seq, rows)
+            written = self.speculation.verify(seq, rows)
         else:
-            self._draft(seq, rows)
+            self.speculation.draft(seq, rows)
             written = []
         seq.speculation.nfe += 1
         finalize(seq, written, state.start + 1 - seq.prompt_len)
-
-    def _draw(self, logits: torch.Tensor, state: SeededState) -> tuple[torch.Tensor, torch.Tensor]:
-        """(one token per row: the argmax, or one multinomial draw over all the rows from softmax(l / T);
-        the distribution they were drawn from), as the release draws."""
-        if not state.temperature:
-            return logits.argmax(-1), torch.softmax(logits, -1)
-        probs = torch.softmax(logits / state.temperature, -1)
-        return torch.multinomial(probs.to(state.generator.device), 1, generator=state.generator)[:, 0], probs
-
-    def _draft(self, seq: Sequence, rows: PickedRows) -> None:
-        """One draft pass over the block's rows: fill every mask (threshold 0), or the most confident and
-        every other at least the threshold confident; the block is verified once no mask is left (or
-        after B passes, a mask id drawn as a draft being no mask to fill)."""
-        state = seq.state
-        tokens, probs = self._draw(rows.logits.float(), state)
-        picks = tokens.tolist()
-        offsets = [p - state.start for p in state.masked]
-        if state.threshold:
-            confidence = {j: float(probs[j, picks[j]]) for j in offsets}
-            chosen = [j for j in offsets if confidence[j] >= state.threshold] or [max(offsets, key=confidence.get)]
-        else:
-            chosen = offsets
-        for j in chosen:
-            seq.tokens[state.start + j] = picks[j]
-        state.passes += 1
-        state.masked = [p for p in state.masked if seq.tokens[p] == self.mask_id]
-        state.verifying = not state.threshold or not state.masked or state.passes >= self.block_length
-
-    def _verify(self, seq: Sequence, rows: PickedRows) -> list[int]:
-        """Accept the drafts the autoregressive tokens of the block's rows confirm, plus the bonus token;
-        the K/V stay final up to the last accepted draft and the next block opens with the bonus."""
-        state, b, start = seq.state, self.block_length, seq.state.start
-        logits = rows.logits.float()
-        ar = self._draw(logits, state)[0].tolist()
-        accepted = 1
-        while accepted < b and ar[accepted - 1] == seq.tokens[start + accepted]:
-            accepted += 1
-        seq.step_counter += 1
-        seq.speculation.acceptance.append(accepted)
-        emitted = ar[:accepted]
-        g = start + 1 - seq.prompt_len  # the first emitted token's generated index
-        del seq.tokens[start + 1:], seq.out_steps[g:], seq.out_block_steps[g:], seq.out_logprobs[g:]
-        seq.tokens += emitted
-        seq.out_steps += [seq.step_counter] * accepted
-        seq.out_block_steps += [state.passes + 2] * accepted  # as a pass's: the drafts, then the verify
-        seq.out_logprobs += self._logprobs(seq, logits, logits, list(range(accepted)), emitted)
-        seq.num_computed = start + accepted  # the seed and the accepted drafts were fed as themselves
-        self._open_draft(seq, start + accepted)
-        return list(range(g, g + accepted))
-
-    def _open_draft(self, seq: Sequence, start: int) -> None:
-        """The next block to draft: [the seed at `start`, MASK x (B-1)]."""
-        state, n = seq.state, self.block_length - 1
-        seq.tokens += [self.mask_id] * n
-        seq.out_steps += [None] * n
-        seq.out_block_steps += [None] * n
-        seq.out_logprobs += [None] * n
-        state.start, state.verifying, state.passes = start, False, 0
-        state.masked = list(range(start + 1, start + 1 + n))
 
     def _seed(self, seq: Sequence, rows: PickedRows) -> list[int]:
         """Open the block with the seed drawn from the causal row before it."""
         state, b = seq.state, self.block_length
         raw = rows.logits.float()
         decisions, g = seq.decisions, state.start - seq.prompt_len
-        allowed = _allowed_rows(raw, [decisions.allowed(g)] if decisions is not None and decisions.has_sets else [])
+        allowed = allowed_rows(raw, [decisions.allowed(g)] if decisions is not None and decisions.has_sets else [])
         logits = within_allowed(raw, allowed)
         if state.temperature:
             probs = torch.softmax(logits / state.temperature, -1).to(state.generator.device)
@@ -384,10 +275,7 @@ class SeededBlockDecoding(DecodingStrategy):
         else:
             seed = int(logits[0].argmax())
         block = [seed] + [self.mask_id] * (b - 1)
-        seq.tokens += block
-        seq.out_steps += [None] * b
-        seq.out_block_steps += [None] * b
-        seq.out_logprobs += [None] * b
+        seq.append_positions(block)
         seq.step_counter += 1
         state.seeding, state.passes = False, 0
         state.masked = [state.start + i for i, token in enumerate(block) if token == self.mask_id]
@@ -423,10 +311,7 @@ class SeededBlockDecoding(DecodingStrategy):
         decisions, first = seq.decisions, seq.num_generated_positions
         n = decisions.length - first
         if n > 0:
-            seq.tokens += [self.mask_id] * n
-            seq.out_steps += [None] * n
-            seq.out_block_steps += [None] * n
-            seq.out_logprobs += [None] * n
+            seq.append_positions([self.mask_id] * n)
             for g in range(first, decisions.length):
                 write_pinned(seq, g, decisions.pinned(g))
         return seq.state.read_end
@@ -437,10 +322,10 @@ class SeededBlockDecoding(DecodingStrategy):
         raw = rows.logits.float()  # one row per masked position, in order
         decisions, base = seq.decisions, state.start - seq.prompt_len
         offsets = [p - state.start for p in state.masked]
-        allowed = _allowed_rows(raw, [decisions.allowed(base + j) for j in offsets]
+        allowed = allowed_rows(raw, [decisions.allowed(base + j) for j in offsets]
                                 if decisions is not None and decisions.has_sets else [])
         logits = within_allowed(raw, allowed)
-        candidates = self._candidates(logits, offsets, state)
+        candidates = state.candidates(logits, offsets)
         confidence = torch.full((b,), -torch.inf, device=logits.device)
         confidence[offsets] = torch.softmax(logits, -1).gather(-1, candidates[:, None])[:, 0]
         if state.threshold is None:
@@ -479,15 +364,6 @@ class SeededBlockDecoding(DecodingStrategy):
             state.read_complete = last or not any(p < state.read_end for p in state.masked)
         return [base + j for j in revealed]
 
-    def _candidates(self, logits: torch.Tensor, offsets: list[int], state: SeededState) -> torch.Tensor:
-        """Per masked row its candidate: the argmax, or at temperature T the argmax of
-        exp(l) / (-ln u)^T in float64 with u drawn for every position of the block."""
-        if not state.temperature:
-            return logits.argmax(-1)
-        noise = torch.rand((self.block_length, logits.shape[-1]), dtype=torch.float64, generator=state.generator,
-                           device=state.generator.device)[offsets].to(logits.device)
-        return (logits.double().exp() / (-torch.log(noise)) ** state.temperature).argmax(-1)
-
     def _logprobs(self, seq: Sequence, processed: torch.Tensor, raw: torch.Tensor, rows: list[int], tokens: list[int]
                   ) -> list[dict | None]:
         """The logprob entries of `tokens` in `rows` of the raw logits (processed modes: of `processed`, the
@@ -498,11 +374,3 @@ class SeededBlockDecoding(DecodingStrategy):
             temperature = seq.state.temperature
             logits = processed / temperature if temperature else processed
         return token_logprobs(logits, rows, tokens, seq.params.logprobs, self.logprobs_mode)
-
-
-def _allowed_rows(logits: torch.Tensor, sets: list[list[int] | None]
-                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The rows of `logits` with an allowed set (`sets`, one entry per row, None: no set) and their
-    `allowed_mask`; None when no row has one."""
-    rows = [r for r, ids in enumerate(sets) if ids is not None]
-    return allowed_mask(rows, [sets[r] for r in rows], logits.shape[-1], logits.device) if rows else None

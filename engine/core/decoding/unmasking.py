@@ -3,14 +3,14 @@
 A rule's choice is one function `rule(confidence, entropy, n, settings, step_seed) -> chosen`; the
 rule object that runs it (`engine.core.decoding.rules.RULES`, under the name users pass as
 `dllm_unmasking_strategy`) is declared beside its knobs in `configs.knobs`. `step_seed` is the
-request's seed mixed with its step counter, for rules that draw.
+request's seed mixed with its step counter, for rules that draw (0 for the others).
 
 The candidates are the block's still-masked positions in ascending order, given as columns (one
 entry per candidate, so a step makes no per-candidate objects): `confidence`, the probability of its
 candidate token under the distribution the sampler drew from, and `entropy`, the entropy of that
-distribution (nats; computed only for the rules that need it). `n` is the step's quota: with M
-positions masked when the block opened and S denoising steps, the block's s-th step (s = 0, 1, ...)
-has `n_s = M // S + (1 if s < M % S else 0)`. A rule returns the indices of at least one and at most
+distribution (nats; computed only for the rules that need it, None for the others). `n` is the step's
+quota: with M positions masked when the block opened and S denoising steps, the block's s-th step
+(s = 0, 1, ...) has `n_s = M // S + (1 if s < M % S else 0)`. A rule returns the indices of at least one and at most
 all candidates. Ties break toward the lower position.
 """
 
@@ -72,23 +72,25 @@ def tokens_this_step(num_masked_at_block_start: int, steps: int, step_index: int
 
 
 def _most_confident(confidence: list[float], n: int) -> list[int]:
-    # a stable sort, also in reverse: equal confidences keep the lower position first
+    # a stable sort, also in reverse: equal confidences keep the lower position first (as `max` does)
+    if n == 1:
+        return [max(range(len(confidence)), key=confidence.__getitem__)]
     return sorted(range(len(confidence)), key=confidence.__getitem__, reverse=True)[:n]
 
 
-def sequential(confidence: list[float], entropy: list[float], n: int, settings: UnmaskingSettings,
+def sequential(confidence: list[float], entropy: list[float] | None, n: int, settings: UnmaskingSettings,
                step_seed: int) -> list[int]:
     """The leftmost n masked positions."""
     return list(range(n))
 
 
-def low_confidence_static(confidence: list[float], entropy: list[float], n: int,
+def low_confidence_static(confidence: list[float], entropy: list[float] | None, n: int,
                           settings: UnmaskingSettings, step_seed: int) -> list[int]:
     """The n most confident positions."""
     return _most_confident(confidence, n)
 
 
-def low_confidence_dynamic(confidence: list[float], entropy: list[float], n: int,
+def low_confidence_dynamic(confidence: list[float], entropy: list[float] | None, n: int,
                            settings: UnmaskingSettings, step_seed: int) -> list[int]:
     """Every position with confidence >= the threshold if there are at least n of them, else the n
     most confident."""
@@ -113,7 +115,7 @@ def entropy_bounded(confidence: list[float], entropy: list[float], n: int, setti
     return ranked[: max(k, 1)]
 
 
-def random_order(confidence: list[float], entropy: list[float], n: int, settings: UnmaskingSettings,
+def random_order(confidence: list[float], entropy: list[float] | None, n: int, settings: UnmaskingSettings,
                  step_seed: int) -> list[int]:
     """n positions drawn uniformly without replacement (JetEngine's and LLaDA's `random` remasking),
     from a generator seeded by the request's seed and step: the same seed gives the same order."""
@@ -127,4 +129,4 @@ def above_threshold_or_best(confidence: list[float], threshold: float) -> list[i
     return chosen or [max(range(len(confidence)), key=lambda i: (confidence[i], -i))]
 
 
-Rule = Callable[[list[float], list[float], int, "UnmaskingSettings", int], list[int]]
+Rule = Callable[[list[float], list[float] | None, int, "UnmaskingSettings", int], list[int]]
