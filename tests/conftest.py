@@ -37,6 +37,7 @@ pytest_plugins = [
     "tests.support.hostile",  # hostile_checkpoint
     "tests.support.serve",  # serve_cluster
     "tests.support.serve_pool",  # serve_pool, served_apps, reliability_apps
+    "tests.support.processes",  # stop_later
 ]
 
 TIERS = ("engine", "serve", "system")

@@ -36,6 +36,32 @@ def _run_module(*args: str) -> dict:
     return json.loads(proc.stdout)
 
 
+def _run_module_here(capsys, monkeypatch, module: str, *args: str) -> dict:
+    """`python -m <module> <args>` run the way `-m` runs it (as `__main__`, with that argv, from the
+    repository root) but in this process: its stdout's JSON object. For an entry point that a fresh
+    interpreter imports in another test already (`python -m bench --toy` imports bench.moe; the
+    DiffusionGemma memory bench's children run bench.diffusion_gemma), so that a new interpreter (some
+    seconds of imports on a loaded machine) is not started once more just to run it. The torch state a
+    bench sets (the global RNG, the thread count) is put back; the deprecation warnings of what it imports
+    stay out of the report, as they did on a child's stderr."""
+    import runpy
+    import warnings
+
+    import torch
+
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(sys, "argv", [module, *args])
+    threads = torch.get_num_threads()
+    capsys.readouterr()
+    try:
+        with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+    finally:
+        torch.set_num_threads(threads)
+    return json.loads(capsys.readouterr().out)
+
+
 def bench_entry_points() -> set[str]:
     """Every `python -m` target under bench/: a package with a `__main__.py` (bench itself, and e.g.
     bench.gpu_check as a package), or a module with a `__main__` guard."""
@@ -137,9 +163,11 @@ def test_fused_elementwise():
     assert all(row["max_abs_diff"] < 1e-5 and row["speedup"] > 0 for row in r["tokens"].values()), r
 
 
-@pytest.mark.system  # the bench command as a user types it, in a process of its own
-def test_moe():
-    r = _run_module("bench.moe", "--toy")
+@pytest.mark.system  # the bench command as a user types it
+def test_moe(capsys, monkeypatch):
+    """bench.moe's own command line; its bench (`bench_moe` at toy size) also runs, in a fresh interpreter, as
+    the `moe` part of `python -m bench --toy` below."""
+    r = _run_module_here(capsys, monkeypatch, "bench.moe", "--toy")
     assert r["command"] == "python -m bench.moe --toy" and r["outputs_identical_on_hf_sample"], r
 
 
@@ -206,20 +234,22 @@ def test_bench_toy_as_typed_from_the_repository_root_prints_and_leaves_the_tree_
     assert _work_tree_state() == before
 
 
-def test_diffusion_gemma_bench_toy():
+def test_diffusion_gemma_bench_toy(capsys, monkeypatch):
     """The canvas loop against transformers' generate() at toy size: every seeded request identical."""
     pytest.importorskip("transformers.models.diffusion_gemma")
-    r = _run_module("bench.diffusion_gemma", "--requests", "2", "--max-new-tokens", "8", "--canvas", "8",
-                    "--steps", "4", "--vocab", "384", "--hidden", "64", "--stop-entropy", "0.8", "--norm-scale", "12")
+    r = _run_module_here(capsys, monkeypatch, "bench.diffusion_gemma", "--requests", "2", "--max-new-tokens", "8",
+                         "--canvas", "8", "--steps", "4", "--vocab", "384", "--hidden", "64", "--stop-entropy", "0.8",
+                         "--norm-scale", "12")
     assert r["identical_to_transformers"] == 2
     assert r["engine"]["concurrent_2_tok_s"] > 0 and r["transformers"]["static_batch_2_tok_s"] > 0
 
 
-def test_diffusion_gemma_memory_bench_toy():
-    """`--memory` at toy size: each side at each level in its own process, every level reported."""
+def test_diffusion_gemma_memory_bench_toy(capsys, monkeypatch):
+    """`--memory` at toy size: each side at each level in its own process (started by the bench, here), every
+    level reported."""
     pytest.importorskip("transformers.models.diffusion_gemma")
-    r = _run_module("bench.diffusion_gemma", "--memory", "--vocab", "4096", "--levels", "1,2", "--canvas", "16",
-                    "--steps", "2")["memory"]
+    r = _run_module_here(capsys, monkeypatch, "bench.diffusion_gemma", "--memory", "--vocab", "4096", "--levels", "1,2",
+                         "--canvas", "16", "--steps", "2")["memory"]
     for side in ("engine", "transformers"):
         for n in ("1", "2"):
             assert r[side][n]["tokens"] == int(n) * 16 and r[side][n]["peak_rss_gb"] > 0, r[side][n]

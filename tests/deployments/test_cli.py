@@ -65,7 +65,8 @@ while True:
 
 
 @pytest.mark.system  # a cluster and `blockserve serve` in processes of their own
-def test_blockserve_serve_scores_over_http_on_the_cluster_ray_address_names():
+def test_blockserve_serve_scores_over_http_on_the_cluster_ray_address_names(stop_later):
+    """(The server, then the cluster, stop while the module's next tests run.)"""
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     head = subprocess.Popen([sys.executable, "-c", HEAD], stdout=subprocess.PIPE, text=True, env=env)
     server = None
@@ -88,9 +89,12 @@ def test_blockserve_serve_scores_over_http_on_the_cluster_ray_address_names():
         models = httpx.get(url + "/v1/models", timeout=60).json()["data"]
         assert [m["id"] for m in models] == ["qwen3-tiny"] and models[0]["max_model_len"] == 1024
     finally:
-        if server is not None:
-            stop_process(server)
-        stop_process(head)
+        def stop(server: subprocess.Popen | None = server) -> None:
+            if server is not None:
+                stop_process(server)
+            stop_process(head)  # after the server: its Ctrl-C cleanup needs the cluster
+
+        stop_later(stop)
 
 
 RESOLVE = """

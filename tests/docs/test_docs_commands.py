@@ -35,7 +35,7 @@ from configs import EngineConfig
 from deployments.app import AppArgs
 from deployments.cli import app_args, build_parser
 from tests.support.paths import BIN, ROOT
-from tests.support.processes import stop_process
+from tests.support.processes import interrupt, stop_process
 from tests.support.ray_env import QUIET
 
 DOCS = [ROOT / "README.md", ROOT / "deployments" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -250,32 +250,45 @@ def test_every_python_block_compiles():
 
 
 # ---- the servers -----------------------------------------------------------------------------------
+DOCS_QWEN3 = "docs_qwen3"  # the AR preset's application, beside the CLI's
+
+
 @pytest.fixture(scope="module")
 def blockserve_cli(serve_cluster):
-    """`blockserve serve --config configs/sdar-tiny.yaml` on this session's cluster: (url, ready line)."""
+    """`blockserve serve --config configs/sdar-tiny.yaml` on this session's cluster: (url, ready line).
+    While its process starts, the AR preset the scoring curls need (`docs_servers`) is deployed from this
+    process, and at the module's end both applications are deleted at once: the two replicas start, and
+    stop, side by side rather than one after the other."""
+    from ray import serve
+
+    from deployments.app import build_app
+
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_ADDRESS": serve_cluster.address}
     proc = subprocess.Popen([str(BIN / "blockserve"), "serve", "--config", "configs/sdar-tiny.yaml"], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    deployed = False
     try:
+        args = yaml.safe_load((ROOT / "configs" / "qwen3-tiny.yaml").read_text())
+        serve.run(build_app(args), name=DOCS_QWEN3, route_prefix=f"/{DOCS_QWEN3}", logging_config=QUIET)
+        deployed = True
         readable, _, _ = select.select([proc.stdout], [], [], 300)
         ready = proc.stdout.readline() if readable else ""  # its one line, once the application answers
         assert ready.startswith("blockserve: application 'blockserve' ready at "), (ready, proc.poll())
         yield serve_cluster.url, ready
     finally:
-        stop_process(proc)
+        interrupt(proc)  # Ctrl-C: the CLI deletes its application while this process deletes the other
+        try:
+            if deployed:
+                serve.delete(DOCS_QWEN3)
+        finally:
+            stop_process(proc, interrupted=True)
 
 
 @pytest.fixture(scope="module")
 def docs_servers(blockserve_cli, serve_cluster) -> dict[str, str]:
-    """Base URLs: "sdar" (serve_config.yaml's application, from the CLI) and "qwen3" (the AR preset)."""
-    from ray import serve
-
-    from deployments.app import build_app
-
-    args = yaml.safe_load((ROOT / "configs" / "qwen3-tiny.yaml").read_text())
-    serve.run(build_app(args), name="docs_qwen3", route_prefix="/docs_qwen3", logging_config=QUIET)
-    yield {"sdar": blockserve_cli[0], "qwen3": f"{serve_cluster.url}/docs_qwen3"}
-    serve.delete("docs_qwen3")
+    """Base URLs: "sdar" (serve_config.yaml's application, from the CLI) and "qwen3" (the AR preset,
+    deployed by `blockserve_cli` while the CLI starts)."""
+    return {"sdar": blockserve_cli[0], "qwen3": f"{serve_cluster.url}/{DOCS_QWEN3}"}
 
 
 def test_cli_ready_line_names_the_url_and_the_cluster(blockserve_cli, serve_cluster):

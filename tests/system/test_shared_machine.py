@@ -68,8 +68,9 @@ def _ready_line(server: subprocess.Popen, timeout: float, stderr: Path) -> str:
 
 
 @pytest.mark.system  # `blockserve serve` starts a cluster of its own
-def test_blockserve_serve_listens_on_loopback_only_and_refuses_a_taken_port(tmp_path):
-    """At tp=2, so the tensor-parallel group's TCP store and gloo pairs are among the sockets."""
+def test_blockserve_serve_listens_on_loopback_only_and_refuses_a_taken_port(tmp_path, stop_later):
+    """At tp=2, so the tensor-parallel group's TCP store and gloo pairs are among the sockets. (The server,
+    and the cluster it started, stop while the module's next tests run.)"""
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_AUTH_MODE": "disabled"}
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -101,7 +102,7 @@ def test_blockserve_serve_listens_on_loopback_only_and_refuses_a_taken_port(tmp_
         models = [httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"] for _ in range(20)]
         assert models == ["sdar-tiny"] * 20 and server.poll() is None  # the first serves alone
     finally:
-        stop_process(server)
+        stop_later(lambda: stop_process(server))
 
 
 @pytest.mark.system  # the `blockserve serve` command as typed
