@@ -156,7 +156,8 @@ class LLMEngine:
         self.seqs[request_id] = seq
         if trajectory is None:
             self.decoding.start(seq, settings)
-            self.outputs[request_id] = OutputBuilder(seq, self.is_dllm, self.decoding.replay)
+            self.outputs[request_id] = OutputBuilder(seq, self.is_dllm, self.decoding.replay,
+                                                     self.decoding.speculation(seq))
         else:
             self.outputs[request_id] = TrajectoryOutput(seq, self.tokenizer)
         self.scheduler.add(seq)

@@ -11,13 +11,17 @@ from collections.abc import Callable
 from typing import Any
 
 from engine.carrier import OutputChunk, StepEvent
+from engine.core.decoding.base import Speculation
 from engine.core.sequence import Sequence
 
 
 class OutputBuilder:
-    def __init__(self, seq: Sequence, is_dllm: bool, replay: Callable[[Sequence, int], dict[str, Any]] | None = None):
-        """`replay`: the final-block replay fields of a finished request (its decoding strategy's)."""
+    def __init__(self, seq: Sequence, is_dllm: bool, replay: Callable[[Sequence, int], dict[str, Any]] | None = None,
+                 speculation: Speculation | None = None):
+        """`replay`: the final-block replay fields of a finished request (its decoding strategy's);
+        `speculation`: a self-speculating request's counts, which its strategy keeps up to date."""
         self.seq = seq
+        self.speculation = speculation
         self.is_dllm = is_dllm and not seq.decodes_autoregressively
         self.replay = replay
         p = seq.params
@@ -91,8 +95,8 @@ class OutputBuilder:
             weight_versions=self.pending_versions,
             queue_time_s=seq.admitted_at - seq.added_at if self.first and seq.admitted_at is not None else None,
         )
-        if seq.speculation is not None:
-            chunk.nfe, accepted = seq.speculation.nfe, seq.speculation.acceptance
+        if self.speculation is not None:
+            chunk.nfe, accepted = self.speculation.nfe, self.speculation.acceptance
             chunk.acceptance_lengths, self.sent_verifies = accepted[self.sent_verifies:], len(accepted)
         if finished and self.want_replay:
             for name, value in self.replay(seq, end).items():

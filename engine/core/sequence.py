@@ -17,15 +17,6 @@ if TYPE_CHECKING:
     from engine.core.trajectory_plan import TrajectoryState
 
 
-@dataclass
-class Speculation:
-    """A self-speculating request's forwards as its release counts them (`nfe`: the prefill, every draft
-    and every verify) and the tokens each verify accepted."""
-
-    nfe: int = 0
-    acceptance: list[int] = field(default_factory=list)
-
-
 class SeqStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -66,7 +57,6 @@ class Sequence:
     num_preemptions: int = 0
     trajectory: TrajectoryState | None = None  # a trajectory to score instead of generating
     decisions: Decisions | None = None  # its template, allowed sets and read (typed decisions)
-    speculation: Speculation | None = None  # a self-speculating request's forwards and acceptance lengths
     finish_reason: str | None = None
     num_output: int | None = None  # generated tokens to output, fixed once the request finishes
     matched: int | str | None = None  # the stop id or stop string that ended it

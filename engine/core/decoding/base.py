@@ -40,7 +40,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from configs import EngineConfig, GenerationConfig
@@ -80,6 +80,16 @@ class PickedRows:
     #: per row with an allowed set: the raw probability mass the set held (NaN for the others); None
     #: when the sequence's rows had no set
     label_mass: list[float] | None = None
+
+
+@dataclass
+class Speculation:
+    """What a self-speculating request's outputs report (`DecodingStrategy.speculation`): its forwards as
+    its release counts them (`nfe`: the prefill, every draft and every verify) and the tokens each verify
+    accepted. Its strategy updates it in place."""
+
+    nfe: int = 0
+    acceptance: list[int] = field(default_factory=list)
 
 
 #: The engine's part of applying a step to one sequence, called by `DecodingStrategy.apply` once the
@@ -264,6 +274,11 @@ class DecodingStrategy(ABC):
         return {"dllm_replay_token_ids": seq.tokens[seq.prompt_len + first: seq.prompt_len + last],
                 "dllm_replay_step_maps": [s or 0 for s in seq.out_steps[first:last]],
                 "dllm_stop_length": max(0, num_output - first)}
+
+    def speculation(self, seq: Sequence) -> Speculation | None:
+        """The counts a self-speculating request's outputs report, kept up to date by this strategy (None:
+        the request does not speculate); asked once, when the request is added."""
+        return None
 
     def release(self, seq: Sequence) -> None:
         """The request ended (finished, aborted or failed); nothing to do by default."""

@@ -55,7 +55,7 @@ import torch
 from configs import EngineConfig, GenerationConfig
 from engine.core.decisions import Decisions
 from engine.core.decoding.autoregressive import AutoregressiveDecoding
-from engine.core.decoding.base import DecodingStrategy, Finalize, PickedRows
+from engine.core.decoding.base import DecodingStrategy, Finalize, PickedRows, Speculation
 from engine.core.decoding.renoising import request_generator
 from engine.core.decoding.rules import write_pinned
 from engine.core.decoding.seeded_speculation import LinearSpeculation
@@ -64,7 +64,7 @@ from engine.core.decoding.unmasking import tokens_this_step
 from engine.core.input_processing import check_knobs
 from engine.core.logprobs import token_logprobs
 from engine.core.sampler import RowGroup, allowed_mass, allowed_rows, within_allowed
-from engine.core.sequence import Sequence, Speculation
+from engine.core.sequence import Sequence
 from engine.core.step_plan import Feed, SampleSlice
 from engine.core.trajectory_plan import TrajectoryGeometry
 from engine.errors import RequestError
@@ -93,7 +93,7 @@ class SeededBlockDecoding(DecodingStrategy):
         self.draft_lora = draft_lora  # linear_spec's drafts run the network's draft adapter
         self.logprobs_mode, self.device = logprobs_mode, device
         self.ar = AutoregressiveDecoding()
-        self.speculation = LinearSpeculation(block_length, mask_id, self._logprobs)
+        self.linear_spec = LinearSpeculation(block_length, mask_id, self._logprobs)
 
     @classmethod
     def from_config(cls, config: EngineConfig, spec: ModelSpec, mask_id: int) -> SeededBlockDecoding:
@@ -156,7 +156,10 @@ class SeededBlockDecoding(DecodingStrategy):
                                 speculating=settings.mode == "linear_spec")
         seq.stop_bound = p.max_new_tokens
         if settings.mode == "linear_spec":
-            seq.speculation = Speculation()
+            seq.state.speculation = Speculation()
+
+    def speculation(self, seq: Sequence) -> Speculation | None:
+        return seq.state.speculation if _diffusing(seq) else None
 
     def cacheable_prefix(self, seq: Sequence) -> int:
         if not _diffusing(seq):
@@ -255,11 +258,11 @@ class SeededBlockDecoding(DecodingStrategy):
         if state.seeding:
             written = self._seed(seq, rows)
         elif state.verifying:
-            written = self.speculation.verify(seq, rows)
+            written = self.linear_spec.verify(seq, rows)
         else:
-            self.speculation.draft(seq, rows)
+            self.linear_spec.draft(seq, rows)
             written = []
-        seq.speculation.nfe += 1
+        state.speculation.nfe += 1
         finalize(seq, written, state.start + 1 - seq.prompt_len)
 
     def _seed(self, seq: Sequence, rows: PickedRows) -> list[int]:

@@ -52,7 +52,7 @@ class LinearSpeculation:
         while accepted < b and ar[accepted - 1] == seq.tokens[start + accepted]:
             accepted += 1
         seq.step_counter += 1
-        seq.speculation.acceptance.append(accepted)
+        state.speculation.acceptance.append(accepted)
         emitted = ar[:accepted]
         g = start + 1 - seq.prompt_len  # the first emitted token's generated index
         del seq.tokens[start + 1:], seq.out_steps[g:], seq.out_block_steps[g:], seq.out_logprobs[g:]

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.core.decoding.base import Speculation
+
 
 @dataclass(frozen=True)
 class SeededSettings:
@@ -46,6 +48,7 @@ class SeededState:
     read_steps: int | None = None
     read_end: int = 0
     read_complete: bool = False
+    speculation: Speculation | None = None  # linear_spec: what its outputs report (forwards, acceptance lengths)
 
     @property
     def end(self) -> int:
