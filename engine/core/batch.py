@@ -41,12 +41,7 @@ def build_batch(items: list[ScheduledSeq], decoding: DecodingStrategy, page_size
             for group, table in seq.table.groups.items():
                 batch.group_page_tables.setdefault(group, []).append(list(table.pages))
         else:
-            offset = start % page_size
-            if offset + end - start <= page_size:  # the common step: one page, one range of slots
-                first = seq.table.pages[start // page_size] * page_size + offset
-                batch.slot_mapping += range(first, first + end - start)
-            else:
-                add_slots(batch.slot_mapping, seq.table.pages, start, end, page_size)
+            add_slots(batch.slot_mapping, seq.table.pages, start, end, page_size)
             batch.page_tables += (seq.table.pages,)  # read up to kv_lens; not copied (the runner pads its own)
         if pass_fields is not None:
             pass_fields(batch, seq, it.sample)

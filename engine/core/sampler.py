@@ -153,8 +153,7 @@ def allowed_mask(rows: list[int], sets: list[list[int]], vocab: int, device: tor
     return torch.tensor(rows, dtype=torch.long).to(device), keep.to(device)
 
 
-def allowed_rows(logits: torch.Tensor, sets: list[list[int] | None]
-                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
+def allowed_rows(logits: torch.Tensor, sets: list[list[int] | None]) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The rows of `logits` with an allowed set (`sets`, one entry per row, None: no set) and their
     `allowed_mask`; None when no row has one."""
     rows = [r for r, ids in enumerate(sets) if ids is not None]

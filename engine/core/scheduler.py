@@ -36,25 +36,19 @@ class Scheduler:
         # prompt -> (the running sequence computing it, how far its prefix-cacheable part reaches)
         self._prefilling: dict[tuple[int, ...], tuple[Sequence, int]] = {}
         self._busy: set[str] | frozenset[str] = frozenset()  # this step's requests in a forward in flight
-        self._trajectories = 0  # sequences held (waiting or running) that score a trajectory
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
-        self._trajectories += seq.trajectory is not None
 
     def remove(self, seq: Sequence) -> None:
         """Take a sequence out (finished or aborted) and release its pages."""
-        held = True
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        else:
-            held = False
         self.kv.free(seq.table)
         if seq.trajectory is not None:
             self.kv.free(seq.trajectory.scratch)
-            self._trajectories -= held
         key = tuple(seq.prompt_ids)
         if self._prefilling.get(key, (None,))[0] is seq:
             del self._prefilling[key]
@@ -75,7 +69,7 @@ class Scheduler:
     def _plan_feeds(self, seqs: list[Sequence]) -> list[Feed]:
         """Per sequence its next forward (`step_plan.Feed`): the strategy's plan, or a trajectory's
         context prefill (its views come after)."""
-        if not self._trajectories:
+        if not any(seq.trajectory is not None for seq in seqs):
             return self.decoding.plan_feeds(seqs)
         planned = iter(self.decoding.plan_feeds([seq for seq in seqs if seq.trajectory is None]))
         return [(seq.trajectory.context_len, False, False, 0) if seq.trajectory is not None else next(planned)

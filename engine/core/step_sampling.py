@@ -16,7 +16,7 @@ import torch
 from engine.core.decoding.base import DecodingStrategy, PickedRows
 from engine.core.logprobs import logprob_entries, logprob_values, token_logprobs
 from engine.core.overlap import LaunchedForward
-from engine.core.sampler import PickedOnHost, RowGroup, allowed_mask, pick_tokens
+from engine.core.sampler import PickedOnHost, RowGroup, allowed_rows, pick_tokens
 from engine.core.step_plan import SampleSlice
 
 
@@ -49,14 +49,11 @@ class StepSampling:
     def _allowed_rows(slices: list[SampleSlice], groups: list[RowGroup], values: torch.Tensor
                       ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The logits rows with an allowed set and their `allowed_mask` (None: no row has one)."""
-        rows, sets = [], []
+        sets: list[list[int] | None] = [None] * values.shape[0]
         for sl, g in zip(slices, groups):
             if g.allowed is not None:
-                for r, ids in enumerate(g.allowed, start=sl.first):
-                    if ids is not None:
-                        rows.append(r)
-                        sets.append(ids)
-        return allowed_mask(rows, sets, values.shape[-1], values.device) if rows else None
+                sets[sl.first: sl.first + len(g.allowed)] = g.allowed
+        return allowed_rows(values, sets)
 
     def read(self, fwd: LaunchedForward) -> LaunchedForward:
         """Wait for the picks on the host and cut them per sequence (a strategy that samples its rows

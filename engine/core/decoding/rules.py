@@ -198,10 +198,9 @@ class RevealRule(DecodingRule):
         block = seq.state
         settings, positions = block.settings, rows.positions
         count = len(positions)
-        n = tokens_this_step(block.num_masked_at_start, settings.denoising_steps, block.step_index)
-        n = 1 if n < 1 else count if n > count else n
+        n = max(1, min(tokens_this_step(block.num_masked_at_start, settings.denoising_steps, block.step_index), count))
         chosen = self.choose(rows.confidence, rows.entropy, n, settings, step_seed(seq) if self.draws else 0)
-        chosen = sorted(chosen) if block.read_left is None else read_slots(block, positions, sorted(chosen))
+        chosen = read_slots(block, positions, sorted(chosen))
         seq.step_counter += 1
         block.step_index += 1
         revealed = write_tokens(seq, positions, rows, chosen)

@@ -272,11 +272,7 @@ class SeededBlockDecoding(DecodingStrategy):
         decisions, g = seq.decisions, state.start - seq.prompt_len
         allowed = allowed_rows(raw, [decisions.allowed(g)] if decisions is not None and decisions.has_sets else [])
         logits = within_allowed(raw, allowed)
-        if state.temperature:
-            probs = torch.softmax(logits / state.temperature, -1).to(state.generator.device)
-            seed = int(torch.multinomial(probs, 1, generator=state.generator)[0, 0])
-        else:
-            seed = int(logits[0].argmax())
+        seed = int(state.draw(logits)[0][0])
         block = [seed] + [self.mask_id] * (b - 1)
         seq.append_positions(block)
         seq.step_counter += 1

@@ -10,8 +10,8 @@ entry per candidate, so a step makes no per-candidate objects): `confidence`, th
 candidate token under the distribution the sampler drew from, and `entropy`, the entropy of that
 distribution (nats; computed only for the rules that need it, None for the others). `n` is the step's
 quota: with M positions masked when the block opened and S denoising steps, the block's s-th step
-(s = 0, 1, ...) has `n_s = M // S + (1 if s < M % S else 0)`. A rule returns the indices of at least one and at most
-all candidates. Ties break toward the lower position.
+(s = 0, 1, ...) has `n_s = M // S + (1 if s < M % S else 0)`. A rule returns the indices of at least
+one and at most all candidates. Ties break toward the lower position.
 """
 
 from __future__ import annotations
