@@ -11,7 +11,6 @@ import socket
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from bench.diffusion_gemma import converging_checkpoint
@@ -29,6 +28,7 @@ from testing.references.diffusion_gemma import (
     settle_steps,
 )
 from tests.support.gemma_decoding import CANVAS, KNOBS, PAGE, params, run
+from tests.support.ranks import gloo_rank
 
 pytest.importorskip("transformers.models.diffusion_gemma")
 MAX_NEW = 40  # three canvases: the template lies in the first
@@ -316,8 +316,7 @@ def rank_one(calls) -> None:
 
 def _tp_rank(rank: int, path: str, port: int, calls, out: str, requests: dict) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    try:
+    with gloo_rank(rank, port):
         if rank == 1:
             rank_one(calls)
             return
@@ -328,8 +327,6 @@ def _tp_rank(rank: int, path: str, port: int, calls, out: str, requests: dict) -
             eng.shutdown()
         results = {rid: (r.token_ids, r.step_map, r.label_mass) for rid, r in results.items()}
         torch.save({"tp": eng.executor.runner.tp.size, "results": results}, out)
-    finally:
-        dist.destroy_process_group()
 
 
 def test_tp2_equals_tp1_on_a_template_request(ckpt, engine, vocab, prompt, tmp_path):

@@ -8,7 +8,6 @@ import socket
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from engine.kv.page_manager import KVPageManager, PageTable
@@ -18,6 +17,7 @@ from engine.model.families.diffusion_gemma.config import FULL, SLIDING, load_gem
 from engine.model.families.diffusion_gemma.network import DiffusionGemmaNetwork
 from engine.model.layers.parallel import TPContext
 from engine.model.loading import load_weights
+from tests.support.ranks import gloo_rank
 
 pytest.importorskip("transformers.models.diffusion_gemma")
 PAGE = 4
@@ -77,13 +77,10 @@ def scenario(net: DiffusionGemmaNetwork, backend: str = "torch") -> list[torch.T
 
 
 def _rank(rank: int, path: str, port: int, result: str, backend: str) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    try:
+    with gloo_rank(rank, port):
         logits = scenario(build(path, TPContext(rank=rank, size=2)), backend)
         if rank == 0:
             torch.save(logits, result)
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("backend", ["torch", "flex"])

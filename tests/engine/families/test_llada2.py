@@ -21,6 +21,7 @@ from engine.model.loading import checkpoint_names
 from testing.references.llada2_moe import LLaDA2Reference, reference_generate
 from testing.tiny_llada2 import write_tiny_llada2
 from tests.support.llada2 import JOINT, TOL, assert_equal, prompt_of
+from tests.support.ranks import gloo_rank
 from tools.published_checkpoints import PUBLISHED as RELEASES
 
 LENGTHS = (1, 3, 31, 32, 35)  # crossing the block boundary of B = 32
@@ -224,15 +225,10 @@ def _tp_logits(rank: int, size: int, path: str, ids: list[int]) -> torch.Tensor:
 
 
 def _tp_rank(rank: int, port: int, path: str, ids: list[int], out: str) -> None:
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    try:
+    with gloo_rank(rank, port):
         logits = _tp_logits(rank, 2, path, ids)
         if rank == 0:
             torch.save(logits, out)
-    finally:
-        dist.destroy_process_group()
 
 
 def test_tp2_network_equals_reference(llada2, tmp_path):
