@@ -106,7 +106,7 @@ class Scheduler:
                 break
             if seq.status is not SeqStatus.RUNNING:  # preempted by an earlier one of this loop
                 continue
-            if decoding and len(seq.table.pages) * page_size >= target:  # the common step: nothing to allocate
+            if decoding and seq.table.holds(target, page_size):  # the common step: nothing to allocate
                 out.append(ScheduledSeq(seq, seq.num_computed, target, sample, decoding=True, kv_final=kv_final))
                 continue
             item = self._try_schedule(seq, _UNLIMITED if decoding else budget, out, first=not out, feed=feed)

@@ -43,6 +43,12 @@ class PageTable:
     epoch: int = 0  # the cache epoch its first page was taken in; only the current epoch publishes
     groups: dict[str, PageTable] = field(default_factory=dict)
 
+    def holds(self, num_tokens: int, page_size: int) -> bool:
+        """Whether its pages (every group's) reach `num_tokens` tokens already: nothing to allocate."""
+        if self.groups:
+            return all(len(t.pages) * page_size >= num_tokens for t in self.groups.values())
+        return len(self.pages) * page_size >= num_tokens
+
 
 class KVPageManager:
     def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool,

@@ -41,11 +41,20 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from configs import EngineConfig, GenerationConfig
 from engine.carrier import StepEvent
 from engine.core.decisions import Decisions
-from engine.core.decoding.base import DecodingStrategy, PickedRows
-from engine.core.decoding.renoising import CanvasDecisions, CanvasState, RenoiseKnobs, request_generator
+from engine.core.decoding.base import DecodingStrategy, Finalize, PickedRows
+from engine.core.decoding.renoising import (
+    CanvasDecisions,
+    CanvasState,
+    RenoiseKnobs,
+    StepReport,
+    request_generator,
+    step_canvases,
+)
 from engine.core.sequence import Sequence
 from engine.errors import RequestError
 from engine.model.spec import ModelSpec
@@ -53,6 +62,8 @@ from engine.worker.forward_batch import ForwardBatch
 from engine.worker.runner import resolve_device
 
 ENCODE, CANVAS = "encode", "canvas"
+#: the most float32 logits one group of canvases is stepped with at once (a canvas alone may hold more)
+GROUP_LOGITS_BYTES = 128 << 20
 
 
 class RenoisingDecoding(DecodingStrategy):
@@ -178,12 +189,58 @@ class RenoisingDecoding(DecodingStrategy):
         batch.zero_conditioning.append(pinned or None)
 
     # ---- one canvas step ----------------------------------------------------------------------
-    def advance(self, seq: Sequence, rows: PickedRows) -> list[int]:
+    def apply(self, picked: list[tuple[Sequence, PickedRows]], finalize: Finalize
+              ) -> list[tuple[Sequence, Exception]]:
+        """Step the canvases of the pass: consecutive ones of one length together
+        (`renoising.step_canvases`), as many as `GROUP_LOGITS_BYTES` of logits hold; then record each
+        one's step, hand it to `finalize` and open the next canvas of those that go on."""
+        failed: list[tuple[Sequence, Exception]] = []
+        for group in self._groups(picked):
+            try:  # each sequence's rows projected alone: the LM head's GEMM has the shape it has alone
+                raw = torch.stack([rows.read_logits().float() for _, rows in group])
+                reports = step_canvases([seq.state for seq, _ in group], raw)
+                del raw
+            except Exception as e:  # noqa: BLE001 - ends these requests only
+                failed += [(seq, e) for seq, _ in group]
+                continue
+            for (seq, rows), report in zip(group, reports, strict=True):
+                if isinstance(report, Exception):
+                    failed.append((seq, report))
+                    continue
+                try:
+                    seq.num_draws += len(rows.positions)
+                    written = self._record(seq, report)
+                    if not finalize(seq, written, self.num_final(seq)):
+                        self.after_step(seq)
+                except Exception as e:  # noqa: BLE001 - ends this request only
+                    failed.append((seq, e))
+        return failed
+
+    def _groups(self, picked: list[tuple[Sequence, PickedRows]]) -> list[list[tuple[Sequence, PickedRows]]]:
+        """`picked` cut into runs of consecutive canvases of one length whose [L, V] float32 logits fit
+        `GROUP_LOGITS_BYTES` together (a canvas alone when even its own do not)."""
+        row_bytes = 4 * self.vocab_size
+        groups: list[list[tuple[Sequence, PickedRows]]] = []
+        rows = 0
+        for item in picked:
+            length = item[0].state.canvas_length
+            if groups and groups[-1][0][0].state.canvas_length == length \
+                    and (rows + length) * row_bytes <= GROUP_LOGITS_BYTES:
+                groups[-1].append(item)
+                rows += length
+            else:
+                groups.append([item])
+                rows = length
+        return groups
+
+    def _record(self, seq: Sequence, report: StepReport) -> list[int]:
+        """Write a canvas step into the sequence: the canvas fed next or, once the canvas ended, its
+        emitted tokens with their settle steps (and logprobs, label masses); returns the generated
+        indices whose argmax changed."""
         canvas, start, base = seq.state, seq.state.start, seq.prompt_len
         n = canvas.canvas_length
-        report = canvas.step(rows.read_logits().float())  # this request's logits only, dropped after the step
         seq.step_counter += 1
-        seq.tokens[start: start + n] = canvas.tokens[0].tolist()
+        seq.tokens[start: start + n] = report.canvas
         canvas.report = report
         if report.ended:
             canvas_settle = canvas.settle.tolist()

@@ -1,4 +1,5 @@
-"""Uniform-state renoising over a canvas (DiffusionGemma), one request at a time.
+"""Uniform-state renoising over a canvas (DiffusionGemma): each request's canvas on its own, the
+canvases of one pass stepped together.
 
 A canvas of L positions starts as uniform random tokens. Each step scores the whole canvas, divides
 the logits by the step's temperature (a linear schedule from `t_max` down to `t_min` over the
@@ -12,8 +13,13 @@ Every random draw comes from the request's own generator, in this order and thes
 canvas init `randint(0, V, (1, L))`, per step `multinomial(softmax(z), 1)` on the [L, V] rows (the
 exponential trick on that one tensor) and the renoise `randint(0, V, (1, L))` of the whole canvas.
 That is exactly what transformers' DiffusionGemma `generate()` draws from the global generator at
-batch 1, so a seeded request reproduces it, and gives the same tokens in any batch. All the
-sampler's temporaries are [L, V] of one request, whatever the concurrency.
+batch 1, so a seeded request reproduces it, and gives the same tokens in any batch.
+
+`step_canvases` steps the canvases of one pass together: each operation runs once over a leading
+canvas dimension, and each is one that computes every row on its own (elementwise, or a reduction
+along the vocabulary or the canvas), so a canvas's values are the ones it gets alone; only the draws
+run per canvas, from its own generator. Its strategy hands it groups of canvases bounded in logits
+bytes, so the sampler's temporaries do not grow with the concurrency.
 
 A token's *settle step* is the request-wide number of the step of its canvas from which the argmax
 at its position never changed again (steps count canvas passes; a canvas's first step follows the
@@ -70,9 +76,10 @@ class RenoiseKnobs:
         given = {k.setting: getattr(params, k.name) for k in self.KNOBS}
         return replace(self, **{k: v for k, v in given.items() if v is not None})
 
-    def temperature(self, countdown: int) -> torch.Tensor:
-        """T(c) = t_min + (t_max - t_min)·c/N, in float32 as transformers computes it (a 0-d tensor)."""
-        c = torch.tensor(countdown, dtype=torch.int32)
+    def temperature(self, countdown: int | torch.Tensor) -> torch.Tensor:
+        """T(c) = t_min + (t_max - t_min)·c/N, in float32 as transformers computes it (a 0-d tensor, or one
+        value per countdown of a tensor of them)."""
+        c = torch.as_tensor(countdown, dtype=torch.int32)
         return self.t_min + (self.t_max - self.t_min) * (c / self.max_denoising_steps)
 
 
@@ -136,7 +143,8 @@ class CanvasDecisions:
 @dataclass
 class StepReport:
     """What one canvas step did: the canvas positions whose argmax changed and their new argmax, the
-    step's temperature, how many samples it accepted, the mean entropy, and whether the canvas ended."""
+    step's temperature, how many samples it accepted, the mean entropy, whether the canvas ended, and
+    the canvas it feeds next."""
 
     step: int
     positions: list[int]
@@ -145,6 +153,7 @@ class StepReport:
     accepted: int
     mean_entropy: float
     ended: bool
+    canvas: list[int]
 
 
 @dataclass
@@ -159,7 +168,8 @@ class CanvasState:
     countdown: int = 0
     tokens: torch.Tensor | None = None  # [1, L] the canvas fed next
     argmax: torch.Tensor | None = None  # [L] the last step's argmax
-    history: torch.Tensor | None = None  # [stability_threshold, L] the previous steps' argmax
+    # consecutive steps before the last whose argmax equals the last one's (the stability test reads it)
+    unchanged_steps: int = 0
     changed_at: torch.Tensor | None = None  # [L] canvas step of each position's last argmax change
     start: int = 0  # the open canvas's first position (absolute)
     ended: bool = False  # the open canvas stopped: its emitted tokens replaced it
@@ -174,6 +184,11 @@ class CanvasState:
     read_steps: int | None = None  # a read: its canvas stops after this many steps at the latest
     decisions: CanvasDecisions | None = None  # the open canvas's pins and allowed sets
     label_mass: dict[int, float] = field(default_factory=dict)  # per set position: its set's mass at the end
+    #: the temperature of each countdown 0..N, exactly the float32 values (`RenoiseKnobs.temperature`)
+    schedule: list[float] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.schedule = self.knobs.temperature(torch.arange(self.knobs.max_denoising_steps + 1)).tolist()
 
     def open_canvas(self, decisions: CanvasDecisions | None = None) -> list[int]:
         """Draw a new canvas (uniform tokens, then its pins) and reset the per-canvas state; its tokens."""
@@ -183,11 +198,9 @@ class CanvasState:
         if decisions is not None:
             self.tokens = decisions.pin(self.tokens)
         self.countdown = self.knobs.max_denoising_steps
-        self.argmax = self.history = self.changed_at = self.last_logprobs = None
+        self.argmax = self.changed_at = self.last_logprobs = None
+        self.unchanged_steps = 0
         self.label_mass = {}
-        if self.knobs.stability_threshold:
-            self.history = torch.full((self.knobs.stability_threshold, self.canvas_length), -1, dtype=torch.long,
-                                      device=gen.device)
         self.stop = None
         return self.tokens[0].tolist()
 
@@ -199,55 +212,13 @@ class CanvasState:
     @property
     def temperature(self) -> float:
         """The temperature of the open canvas's next step (exactly the float32 value)."""
-        return self.knobs.temperature(self.countdown).item()
+        return self.schedule[self.countdown]
 
     def step(self, raw_logits: torch.Tensor) -> StepReport:
         """Apply one canvas pass's float32 logits [L, V]: sample, accept, renoise, check the stop."""
-        knobs, gen, decisions = self.knobs, self.generator, self.decisions or CanvasDecisions()
-        temperature = knobs.temperature(self.countdown)
-        sets = decisions.set_mask(self.vocab_size)
-        restricted = within_allowed(raw_logits, sets)
-        z = filtered(restricted / temperature, self.top_k, self.top_p)
-        probs = torch.softmax(z, dim=-1, dtype=torch.float32)
-        sampled = torch.multinomial(probs, num_samples=1, generator=gen).view(1, -1)
-        del probs
-        argmax = decisions.pin(torch.argmax(z, dim=-1))
-        entropy = torch.distributions.Categorical(logits=z).entropy()
-        sorted_entropy, order = torch.sort(entropy[None], dim=-1, descending=False)
-        within = torch.cumsum(sorted_entropy, dim=-1) - sorted_entropy <= knobs.entropy_bound
-        accept = torch.scatter(torch.zeros_like(within), -1, order, within)
-        kept = torch.where(accept, sampled, self.tokens)
-        noise = torch.randint(0, self.vocab_size, (1, self.canvas_length), generator=gen, device=gen.device)
-        self.tokens = decisions.pin(torch.where(~accept, noise, kept))
-
-        canvas_step = self.canvas_step + 1
-        if self.argmax is None:
-            changed = torch.ones_like(argmax, dtype=torch.bool)
-            self.changed_at = torch.ones_like(argmax)
-        else:
-            changed = argmax != self.argmax
-            self.changed_at[changed] = canvas_step
-        if self.history is None:
-            stable = True
-        else:
-            stable = bool((self.history == argmax[None]).all())
-            self.history = torch.roll(self.history, shifts=-1, dims=0)
-            self.history[-1] = argmax
-        mean_entropy = entropy.mean()
-        self.argmax = argmax
-        self.countdown -= 1
-        if stable and bool(mean_entropy < knobs.stop_entropy):
-            self.stop = STABLE
-        elif self.countdown == 0 or canvas_step == self.read_steps:
-            self.stop = MAX_STEPS
-        if self.stop is not None:
-            self._last_rows(raw_logits, restricted, z, argmax, sets)
-        del z
-        positions = changed.nonzero().flatten()
-        report = StepReport(self.steps_before + canvas_step, positions.tolist(), argmax[positions].tolist(),
-                            temperature.item(), int(accept.sum()), mean_entropy.item(), self.stop is not None)
-        if self.stop is not None:
-            self.replay.append({"steps": canvas_step, "stop": self.stop})
+        report = step_canvases([self], raw_logits[None])[0]
+        if isinstance(report, Exception):
+            raise report
         return report
 
     def _last_rows(self, raw_logits: torch.Tensor, restricted: torch.Tensor, z: torch.Tensor, argmax: torch.Tensor,
@@ -282,6 +253,102 @@ class CanvasState:
         settle = torch.where(settle > 0, settle + self.steps_before, settle).tolist()
         self.steps_before += self.canvas_step
         return self.argmax.tolist(), settle
+
+
+def step_canvases(canvases: list[CanvasState], raw_logits: torch.Tensor) -> list[StepReport | RuntimeError]:
+    """Apply one canvas pass to each of `canvases` (all of one canvas length L): `raw_logits` [k, L, V]
+    float32, row i the pass's logits of canvas i. Sample, accept, renoise, check the stop -- every
+    operation the one a canvas alone would run, over a leading canvas dimension: each row is computed
+    on its own, so a canvas gets the values it gets alone, and each draws from its own generator in
+    its own order (`multinomial(p, 1)` is, as torch computes it, Exp(1) draws over the [L, V] rows and
+    the argmax of p / draws). A canvas whose logits give no distribution (NaN) gets the error
+    `multinomial` raises instead of a report, and its state and generator are left as they were."""
+    device = raw_logits.device
+    sets = [c.decisions.set_mask(c.vocab_size) if c.decisions is not None else None for c in canvases]
+    restricted = raw_logits
+    if any(s is not None for s in sets):
+        restricted = raw_logits.clone()
+        for i, allowed in enumerate(sets):
+            if allowed is not None:
+                restricted[i] = within_allowed(raw_logits[i], allowed)
+    temperatures = [c.temperature for c in canvases]
+    z = restricted / torch.tensor(temperatures, dtype=torch.float32, device=device)[:, None, None]
+    for i, c in enumerate(canvases):
+        if c.top_k or c.top_p < 1.0:
+            z[i] = filtered(z[i], c.top_k, c.top_p)
+    probs = torch.softmax(z, dim=-1, dtype=torch.float32)
+    invalid = probs.isnan().flatten(1).any(-1).tolist()
+    if any(invalid):  # those canvases fail alone, before any of their draws
+        keep = [i for i, bad in enumerate(invalid) if not bad]
+        reports = iter(step_canvases([canvases[i] for i in keep], raw_logits[keep]) if keep else [])
+        error = "probability tensor contains either `inf`, `nan` or element < 0"
+        return [RuntimeError(error) if bad else next(reports) for bad in invalid]
+    draws = torch.empty_like(probs)
+    for i, c in enumerate(canvases):
+        draws[i].exponential_(1, generator=c.generator)
+    sampled = probs.div_(draws).argmax(-1)
+    del probs, draws
+    pins = _pins(canvases)
+    argmax = _pinned(z.argmax(-1), pins)
+    entropy = torch.distributions.Categorical(logits=z, validate_args=False).entropy()
+    sorted_entropy, order = torch.sort(entropy, dim=-1, descending=False)
+    bounds = torch.tensor([c.knobs.entropy_bound for c in canvases], dtype=torch.float32, device=device)[:, None]
+    within = torch.cumsum(sorted_entropy, dim=-1) - sorted_entropy <= bounds
+    accept = torch.scatter(torch.zeros_like(within), -1, order, within)
+    kept = torch.where(accept, sampled, torch.cat([c.tokens for c in canvases]))
+    length = raw_logits.shape[1]
+    noise = torch.cat([torch.randint(0, c.vocab_size, (1, length), generator=c.generator, device=c.generator.device)
+                       for c in canvases])
+    tokens = _pinned(torch.where(~accept, noise, kept), pins)
+
+    first = [c.argmax is None for c in canvases]
+    before = torch.stack([torch.full_like(argmax[i], -1) if f else c.argmax for i, (c, f) in
+                          enumerate(zip(canvases, first))])
+    changed = argmax != before  # every position on a canvas's first step
+    steps = torch.tensor([c.canvas_step + 1 for c in canvases], device=device)[:, None]
+    changed_at = torch.where(changed, steps, torch.stack([torch.zeros_like(argmax[i]) if f else c.changed_at
+                                                          for i, (c, f) in enumerate(zip(canvases, first))]))
+    mean_entropy = entropy.mean(-1)
+    stops = torch.tensor([c.knobs.stop_entropy for c in canvases], dtype=torch.float32, device=device)
+    confident = (mean_entropy < stops).tolist()
+    changed_rows, argmax_rows, token_rows = changed.tolist(), argmax.tolist(), tokens.tolist()
+    accepted, means = accept.sum(-1).tolist(), mean_entropy.tolist()
+
+    reports: list[StepReport | RuntimeError] = []
+    for i, c in enumerate(canvases):
+        c.unchanged_steps = 0 if True in changed_rows[i] else c.unchanged_steps + 1
+        stable = c.unchanged_steps >= c.knobs.stability_threshold
+        canvas_step = c.canvas_step + 1
+        c.argmax, c.changed_at, c.tokens = argmax[i], changed_at[i], tokens[i: i + 1]
+        c.countdown -= 1
+        if stable and confident[i]:
+            c.stop = STABLE
+        elif c.countdown == 0 or canvas_step == c.read_steps:
+            c.stop = MAX_STEPS
+        if c.stop is not None:
+            c._last_rows(raw_logits[i], restricted[i], z[i], argmax[i], sets[i])
+            c.replay.append({"steps": canvas_step, "stop": c.stop})
+        row = argmax_rows[i]
+        positions = [p for p, moved in enumerate(changed_rows[i]) if moved]
+        reports.append(StepReport(c.steps_before + canvas_step, positions, [row[p] for p in positions],
+                                  temperatures[i], accepted[i], means[i], c.stop is not None, token_rows[i]))
+    return reports
+
+
+def _pins(canvases: list[CanvasState]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The canvases' pins as one (mask [k, L], ids [k, L]); None when no canvas has one."""
+    if all(c.decisions is None or c.decisions.pinned is None for c in canvases):
+        return None
+    length, device = canvases[0].canvas_length, canvases[0].generator.device
+    free = torch.full((length,), -1, dtype=torch.long, device=device)
+    ids = torch.stack([free if c.decisions is None or c.decisions.pinned is None else c.decisions.pinned_ids
+                       for c in canvases])
+    return ids >= 0, ids
+
+
+def _pinned(tokens: torch.Tensor, pins: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """`tokens` [k, L] with each canvas's pinned ids at its pins."""
+    return tokens if pins is None else torch.where(pins[0], pins[1], tokens)
 
 
 def request_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
