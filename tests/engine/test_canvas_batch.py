@@ -95,3 +95,26 @@ def test_a_canvas_with_nan_logits_fails_alone():
     for i in (0, 2):
         assert reports[i] == step_canvases([alone[i]], raw[i: i + 1])[0]
         assert _snapshot(together[i]) == _snapshot(alone[i])
+
+
+def test_grouping_leaves_an_engines_outputs_unchanged(tmp_path, monkeypatch):
+    """Seeded requests of two canvas widths, sampled in one group per width or each canvas alone
+    (`GROUP_LOGITS_BYTES` below one canvas): the same tokens, step maps, logprobs, traces and replays."""
+    from engine.core.decoding import canvas_renoising
+    from testing.tiny.diffusion_gemma import write_tiny_diffusion_gemma
+    from tests.support.gemma_decoding import make_engine, params, run
+
+    ckpt = write_tiny_diffusion_gemma(tmp_path / "tiny")
+    requests = {f"r{i}": ([5 + i, 17, 3 * i + 1],
+                          params(max_new_tokens=24, random_seed=i, logprobs=1 if i % 2 else None,
+                                 return_step_trace=True, dllm_canvas_length=8 if i % 3 else None))
+                for i in range(6)}
+
+    def outputs() -> dict:
+        results = run(make_engine(ckpt), requests)
+        return {rid: (r.token_ids, r.step_map, r.logprobs, r.step_trace, r.dllm_replay_canvases)
+                for rid, r in results.items()}
+
+    grouped = outputs()
+    monkeypatch.setattr(canvas_renoising, "GROUP_LOGITS_BYTES", 1)
+    assert outputs() == grouped

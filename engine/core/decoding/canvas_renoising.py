@@ -197,7 +197,9 @@ class RenoisingDecoding(DecodingStrategy):
         failed: list[tuple[Sequence, Exception]] = []
         for group in self._groups(picked):
             try:  # each sequence's rows projected alone: the LM head's GEMM has the shape it has alone
-                raw = torch.stack([rows.read_logits().float() for _, rows in group])
+                logits = [rows.read_logits().float() for _, rows in group]
+                raw = torch.stack(logits) if len(logits) > 1 else logits[0][None]  # one canvas: no copy
+                del logits
                 reports = step_canvases([seq.state for seq, _ in group], raw)
                 del raw
             except Exception as e:  # noqa: BLE001 - ends these requests only
