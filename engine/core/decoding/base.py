@@ -19,11 +19,11 @@ step, a separate forward commits the canvas without sampling, and tokens are fin
 canvas ends -- maps onto it as follows:
 
 - `start` appends the canvas (its initial noise tokens); `sample_positions` returns every canvas
-  position each step, and `apply` rewrites all of them and hands `Finalize` the indices whose
-  shown token changed;
+  position each step, and `advance` rewrites all of them and returns the indices whose shown token
+  changed;
 - `samples_logits` is True: the engine hands the strategy each step's raw logits rows
-  (`PickedRows.read_logits`) instead of running its own sampler on them, and `apply` samples the
-  step's canvases together;
+  (`PickedRows.read_logits`) instead of running its own sampler on them; its `apply` samples the
+  step's canvases together, then runs the default `apply` over them;
 - `provisional_writes` is True: the step trace shows the rewrites (`trace_event` says what a
   step's event holds), the output is bounded only by final tokens;
 - `num_final` stays at the canvas' start until the canvas ends, so the stop rule (and streaming)

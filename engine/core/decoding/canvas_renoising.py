@@ -51,7 +51,6 @@ from engine.core.decoding.renoising import (
     CanvasDecisions,
     CanvasState,
     RenoiseKnobs,
-    StepReport,
     request_generator,
     step_canvases,
 )
@@ -192,9 +191,11 @@ class RenoisingDecoding(DecodingStrategy):
     def apply(self, picked: list[tuple[Sequence, PickedRows]], finalize: Finalize
               ) -> list[tuple[Sequence, Exception]]:
         """Step the canvases of the pass: consecutive ones of one length together
-        (`renoising.step_canvases`), as many as `GROUP_LOGITS_BYTES` of logits hold; then record each
-        one's step, hand it to `finalize` and open the next canvas of those that go on."""
+        (`renoising.step_canvases`), as many as `GROUP_LOGITS_BYTES` of logits hold; then the default
+        `apply` records each one's step (`advance`), hands it to `finalize` and opens the next canvas of
+        those that go on."""
         failed: list[tuple[Sequence, Exception]] = []
+        stepped: list[tuple[Sequence, PickedRows]] = []
         for group in self._groups(picked):
             try:  # each sequence's rows projected alone: the LM head's GEMM has the shape it has alone
                 logits = [rows.read_logits().float() for _, rows in group]
@@ -208,15 +209,10 @@ class RenoisingDecoding(DecodingStrategy):
             for (seq, rows), report in zip(group, reports, strict=True):
                 if isinstance(report, Exception):
                     failed.append((seq, report))
-                    continue
-                try:
-                    seq.num_draws += len(rows.positions)
-                    written = self._record(seq, report)
-                    if not finalize(seq, written, self.num_final(seq)):
-                        self.after_step(seq)
-                except Exception as e:  # noqa: BLE001 - ends this request only
-                    failed.append((seq, e))
-        return failed
+                else:
+                    seq.state.report = report
+                    stepped.append((seq, rows))
+        return failed + super().apply(stepped, finalize)
 
     def _groups(self, picked: list[tuple[Sequence, PickedRows]]) -> list[list[tuple[Sequence, PickedRows]]]:
         """`picked` cut into runs of consecutive canvases of one length whose [L, V] float32 logits fit
@@ -235,15 +231,14 @@ class RenoisingDecoding(DecodingStrategy):
                 rows = length
         return groups
 
-    def _record(self, seq: Sequence, report: StepReport) -> list[int]:
-        """Write a canvas step into the sequence: the canvas fed next or, once the canvas ended, its
-        emitted tokens with their settle steps (and logprobs, label masses); returns the generated
-        indices whose argmax changed."""
+    def advance(self, seq: Sequence, rows: PickedRows) -> list[int]:
+        """Write the canvas step `apply` ran (`CanvasState.report`) into the sequence: the canvas fed
+        next or, once the canvas ended, its emitted tokens with their settle steps (and logprobs, label
+        masses); returns the generated indices whose argmax changed."""
         canvas, start, base = seq.state, seq.state.start, seq.prompt_len
-        n = canvas.canvas_length
+        n, report = canvas.canvas_length, canvas.report
         seq.step_counter += 1
         seq.tokens[start: start + n] = report.canvas
-        canvas.report = report
         if report.ended:
             canvas_settle = canvas.settle.tolist()
             tokens, settle = canvas.close_canvas()
