@@ -316,7 +316,7 @@ def rank_one(calls) -> None:
 
 def _tp_rank(rank: int, path: str, port: int, calls, out: str, requests: dict) -> None:
     torch.set_num_threads(1)
-    with gloo_rank(rank, port):
+    with gloo_rank(rank, port, feeds=(calls,)):
         if rank == 1:
             rank_one(calls)
             return
