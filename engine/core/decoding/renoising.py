@@ -214,13 +214,6 @@ class CanvasState:
         """The temperature of the open canvas's next step (exactly the float32 value)."""
         return self.schedule[self.countdown]
 
-    def step(self, raw_logits: torch.Tensor) -> StepReport:
-        """Apply one canvas pass's float32 logits [L, V]: sample, accept, renoise, check the stop."""
-        report = step_canvases([self], raw_logits[None])[0]
-        if isinstance(report, Exception):
-            raise report
-        return report
-
     def _last_rows(self, raw_logits: torch.Tensor, restricted: torch.Tensor, z: torch.Tensor, argmax: torch.Tensor,
                    sets: tuple[torch.Tensor, torch.Tensor] | None) -> None:
         """What the canvas's last step leaves beside its argmax: each set position's label mass and,
