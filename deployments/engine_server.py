@@ -120,10 +120,11 @@ class EngineServer:
                  config.tp)
 
     # ---- generation ------------------------------------------------------------------------
-    async def _run(self, request: EngineRequest | dict[str, Any]
+    async def _run(self, request: EngineRequest | dict[str, Any], streamed: bool = True
                    ) -> AsyncIterator[tuple[OutputChunk, Response] | Rejection]:
         """Yield (chunk, folded-so-far) per delta, or one rejection. A request made by hand (a dict of
-        EngineRequest's fields) is validated here."""
+        EngineRequest's fields) is validated here. `streamed=False` (a unary call): the engine sends the
+        chunk of the first tokens and the last only, which fold to the same result."""
         try:
             req = EngineRequest.model_validate(request)
         except ValidationError as e:
@@ -132,7 +133,7 @@ class EngineServer:
         params = req.params
         acc = Response()
         timer = self.metrics.timer()
-        stream = self.engine.generate(req.prompt, params, req.request_id)
+        stream = self.engine.generate(req.prompt, params, req.request_id, streamed)
         started = False
         self._live.add(req.request_id)
         try:
@@ -175,7 +176,7 @@ class EngineServer:
     async def generate(self, request: EngineRequest | dict[str, Any]) -> Response | Rejection:
         """The folded result of one request, or its rejection."""
         result: Response | None = None
-        async for item in self._run(request):
+        async for item in self._run(request, streamed=False):
             if isinstance(item, Rejection):
                 return item
             _, acc = item

@@ -159,8 +159,7 @@ class AsyncEngine:
                 fut.set_result(fn())
             except BaseException as e:  # noqa: BLE001 - handed to the caller
                 fut.set_exception(e)
-        for chunk in self.engine.take_ready():  # forwards in flight the command applied (overlap schedule)
-            self._deliver(chunk)
+        self._deliver(self.engine.take_ready())  # forwards in flight the command applied (overlap schedule)
 
     def _run_waiting_updates(self) -> None:
         """Once no request is in flight (or generation stopped), run the updates that waited, in
@@ -207,8 +206,7 @@ class AsyncEngine:
                     if getattr(e, "fatal", False):
                         raise
                 self._heartbeat = time.monotonic()
-                for chunk in chunks:
-                    self._deliver(chunk)
+                self._deliver(chunks)
         except BaseException as e:  # noqa: BLE001 - recorded for the health check
             self._fatal = e
             log.exception("engine loop died")
@@ -219,9 +217,8 @@ class AsyncEngine:
     def _end_everything(self) -> None:
         """Fail queued commands and end every open stream with an error (the loop is gone)."""
         self._fail_pending()
-        for rid in list(self._streams):
-            self._deliver(OutputChunk(request_id=rid, finish_reason="error",
-                                      error=f"engine loop stopped: {self._fatal!r}"))
+        self._deliver([OutputChunk(request_id=rid, finish_reason="error", error=f"engine loop stopped: {self._fatal!r}")
+                       for rid in list(self._streams)])
 
     def _refuse_held(self) -> None:
         """End the requests that have waited `hold_timeout_s` for generation to resume."""
@@ -237,31 +234,38 @@ class AsyncEngine:
                     error = EngineHeldError(self.state, now - since, retry_after_s=self.hold_timeout_s)
                     target[0].call_soon_threadsafe(target[1].put_nowait, error)
 
-    def _deliver(self, chunk: OutputChunk) -> None:
-        target = self._streams.get(chunk.request_id)
-        if target is None:
-            return
-        if chunk.finished:
-            self._streams.pop(chunk.request_id, None)
-            self._held.pop(chunk.request_id, None)
-        loop, q = target
-        try:
-            loop.call_soon_threadsafe(q.put_nowait, chunk)
-        except RuntimeError:  # the caller's event loop is closed: nobody reads this stream any more
-            self._streams.pop(chunk.request_id, None)
-            if not chunk.finished and self._running:
-                self.engine.abort(chunk.request_id)
+    def _deliver(self, chunks: list[OutputChunk]) -> None:
+        """Hand a step's chunks to their callers: one wake-up of each caller's event loop per step (a
+        thread-safe call writes to the loop's wake-up pipe), which then puts each chunk into its queue."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, OutputChunk]]] = {}
+        for chunk in chunks:
+            target = self._streams.get(chunk.request_id)
+            if target is None:
+                continue
+            if chunk.finished:
+                self._streams.pop(chunk.request_id, None)
+                self._held.pop(chunk.request_id, None)
+            by_loop.setdefault(target[0], []).append((target[1], chunk))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_each, items)
+            except RuntimeError:  # the caller's event loop is closed: nobody reads these streams any more
+                for _, chunk in items:
+                    self._streams.pop(chunk.request_id, None)
+                    if not chunk.finished and self._running:
+                        self.engine.abort(chunk.request_id)
 
     # ---- the caller's side ------------------------------------------------------------------
     async def generate(self, prompt: str | list[int], params: GenerationConfig | None = None,
-                       request_id: str | None = None) -> AsyncIterator[OutputChunk]:
+                       request_id: str | None = None, streamed: bool = True) -> AsyncIterator[OutputChunk]:
         """Stream a request's chunks. Raises RequestError (ValueError) before the first chunk, and
-        EngineHeldError when it waited `hold_timeout_s` while the engine was not serving."""
+        EngineHeldError when it waited `hold_timeout_s` while the engine was not serving. `streamed=False`
+        (a caller that folds the chunks into one result): the chunk of its first tokens, then the last."""
         q: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
 
         def add() -> str:
-            rid = self.engine.add_request(prompt, params, request_id)
+            rid = self.engine.add_request(prompt, params, request_id, streamed)
             self._streams[rid] = (loop, q)
             if not self.serving:
                 self._held[rid] = time.monotonic()
@@ -292,13 +296,9 @@ class AsyncEngine:
         """End every request now with finish_reason "abort" and its partial output, the ones held for
         a waiting update included (admitted, then ended). Returns how many ended."""
         self._admit_held()
-        aborted = 0
-        for rid in list(self.engine.seqs):
-            chunk = self.engine.abort(rid)
-            if chunk is not None:
-                self._deliver(chunk)
-                aborted += 1
-        return aborted
+        chunks = [chunk for rid in list(self.engine.seqs) if (chunk := self.engine.abort(rid)) is not None]
+        self._deliver(chunks)
+        return len(chunks)
 
     async def abort_all(self) -> ControlResult:
         """End every request in flight now (finish_reason "abort", with its partial output), as
@@ -310,7 +310,7 @@ class AsyncEngine:
         def do_abort() -> None:
             chunk = self.engine.abort(request_id)
             if chunk is not None:
-                self._deliver(chunk)
+                self._deliver([chunk])
 
         if self._running:
             self._call(do_abort)
@@ -343,3 +343,9 @@ class AsyncEngine:
         self._running = False
         self._thread.join(timeout=5)
         self.engine.shutdown()
+
+
+def _put_each(items: list[tuple[asyncio.Queue, OutputChunk]]) -> None:
+    """On a caller's event loop: each chunk into its request's queue."""
+    for q, chunk in items:
+        q.put_nowait(chunk)

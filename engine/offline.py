@@ -61,7 +61,7 @@ class Pipeline:
         try:
             for p, config in zip(batch, configs):
                 for index, sample in enumerate((config or GenerationConfig()).samples()):
-                    ids.append((self.engine.add_request(p, sample), index))
+                    ids.append((self.engine.add_request(p, sample, streamed=False), index))
         except ValueError:
             for rid, _ in ids:
                 self.engine.abort(rid)

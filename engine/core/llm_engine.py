@@ -116,8 +116,10 @@ class LLMEngine:
 
     # ---- requests ----------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: GenerationConfig | None = None,
-                    request_id: str | None = None) -> str:
-        """Validate and queue a request; raises RequestError (a ValueError) for bad input."""
+                    request_id: str | None = None, streamed: bool = True) -> str:
+        """Validate and queue a request; raises RequestError (a ValueError) for bad input. `streamed`:
+        its chunks come every step that made something new; False for a caller that waits for the
+        whole result, which gets the chunk of its first tokens and the last (`OutputBuilder`)."""
         params = params or GenerationConfig()
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.seqs:
@@ -157,7 +159,7 @@ class LLMEngine:
         if trajectory is None:
             self.decoding.start(seq, settings)
             self.outputs[request_id] = OutputBuilder(seq, self.is_dllm, self.decoding.replay,
-                                                     self.decoding.speculation(seq))
+                                                     self.decoding.speculation(seq), streamed)
         else:
             self.outputs[request_id] = TrajectoryOutput(seq, self.tokenizer)
         self.scheduler.add(seq)

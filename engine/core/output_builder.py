@@ -3,6 +3,13 @@
 The request's `StopChecker` holds the text of its final tokens and where the output ends; the
 builder only cuts deltas from it, so the chunks of a request concatenate exactly to its Response
 and every field describes the same prefix of tokens. Work per chunk is proportional to what is new.
+
+A request whose caller waits for the whole result (`streamed=False`: a unary call, `pipe(...)`) gets
+two chunks: the first that carries tokens, so that its caller still sees the time to the first token,
+and the last. Everything in between accumulates and goes out with the last, so the two fold to the
+same Response as the step-by-step deltas would. A step then builds nothing for it, and its caller is
+woken twice instead of once per step -- on a Serve replica each wake-up costs the event loop about as
+much host time as the engine's step spends on the sequence.
 """
 
 from __future__ import annotations
@@ -17,10 +24,12 @@ from engine.core.sequence import Sequence
 
 class OutputBuilder:
     def __init__(self, seq: Sequence, is_dllm: bool, replay: Callable[[Sequence, int], dict[str, Any]] | None = None,
-                 speculation: Speculation | None = None):
+                 speculation: Speculation | None = None, streamed: bool = True):
         """`replay`: the final-block replay fields of a finished request (its decoding strategy's);
-        `speculation`: a self-speculating request's counts, which its strategy keeps up to date."""
+        `speculation`: a self-speculating request's counts, which its strategy keeps up to date;
+        `streamed`: a chunk every step that made something new (else the first tokens and the end)."""
         self.seq = seq
+        self.streamed = streamed
         self.speculation = speculation
         self.is_dllm = is_dllm and not seq.decodes_autoregressively
         self.replay = replay
@@ -63,6 +72,8 @@ class OutputBuilder:
         if weight_version != self.version:
             self.version = weight_version
             self.pending_versions.append(weight_version)
+        if not (finished or self.streamed or self.first):
+            return None  # not streamed: after the first chunk, only the last
         stop = seq.stop
         end = seq.num_output if seq.num_output is not None else stop.num_consumed
         if end == self.sent_tokens and not (finished or self.pending_trace):
@@ -75,6 +86,8 @@ class OutputBuilder:
         delta = stop.text[self.sent_text : text_end]
         if not (new_ids or delta or self.pending_trace or finished):
             return None
+        if not (new_ids or finished or self.streamed):
+            return None  # not streamed: the first chunk is the first to carry tokens
         if self.pending_input_rows and not (finished or seq.num_computed >= seq.score_end):
             return None  # input rows travel together, once the prompt is fully scored
         chunk = OutputChunk(

@@ -1,7 +1,7 @@
 """Every bench entry point run at toy size, so none can rot: `python -m bench --toy` as a user types it
 (every part, `bench.memory` among them, its Ray Serve part on a cluster of its own), `bench.overhead`,
-`bench.moe`, `bench.weight_sync`, `bench.prefix_routing`, `bench.load`, `bench.outputs`,
-`bench.fused_elementwise`, `bench.diffusion_gemma`. bench.gpu_check's CPU-side parts are
+`bench.replica_overhead`, `bench.moe`, `bench.weight_sync`, `bench.prefix_routing`, `bench.load`,
+`bench.outputs`, `bench.fused_elementwise`, `bench.diffusion_gemma`. bench.gpu_check's CPU-side parts are
 tests/bench/test_gpu_check.py's, bench.trajectory_scoring's tests/engine/test_trajectory_scoring.py's.
 The figures of a toy run mean nothing; what is checked is that each part runs to the end and that its
 own cross-checks (outputs equal to the baselines') hold."""
@@ -19,7 +19,8 @@ from bench import load, prefix_routing, weight_sync
 from bench.plan import plan
 from tests.support.paths import ROOT
 
-SMOKED_HERE = {"bench", "bench.memory", "bench.overhead", "bench.moe", "bench.weight_sync", "bench.prefix_routing",
+SMOKED_HERE = {"bench", "bench.memory", "bench.overhead", "bench.replica_overhead", "bench.moe", "bench.weight_sync",
+               "bench.prefix_routing",
                "bench.load", "bench.outputs", "bench.fused_elementwise", "bench.published_configs",
                "bench.diffusion_gemma", "bench.step_metadata", "bench.decisions",
                "bench.nemotron"}
@@ -156,6 +157,21 @@ def test_overhead_paradigms():
         assert figures["python_calls_per_seq_step"] > 0 and figures["overhead_us_per_seq_step"] is not None, name
         # the forward's own calls (the CPU attention backend's) are counted apart from the engine's
         assert 0 < figures["engine_python_calls_per_seq_step"] < figures["python_calls_per_seq_step"], (name, figures)
+
+
+@pytest.mark.system  # the bench command as a user types it
+def test_replica_overhead(capsys, monkeypatch):
+    """Both ways at toy size: a unary call gets one result per request, a stream every chunk, and the
+    engine thread's and the event loop's CPU time per sequence-step come back for each."""
+    r = _run_module_here(capsys, monkeypatch, "bench.replica_overhead", "--concurrency", "3", "--tokens", "8",
+                         "--repeats", "1", "--only", "block_diffusion/low_confidence_dynamic,ar")
+    assert r["command"].startswith("python -m bench.replica_overhead") and r["concurrency"] == 3
+    assert list(r["paradigms"]) == ["block_diffusion/low_confidence_dynamic", "ar"]
+    for name, ways in r["paradigms"].items():
+        assert ways["unary"]["received"] == 3 and ways["streamed"]["received"] > 3, (name, ways)
+        for figures in ways.values():
+            assert figures["sequence_steps"] >= 8 and figures["engine_us_per_seq_step"] > 0, (name, figures)
+            assert figures["host_us_per_seq_step_runs"] == [figures["host_us_per_seq_step"]], (name, figures)
 
 
 @pytest.mark.system  # the bench command as a user types it, in a process of its own

@@ -87,3 +87,30 @@ def test_a_caller_whose_event_loop_closed_mid_stream_does_not_kill_the_engine(ti
         assert len(out.token_ids) == 4
     finally:
         server.__del__()
+
+
+def test_a_unary_request_folds_to_its_stream_and_still_times_its_first_token(tiny_checkpoints):
+    """The engine sends a unary request's first tokens and its end only; the result is the stream's
+    fold, and the replica's time-to-first-token histogram still sees it."""
+    server = EngineServer.func_or_class(str(tiny_checkpoints["sdar"]), SERVE_ENGINE)
+
+    def observed(name: str) -> float:
+        return server.metrics.registry.get_sample_value(f"{name}_count") or 0.0
+
+    try:
+        params = {"max_new_tokens": 16, "ignore_eos": True, "return_step_trace": True, "logprobs": 1}
+
+        async def main() -> tuple[Response, Response]:
+            streamed = [c async for c in server.generate_stream(request(1, **params))]
+            (unary,) = await server.generate_batch([request(2, **params)])
+            return Response.from_chunks(streamed), unary
+
+        timings = ("blockserve_time_to_first_token_seconds", "blockserve_time_per_output_token_seconds")
+        before = [observed(name) for name in timings]
+        streamed, unary = asyncio.run(main())
+        assert isinstance(unary, Response) and unary.finish_reason == "length"
+        assert (unary.text, unary.token_ids, unary.step_map, unary.logprobs, unary.step_trace) == \
+            (streamed.text, streamed.token_ids, streamed.step_map, streamed.logprobs, streamed.step_trace)
+        assert [observed(name) - b for name, b in zip(timings, before)] == [2, 2]
+    finally:
+        server.__del__()

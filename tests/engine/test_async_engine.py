@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
@@ -36,6 +37,33 @@ def test_concurrent_requests_equal_sequential_ones(engine):
 
     together, alone = asyncio.run(main())
     assert [(r.token_ids, r.step_map) for r in together] == [(r.token_ids, r.step_map) for r in alone]
+
+
+def test_callers_on_two_event_loops_each_get_their_requests_whole(engine):
+    """One step's chunks go to every caller's loop at once; a caller that folds its chunks (unstreamed)
+    gets two of them, with the streamed caller's tokens."""
+    params = GenerationConfig(max_new_tokens=10, ignore_eos=True)
+    prompts = [[3 + i, 8, 21 - i] for i in range(5)]
+    got: dict[bool, list[list]] = {}
+
+    def caller(streamed: bool) -> None:
+        async def one(prompt):
+            return [c async for c in engine.generate(prompt, params, streamed=streamed)]
+
+        async def main():
+            return await asyncio.gather(*(one(p) for p in prompts))
+
+        got[streamed] = asyncio.run(main())
+
+    threads = [threading.Thread(target=caller, args=(streamed,)) for streamed in (True, False)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    streamed, unstreamed = got[True], got[False]
+    assert [Response.from_chunks(c).token_ids for c in unstreamed] == [Response.from_chunks(c).token_ids
+                                                                       for c in streamed]
+    assert all(len(c) == 2 for c in unstreamed) and all(len(c) > 2 for c in streamed)
 
 
 def test_bad_request_raises_before_the_first_chunk_and_engine_keeps_serving(engine):
