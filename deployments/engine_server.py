@@ -121,27 +121,25 @@ class EngineServer:
 
     # ---- generation ------------------------------------------------------------------------
     async def _run(self, request: EngineRequest | dict[str, Any], streamed: bool = True
-                   ) -> AsyncIterator[tuple[OutputChunk, Response] | Rejection]:
-        """Yield (chunk, folded-so-far) per delta, or one rejection. A request made by hand (a dict of
-        EngineRequest's fields) is validated here. `streamed=False` (a unary call): the engine sends the
-        chunk of the first tokens and the last only, which fold to the same result."""
+                   ) -> AsyncIterator[OutputChunk | Rejection]:
+        """Yield the request's deltas, or one rejection. A request made by hand (a dict of EngineRequest's
+        fields) is validated here. `streamed=False` (a unary call): the engine sends the chunk of the
+        first tokens and the last only, which fold to the same result."""
         try:
             req = EngineRequest.model_validate(request)
         except ValidationError as e:
             yield validation_error(e).to_rejection()
             return
         params = req.params
-        acc = Response()
         timer = self.metrics.timer()
         stream = self.engine.generate(req.prompt, params, req.request_id, streamed)
-        started = False
+        last: OutputChunk | None = None  # the last delta yielded
         self._live.add(req.request_id)
         try:
             async for chunk in stream:
-                started = True
                 timer.chunk(chunk.token_ids, chunk.step_map, chunk.finished, chunk.queue_time_s)
-                acc.add(chunk)
-                yield chunk, acc
+                yield chunk
+                last = chunk
         except RequestError as e:  # raised before the first chunk
             yield request_error(e.message, e.param, req.rename).to_rejection()
         except ValidationError as e:
@@ -153,13 +151,11 @@ class EngineServer:
         except Exception as e:  # noqa: BLE001 - a bug: fail this request only, never its batch mates
             log.exception("request %s failed", req.request_id)
             message = f"internal error: {type(e).__name__}: {e}"
-            if not started:
+            if last is None:
                 yield ApiError(message, None, 500, "internal_error").to_rejection()
             else:
-                chunk = OutputChunk(request_id=req.request_id, finish_reason="error", error=message,
-                                    input_token_len=acc.input_token_len, generate_token_len=acc.generate_token_len)
-                acc.add(chunk)
-                yield chunk, acc
+                yield OutputChunk(request_id=req.request_id, finish_reason="error", error=message,
+                                  input_token_len=last.input_token_len, generate_token_len=last.generate_token_len)
         finally:
             self._live.discard(req.request_id)
             await stream.aclose()
@@ -168,22 +164,18 @@ class EngineServer:
                               ) -> AsyncIterator[OutputChunk | Rejection]:
         """Stream the request's deltas, or one rejection."""
         async for item in self._run(request):
-            if isinstance(item, Rejection):
-                yield item
-                return
-            yield item[0]
+            yield item
 
     async def generate(self, request: EngineRequest | dict[str, Any]) -> Response | Rejection:
         """The folded result of one request, or its rejection."""
-        result: Response | None = None
+        result = Response()
         async for item in self._run(request, streamed=False):
             if isinstance(item, Rejection):
                 return item
-            _, acc = item
-            if acc.finish_reason is not None:
-                result = acc
-        return result or ApiError("the engine ended the request without a result", None, 500,
-                                  "internal_error").to_rejection()
+            result.add(item)
+        if result.finish_reason is None:
+            return ApiError("the engine ended the request without a result", None, 500, "internal_error").to_rejection()
+        return result
 
     async def generate_batch(self, requests: list[EngineRequest | dict[str, Any]]) -> list[Response | Rejection]:
         """Run a batch of unary requests concurrently (they share engine steps)."""

@@ -114,3 +114,47 @@ def test_a_unary_request_folds_to_its_stream_and_still_times_its_first_token(tin
         assert [observed(name) - b for name, b in zip(timings, before)] == [2, 2]
     finally:
         server.__del__()
+
+
+def test_a_bug_while_a_request_runs_ends_that_request_alone_with_what_it_had(tiny_checkpoints):
+    """An unexpected exception in the replica's code for one request, after its first delta: that request
+    ends with a finish_reason "error" delta carrying its lengths so far (unary: a Response with the error),
+    its batch mates finish normally, and the engine keeps serving."""
+    server = EngineServer.func_or_class(str(tiny_checkpoints["sdar"]), SERVE_ENGINE)
+    make_timer, made = server.metrics.timer, []
+
+    class BrokenOnItsSecondChunk:
+        def __init__(self):
+            self.inner, self.seen = make_timer(), 0
+
+        def chunk(self, *args):
+            self.seen += 1
+            if self.seen == 2:
+                raise RuntimeError("a bug in the replica")
+            self.inner.chunk(*args)
+
+    def timer():  # the first request of each call below gets the broken timer
+        made.append(1)
+        return BrokenOnItsSecondChunk() if len(made) in (1, 2) else make_timer()
+
+    server.metrics.timer = timer
+    try:
+        params = {"max_new_tokens": 16, "ignore_eos": True}
+
+        async def main():
+            streamed = [c async for c in server.generate_stream(request(1, **params))]
+            unary = await server.generate_batch([request(2, **params), request(3, **params)])
+            return streamed, unary
+
+        streamed, (broken, fine) = asyncio.run(main())
+        first, last = streamed
+        assert first.finish_reason is None and first.token_ids
+        assert (last.finish_reason, last.token_ids) == ("error", [])
+        assert "RuntimeError: a bug in the replica" in last.error
+        assert (last.input_token_len, last.generate_token_len) == (first.input_token_len, first.generate_token_len)
+        assert isinstance(broken, Response) and broken.finish_reason == "error" and "a bug" in broken.error
+        assert broken.token_ids and len(broken.token_ids) < 16  # its first tokens, then the error
+        assert isinstance(fine, Response) and fine.finish_reason == "length" and len(fine.token_ids) == 16
+        server.check_health()
+    finally:
+        server.__del__()
