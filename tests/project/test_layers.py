@@ -83,6 +83,22 @@ def test_no_import_circles_type_only_imports_included():
     assert _cycles(graph) == []
 
 
+def test_the_engine_core_reaches_decoding_through_its_contract_only():
+    """The step machinery outside `engine.core.decoding` (scheduler, batch, sampling, stop rule, the engine)
+    knows a paradigm through the interface every strategy implements (`decoding.base`); only the engine's
+    setup asks the registry (the package itself: `strategy_for`) which strategy a checkpoint decodes with.
+    No module there imports a paradigm's own modules."""
+    sys.path.insert(0, str(ROOT))
+    graph = grimp.build_graph("engine", exclude_type_checking_imports=False, cache_dir=None)
+    reached = {(module, imported) for module in graph.modules
+               if module.startswith("engine.core.") and not module.startswith("engine.core.decoding")
+               for imported in graph.find_modules_directly_imported_by(module)
+               if imported == "engine.core.decoding" or imported.startswith("engine.core.decoding.")}
+    assert {imported for _, imported in reached} <= {"engine.core.decoding.base", "engine.core.decoding"}, reached
+    assert {module for module, imported in reached if imported == "engine.core.decoding"} == \
+        {"engine.core.model_settings"}, reached
+
+
 def test_the_circle_check_finds_a_circle():
     graph = grimp.ImportGraph()
     for a, b in (("x.a", "x.b"), ("x.b", "x.c"), ("x.c", "x.a"), ("x.c", "x.d")):
