@@ -8,8 +8,8 @@ A request whose caller waits for the whole result (`streamed=False`: a unary cal
 two chunks: the first that carries tokens, so that its caller still sees the time to the first token,
 and the last. Everything in between accumulates and goes out with the last, so the two fold to the
 same Response as the step-by-step deltas would. A step then builds nothing for it, and its caller is
-woken twice instead of once per step -- on a Serve replica each wake-up costs the event loop about as
-much host time as the engine's step spends on the sequence.
+woken twice instead of once per step: on a Serve replica each chunk costs the replica's event loop some
+10 µs of host time, comparable to what the engine's step spends on the sequence.
 """
 
 from __future__ import annotations
