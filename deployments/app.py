@@ -104,6 +104,9 @@ class AppArgs(BaseModel):
     health_check_timeout_s: float = Field(30.0, gt=0.0)
     # SGLang's --incremental-streaming-output: /generate streams deltas instead of cumulative chunks
     incremental_streaming_output: bool = False
+    stream_batching_interval_ms: float = Field(
+        0.0, ge=0.0, description="a stream's deltas that come within this many milliseconds of the previous one "
+        "go as one delta, as Ray Serve LLM's stream batching (0: each delta as the engine makes it)")
     # SGLang's --enable-memory-saver as /server_info reports it: slime checks it against its --offload-rollout.
     # release_memory_occupation frees memory either way.
     enable_memory_saver: bool = False
@@ -205,7 +208,8 @@ def build_app_with(args: dict[str, Any], ingress: Deployment, server: Deployment
         # only the fields given: the engine applies the model family's decoding defaults to the others
         model, config.model_dump(exclude_unset=True), tp_timeout_s=parsed.tp_timeout_s,
         stall_timeout_s=parsed.stall_timeout_s,
-        tp_worker_options=tp_worker_options(options), hold_timeout_s=parsed.hold_timeout_s)
+        tp_worker_options=tp_worker_options(options), hold_timeout_s=parsed.hold_timeout_s,
+        stream_batching_interval_ms=parsed.stream_batching_interval_ms)
     ing = parsed.ingress
     return ingress.options(**ingress_options(ing)).bind(
         engines, model, served_model_name=parsed.served_model_name or PurePath(parsed.model).name,

@@ -99,7 +99,7 @@ async def _fetched(update: WeightUpdate) -> WeightUpdate:
 class EngineServer:
     def __init__(self, model: str, engine: dict[str, Any] | None = None, tp_timeout_s: float = 60.0,
                  stall_timeout_s: float = 60.0, tp_worker_options: dict[str, Any] | None = None,
-                 hold_timeout_s: float | None = None):
+                 hold_timeout_s: float | None = None, stream_batching_interval_ms: float = 0.0):
         config = EngineConfig(**(engine or {}))
         factory = None
         if config.tp > 1:
@@ -111,6 +111,8 @@ class EngineServer:
                                   hold_timeout_s=hold_timeout_s)
         freeze_startup_heap()  # this replica's process is the engine's own
         self.model_path = model
+        # a stream's deltas that come within this long of the previous one go as one (0: each as it comes)
+        self.stream_batching_interval_s = stream_batching_interval_ms / 1000
         self.replica = _replica_id()
         self.metrics = RequestMetrics()
         self.rank = _replica_rank()
@@ -132,7 +134,8 @@ class EngineServer:
             return
         params = req.params
         timer = self.metrics.timer()
-        stream = self.engine.generate(req.prompt, params, req.request_id, streamed)
+        stream = self.engine.generate(req.prompt, params, req.request_id, streamed,
+                                      self.stream_batching_interval_s if streamed else 0.0)
         last: OutputChunk | None = None  # the last delta yielded
         self._live.add(req.request_id)
         try:

@@ -257,10 +257,14 @@ class AsyncEngine:
 
     # ---- the caller's side ------------------------------------------------------------------
     async def generate(self, prompt: str | list[int], params: GenerationConfig | None = None,
-                       request_id: str | None = None, streamed: bool = True) -> AsyncIterator[OutputChunk]:
+                       request_id: str | None = None, streamed: bool = True, batch_interval_s: float = 0.0
+                       ) -> AsyncIterator[OutputChunk]:
         """Stream a request's chunks. Raises RequestError (ValueError) before the first chunk, and
         EngineHeldError when it waited `hold_timeout_s` while the engine was not serving. `streamed=False`
-        (a caller that folds the chunks into one result): the chunk of its first tokens, then the last."""
+        (a caller that folds the chunks into one result): the chunk of its first tokens, then the last.
+        `batch_interval_s` > 0: a chunk that comes sooner than that after the caller took the previous
+        delta waits out the rest of the interval, and goes with the chunks that came meanwhile as one
+        delta (their fold); the first chunk never waits."""
         q: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
 
@@ -277,15 +281,22 @@ class AsyncEngine:
         except asyncio.CancelledError:  # cancelled while the add was in flight: abort it if it ran
             added.add_done_callback(lambda f: f.cancelled() or f.exception() or self.abort(f.result()))
             raise
-        finished = False
+        finished, sent_at = False, None  # when the previous delta went out (loop time)
         try:
             while True:
                 chunk = await q.get()
-                if isinstance(chunk, EngineHeldError):
+                if isinstance(chunk, EngineHeldError):  # only ever a stream's first item
                     finished = True  # the loop already took it out of the engine
                     raise chunk
+                if batch_interval_s and sent_at is not None and not chunk.finished:
+                    wait = sent_at + batch_interval_s - loop.time()
+                    if wait > 0:  # sooner than the interval after the previous delta: gather what comes
+                        await asyncio.sleep(wait)
+                    while not chunk.finished and not q.empty():
+                        chunk = chunk.absorb(q.get_nowait())
                 finished = chunk.finished
                 yield chunk
+                sent_at = loop.time()
                 if finished:
                     return
         finally:
@@ -349,3 +360,4 @@ def _put_each(items: list[tuple[asyncio.Queue, OutputChunk]]) -> None:
     """On a caller's event loop: each chunk into its request's queue."""
     for q, chunk in items:
         q.put_nowait(chunk)
+

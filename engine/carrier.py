@@ -75,24 +75,9 @@ class _CarrierFields:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
-
-@dataclass
-class OutputChunk(_CarrierFields):
-    """One delta of one request. Lists hold only what is new since the previous chunk."""
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-
-@dataclass
-class Response(_CarrierFields):
-    """The whole result of one request: the sum of its deltas."""
-
-    index: int = 0  # which of the request's n samples this is
-
-    def add(self, chunk: OutputChunk) -> Response:
-        """Fold one delta in (in place) and return self."""
+    def _fold(self, chunk: OutputChunk) -> None:
+        """Fold the delta `chunk`, which comes after what this holds, in (in place): its lists extend
+        these, and every other field takes its value where it has one (cumulative counts, the finish)."""
         self.request_id = chunk.request_id
         self.text += chunk.text
         self.token_ids.extend(chunk.token_ids)
@@ -113,6 +98,32 @@ class Response(_CarrierFields):
                 setattr(self, name, value)
         self.input_token_len = chunk.input_token_len
         self.generate_token_len = chunk.generate_token_len
+
+
+@dataclass
+class OutputChunk(_CarrierFields):
+    """One delta of one request. Lists hold only what is new since the previous chunk."""
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def absorb(self, later: OutputChunk) -> OutputChunk:
+        """This delta and the one after it as one delta (in place; returns self): a stream that batches
+        its deltas sends what arrived together as one."""
+        self._fold(later)
+        return self
+
+
+@dataclass
+class Response(_CarrierFields):
+    """The whole result of one request: the sum of its deltas."""
+
+    index: int = 0  # which of the request's n samples this is
+
+    def add(self, chunk: OutputChunk) -> Response:
+        """Fold one delta in (in place) and return self."""
+        self._fold(chunk)
         return self
 
     @classmethod

@@ -1,9 +1,10 @@
 """Every bench entry point run at toy size, so none can rot: `python -m bench --toy` as a user types it
 (every part, `bench.memory` among them, its Ray Serve part on a cluster of its own), `bench.overhead`,
-`bench.replica_overhead`, `bench.moe`, `bench.weight_sync`, `bench.prefix_routing`, `bench.load`,
-`bench.outputs`, `bench.fused_elementwise`, `bench.diffusion_gemma`. bench.gpu_check's CPU-side parts are
-tests/bench/test_gpu_check.py's, bench.trajectory_scoring's tests/engine/test_trajectory_scoring.py's.
-The figures of a toy run mean nothing; what is checked is that each part runs to the end and that its
+`bench.replica_overhead`, `bench.serve_streaming` (on a cluster of its own), `bench.moe`,
+`bench.weight_sync`, `bench.prefix_routing`, `bench.load`, `bench.outputs`, `bench.fused_elementwise`,
+`bench.diffusion_gemma`. bench.gpu_check's CPU-side parts are tests/bench/test_gpu_check.py's,
+bench.trajectory_scoring's tests/engine/test_trajectory_scoring.py's. The figures of a toy run mean
+nothing; what is checked is that each part runs to the end and that its
 own cross-checks (outputs equal to the baselines') hold."""
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ from bench import load, prefix_routing, weight_sync
 from bench.plan import plan
 from tests.support.paths import ROOT
 
-SMOKED_HERE = {"bench", "bench.memory", "bench.overhead", "bench.replica_overhead", "bench.moe", "bench.weight_sync",
-               "bench.prefix_routing",
+SMOKED_HERE = {"bench", "bench.memory", "bench.overhead", "bench.replica_overhead", "bench.serve_streaming",
+               "bench.moe", "bench.weight_sync", "bench.prefix_routing",
                "bench.load", "bench.outputs", "bench.fused_elementwise", "bench.published_configs",
                "bench.diffusion_gemma", "bench.step_metadata", "bench.decisions",
                "bench.nemotron"}
@@ -172,6 +173,21 @@ def test_replica_overhead(capsys, monkeypatch):
         for figures in ways.values():
             assert figures["sequence_steps"] >= 8 and figures["engine_us_per_seq_step"] > 0, (name, figures)
             assert figures["host_us_per_seq_step_runs"] == [figures["host_us_per_seq_step"]], (name, figures)
+
+
+@pytest.mark.system  # the bench command as a user types it, in a process of its own (and a Ray cluster of its own)
+def test_serve_streaming():
+    """Two applications (no batching, 20 ms), each sent unary and streamed requests over HTTP: a unary
+    request is one answer, a stream at least its first delta and its last, and the cluster's CPU time
+    comes back for each."""
+    r = _run_module("bench.serve_streaming", "--concurrency", "2", "--tokens", "8", "--repeats", "1",
+                    "--intervals", "0,20")
+    assert r["command"].startswith("python -m bench.serve_streaming") and r["concurrency"] == 2
+    (rows,) = r["paradigms"].values()
+    assert list(rows) == ["0", "20"]
+    for interval, ways in rows.items():
+        assert ways["unary"]["events"] == 2 and ways["streamed"]["events"] >= 4, (interval, ways)
+        assert all(way["cpu_s"] > 0 and way["cpu_s_by_process"] for way in ways.values()), (interval, ways)
 
 
 @pytest.mark.system  # the bench command as a user types it, in a process of its own

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from configs import GenerationConfig
 from deployments.engine_server import EngineServer
 from deployments.wire import EngineRequest, Rejection
@@ -156,5 +158,37 @@ def test_a_bug_while_a_request_runs_ends_that_request_alone_with_what_it_had(tin
         assert broken.token_ids and len(broken.token_ids) < 16  # its first tokens, then the error
         assert isinstance(fine, Response) and fine.finish_reason == "length" and len(fine.token_ids) == 16
         server.check_health()
+    finally:
+        server.__del__()
+
+
+def test_stream_batching_gathers_the_deltas_that_waited_and_refuses_a_negative_interval(tiny_checkpoints):
+    """`stream_batching_interval_ms`: a stream whose reader comes back only once the request finished gets
+    the rest as one delta (the first went alone), folding to the unary result; a unary call is not
+    batched; the app refuses a negative interval."""
+    from pydantic import ValidationError
+
+    from deployments.app import AppArgs
+
+    with pytest.raises(ValidationError, match="stream_batching_interval_ms"):
+        AppArgs(model="m", stream_batching_interval_ms=-1)
+    server = EngineServer.func_or_class(str(tiny_checkpoints["sdar"]), SERVE_ENGINE, stream_batching_interval_ms=50)
+    try:
+        params = {"max_new_tokens": 16, "ignore_eos": True, "return_step_trace": True}
+
+        async def main() -> tuple[list[OutputChunk], Response]:
+            stream = server.generate_stream(request(1, **params))
+            deltas = [await stream.__anext__()]
+            while (load := server.stats().engine.load).running + load.waiting:
+                await asyncio.sleep(0.01)
+            deltas += [d async for d in stream]
+            (unary,) = await server.generate_batch([request(2, **params)])
+            return deltas, unary
+
+        deltas, unary = asyncio.run(main())
+        assert len(deltas) == 2 and deltas[1].finish_reason == "length"
+        folded = Response.from_chunks(deltas)
+        assert (folded.token_ids, folded.step_map, folded.step_trace, folded.text) == \
+            (unary.token_ids, unary.step_map, unary.step_trace, unary.text)
     finally:
         server.__del__()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 
 import pytest
@@ -64,6 +65,35 @@ def test_callers_on_two_event_loops_each_get_their_requests_whole(engine):
     assert [Response.from_chunks(c).token_ids for c in unstreamed] == [Response.from_chunks(c).token_ids
                                                                        for c in streamed]
     assert all(len(c) == 2 for c in unstreamed) and all(len(c) > 2 for c in streamed)
+
+
+def _read_first_then_the_rest_once_finished(engine: AsyncEngine, prompt, params, interval_s: float) -> list:
+    """A caller that takes the first delta, then comes back only after the engine finished the request."""
+    async def main():
+        stream = engine.generate(prompt, params, batch_interval_s=interval_s)
+        chunks = [await stream.__anext__()]
+        while engine.stats().load.running + engine.stats().load.waiting:
+            await asyncio.sleep(0.01)
+        return chunks + [c async for c in stream]
+
+    return asyncio.run(main())
+
+
+def test_a_batching_stream_sends_what_came_within_its_interval_as_one_delta(engine):
+    """With a batching interval, the chunks that waited for a caller go as one delta, which folds to the
+    same result; the first delta goes alone. Without one, each chunk goes as the engine made it."""
+    params = GenerationConfig(max_new_tokens=16, ignore_eos=True, return_step_trace=True, logprobs=1)
+    plain = _read_first_then_the_rest_once_finished(engine, [4, 9, 2], params, 0.0)
+    batched = _read_first_then_the_rest_once_finished(engine, [4, 9, 2], params, 0.05)
+    assert len(plain) > 3 and len(batched) == 2 and batched[1].finished
+
+    def output(chunk_or_response) -> dict:  # without what tells two copies of a request apart
+        fields = dataclasses.asdict(chunk_or_response)
+        return {k: v for k, v in fields.items() if k not in ("request_id", "queue_time_s")}
+
+    assert output(batched[0]) == output(plain[0])
+    assert output(Response.from_chunks(batched)) == output(Response.from_chunks(plain))
+    assert batched[1].step_trace == [event for c in plain[1:] for event in c.step_trace]
 
 
 def test_bad_request_raises_before_the_first_chunk_and_engine_keeps_serving(engine):
