@@ -66,6 +66,7 @@ class LLMConfig(BaseModel):
     placement_group_config: dict[str, Any] | None = None
     lora_config: dict[str, Any] | None = None
     server_cls: Any = None
+    # of Ray Serve LLM's experimental settings, only `stream_batching_interval_ms` (the app argument)
     experimental_configs: dict[str, Any] = Field(default_factory=dict)
     callback_config: dict[str, Any] | None = None
 
@@ -85,7 +86,8 @@ class LLMConfig(BaseModel):
 
 
 _UNSUPPORTED = {"accelerator_config": None, "placement_group_config": None, "lora_config": None, "server_cls": None,
-                "experimental_configs": {}, "callback_config": None}
+                "callback_config": None}
+_EXPERIMENTAL = ("stream_batching_interval_ms",)  # the `experimental_configs` keys taken (as app arguments)
 
 
 def _as_llm_config(value: Any) -> LLMConfig:
@@ -159,4 +161,9 @@ def app_args(config: LLMConfig) -> dict[str, Any]:
         actor["runtime_env"] = config.runtime_env
     if actor:
         args["ray_actor_options"] = actor
+    unknown = sorted(set(config.experimental_configs) - set(_EXPERIMENTAL))
+    if unknown:
+        raise ValueError(f"LLMConfig.experimental_configs: {unknown} are not supported by this engine; it takes "
+                         f"{', '.join(_EXPERIMENTAL)}")
+    args.update(config.experimental_configs)
     return args

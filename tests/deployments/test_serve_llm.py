@@ -117,9 +117,11 @@ def test_ray_serve_llm_config_objects_map_field_by_field():
                               engine_kwargs=dict(tensor_parallel_size=1, block_size=4, max_num_seqs=8,
                                                  gpu_memory_utilization=0.5, dtype="half", enforce_eager=True),
                               deployment_config=dict(num_replicas=2), accelerator_type="A10G",
-                              runtime_env={"env_vars": {"X": "1"}})
+                              runtime_env={"env_vars": {"X": "1"}},
+                              experimental_configs={"stream_batching_interval_ms": 20})
     args = app_args(LLMServingArgs(llm_configs=[ray_config]).llm_configs[0])
     assert args == {"model": "models/qwen3-tiny", "served_model_name": "m", "num_replicas": 2,
+                    "stream_batching_interval_ms": 20,
                     "ingress": {"ray_actor_options": {"num_cpus": 0.1}},
                     "engine": {"tp": 1, "kv_block_size": 4, "max_batch_size": 8, "num_kv_blocks": 0.5,
                                "dtype": "float16", "cuda_graphs": False},
@@ -133,7 +135,9 @@ def test_refused_fields_name_themselves():
     for extra, name in (({"lora_config": {"max_num_adapters_per_replica": 2}}, "lora_config"),
                         ({"engine_kwargs": {"no_such_knob": 1}}, "no_such_knob"),
                         ({"engine_kwargs": {"block_size": 0}}, "engine_kwargs.block_size"),
-                        ({"deployment_config": {"user_config": {}}}, "user_config")):
+                        ({"deployment_config": {"user_config": {}}}, "user_config"),
+                        ({"experimental_configs": {"num_ingress_replicas": 2}}, "num_ingress_replicas"),
+                        ({"experimental_configs": {"stream_batching_interval_ms": -1}}, "stream_batching_interval_ms")):
         with pytest.raises(ValueError, match=name):
             build_openai_app({"llm_configs": [LLMConfig.model_validate(base | extra)]})
     with pytest.raises(ValueError, match="unique"):
