@@ -222,22 +222,34 @@ def select_paradigms(only: str | None) -> list[str]:
     return [n for n in PARADIGMS if any(n == item or n.startswith(item + "/") for item in items)]
 
 
+def engine_settings(paradigm: Paradigm, tokens: int, concurrency: int, device: str) -> dict[str, Any]:
+    """The EngineConfig fields of a run of `concurrency` requests of `tokens` output tokens: pages for them
+    all (two blocks / canvases of slack each), all of them in one batch, and the paradigm's own settings."""
+    pages = concurrency * (-(-(PROMPT_LEN + tokens + 64) // 16) + 2)
+    return {"device": device, "num_kv_blocks": pages, "kv_block_size": 16, "max_batch_size": concurrency,
+            **paradigm.engine}
+
+
+def request_params(paradigm: Paradigm, tokens: int, i: int) -> GenerationConfig:
+    """The i-th request of a paradigm's run: `tokens` output tokens, the stop-string search on, seeded
+    where the paradigm samples, under the paradigm's rule."""
+    rule = {"dllm_unmasking_strategy": paradigm.rule} if paradigm.rule else {}
+    return GenerationConfig(max_new_tokens=tokens, ignore_eos=True, stop_words=NEVER,
+                            random_seed=i if paradigm.seeded else None, **rule)
+
+
 def measure_paradigm(path: Path, paradigm: Paradigm, tokens: int, concurrency: int, device: str,
                      profile_at: int | None, profile_steps: int) -> dict:
     """One run of `concurrency` requests of `tokens` output tokens. The `profile_steps` steps from step
     `profile_at` run under cProfile (their calls counted per sequence-step) and are left out of the
     timings; `profile_at=None` profiles none (the warm-up run)."""
-    pages = concurrency * (-(-(PROMPT_LEN + tokens + 64) // 16) + 2)  # + two blocks / canvases of slack
-    config = EngineConfig(device=device, num_kv_blocks=pages, kv_block_size=16, max_batch_size=concurrency,
-                          **paradigm.engine)
-    rule = {"dllm_unmasking_strategy": paradigm.rule} if paradigm.rule else {}
+    config = EngineConfig(**engine_settings(paradigm, tokens, concurrency, device))
     with pipeline(str(path), config) as pipe:
         engine = pipe.engine
         freeze_startup_heap()  # as a Serve engine replica does
         clock = engine.executor.execute = _ForwardClock(engine.executor.execute, device)
         for i in range(concurrency):
-            engine.add_request(_prompt(i), GenerationConfig(max_new_tokens=tokens, ignore_eos=True, stop_words=NEVER,
-                                                            random_seed=i if paradigm.seeded else None, **rule))
+            engine.add_request(_prompt(i), request_params(paradigm, tokens, i))
         full, seconds, sequences = [], 0.0, 0  # per full-batch step: overhead / sequences; all timed steps' sums
         profile, profiled_sequences, steps = cProfile.Profile(), 0, 0
         while engine.has_unfinished():

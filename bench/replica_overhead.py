@@ -14,7 +14,7 @@ Per paradigm and way it prints, per sequence-step: the engine thread's CPU time 
 (`engine_us`), the event loop thread's CPU time (`loop_us`), their sum, and the chunks the callers
 received. CPU time is per thread (`pthread_getcpuclockid`), so other processes on a shared machine do
 not count. A warm-up run of each paradigm comes first. The file uses only interfaces that older
-checkouts also have, so it can be copied into one to compare revisions.
+checkouts also have, so it can be copied into one (with bench/overhead.py) to compare revisions.
 """
 
 from __future__ import annotations
@@ -29,8 +29,15 @@ from pathlib import Path
 
 import torch
 
-from bench.overhead import NEVER, PARADIGMS, PROMPT_LEN, _ForwardClock, _prompt, select_paradigms
-from configs import GenerationConfig
+from bench.overhead import (
+    PARADIGMS,
+    PROMPT_LEN,
+    _ForwardClock,
+    _prompt,
+    engine_settings,
+    request_params,
+    select_paradigms,
+)
 from deployments.engine_server import EngineServer
 from deployments.wire import EngineRequest
 
@@ -50,10 +57,8 @@ class _StepCounter:
 
 
 def _requests(paradigm, tokens: int, concurrency: int, tag: str) -> list[EngineRequest]:
-    rule = {"dllm_unmasking_strategy": paradigm.rule} if paradigm.rule else {}
-    return [EngineRequest(prompt=_prompt(i), request_id=f"{tag}-{i}", params=GenerationConfig(
-        max_new_tokens=tokens, ignore_eos=True, stop_words=NEVER, random_seed=i if paradigm.seeded else None,
-        **rule).model_dump()) for i in range(concurrency)]
+    return [EngineRequest(prompt=_prompt(i), request_id=f"{tag}-{i}",
+                          params=request_params(paradigm, tokens, i).model_dump()) for i in range(concurrency)]
 
 
 async def _unary(server, requests: list[EngineRequest]) -> int:
@@ -101,10 +106,7 @@ def run(names: list[str], tokens: int, concurrency: int, repeats: int) -> dict:
         for name in names:
             paradigm = PARADIGMS[name]
             path = paradigm.write(Path(tmp) / paradigm.family, PROMPT_LEN + tokens + 256)
-            pages = concurrency * (-(-(PROMPT_LEN + tokens + 64) // 16) + 2)
-            engine = {"device": "cpu", "num_kv_blocks": pages, "kv_block_size": 16, "max_batch_size": concurrency,
-                      **paradigm.engine}
-            server = EngineServer.func_or_class(str(path), engine)
+            server = EngineServer.func_or_class(str(path), engine_settings(paradigm, tokens, concurrency, "cpu"))
             try:
                 print(f"[replica_overhead] {name}: warm-up", file=sys.stderr, flush=True)
                 for way in WAYS:

@@ -28,7 +28,7 @@ import httpx
 import psutil
 
 from bench.local_cluster import QUIET, local_serve
-from bench.overhead import PARADIGMS, PROMPT_LEN, _prompt, select_paradigms
+from bench.overhead import PARADIGMS, PROMPT_LEN, _prompt, engine_settings, select_paradigms
 
 DEFAULT_ONLY = "block_diffusion/low_confidence_dynamic"
 WAYS = ("unary", "streamed")
@@ -96,9 +96,7 @@ def run(names: list[str], intervals: list[float], concurrency: int, tokens: int,
             for name in names:
                 paradigm = PARADIGMS[name]
                 path = paradigm.write(Path(tmp) / paradigm.family, PROMPT_LEN + tokens + 256)
-                pages = concurrency * (-(-(PROMPT_LEN + tokens + 64) // 16) + 2)
-                engine = {"device": "cpu", "num_kv_blocks": pages, "kv_block_size": 16, "max_batch_size": concurrency,
-                          **paradigm.engine}
+                engine = engine_settings(paradigm, tokens, concurrency, "cpu")
                 actor = {"num_cpus": 1, "runtime_env": {"env_vars": {"OMP_NUM_THREADS": "1"}}}
                 rows = out["paradigms"][name] = {}
                 for interval in intervals:

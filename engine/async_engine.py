@@ -360,4 +360,3 @@ def _put_each(items: list[tuple[asyncio.Queue, OutputChunk]]) -> None:
     """On a caller's event loop: each chunk into its request's queue."""
     for q, chunk in items:
         q.put_nowait(chunk)
-
