@@ -83,7 +83,7 @@ class OutputBuilder:
         text_end = stop.visible_end()
         start = self.sent_tokens
         new_ids = seq.tokens[seq.prompt_len + start : seq.prompt_len + end]
-        delta = stop.text[self.sent_text : text_end]
+        delta = stop.text_between(self.sent_text, text_end)
         if not (new_ids or delta or self.pending_trace or finished):
             return None
         if not (new_ids or finished or self.streamed):

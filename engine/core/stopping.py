@@ -15,8 +15,8 @@ order:
 So the output always ends at the token that completes the first stop, and `token_ids`, `text`,
 `step_map`, logprobs and `finish_reason` all describe the same prefix. The engine, the output
 builder and the servers all read the decision from here. Work per token is constant: the decoder
-is incremental and a stop string is searched for only in the text the new token added, plus the
-`len(word) - 1` characters before it.
+is incremental, its text grows without being copied whole, and a stop string is searched for only in
+the text the new token added, plus the `len(word) - 1` characters before it.
 """
 
 from __future__ import annotations
@@ -43,6 +43,8 @@ class StopChecker:
         self._stop_ids = stop_ids
         self._words = list(params.stop_words or [])
         self._detok = IncrementalDetokenizer(tokenizer, params.skip_special_tokens)
+        #: `text[start:end]`, read without joining the whole text when the range lies near its end
+        self.text_between = self._detok.slice
         self.num_consumed = 0  # generated tokens read so far
         self.text_end: int | None = None  # where the output text ends, once decided
         self.decision: StopDecision | None = None
@@ -64,8 +66,8 @@ class StopChecker:
             if p.include_stop_str_in_output:
                 self._detok.add([token_id])
             self._detok.flush()
-            return self._decide(g + 1, "stop", token_id, len(self._detok.text))
-        old_len = len(self._detok.text)
+            return self._decide(g + 1, "stop", token_id, self._detok.length)
+        old_len = self._detok.length
         ends = self._detok.add([token_id])
         if may_stop and self._words:
             hit = self._find_word(old_len, ends)
@@ -75,7 +77,7 @@ class StopChecker:
                 return self._decide(g + 1, "stop", word, end)
         if g + 1 >= p.max_new_tokens:
             self._detok.flush()
-            return self._decide(g + 1, "length", None, len(self._detok.text))
+            return self._decide(g + 1, "length", None, self._detok.length)
         return None
 
     def consume_final(self, tokens: list[int], offset: int, num_final: int) -> StopDecision | None:
@@ -98,7 +100,7 @@ class StopChecker:
                 if token in self._stop_ids:
                     stop_at = i
                     break
-        old_len = len(self._detok.text)
+        old_len = self._detok.length
         ends = self._detok.add(new[:stop_at])
         hit = self._find_word(old_len, ends) if self._words else None
         if hit is not None:
@@ -110,20 +112,20 @@ class StopChecker:
             return self.consume(new[stop_at])  # the stop id ends the output (the per-token rule)
         if self.num_consumed >= p.max_new_tokens:
             self._detok.flush()
-            return self._decide(self.num_consumed, "length", None, len(self._detok.text))
+            return self._decide(self.num_consumed, "length", None, self._detok.length)
         return None
 
     def end_from_outside(self) -> None:
         """The request ends without a stop (abort / error): its text is everything consumed."""
         self._detok.flush()
-        self.text_end = len(self._detok.text)
+        self.text_end = self._detok.length
 
     def visible_end(self) -> int:
         """How much of `text` is safe to stream now: the output's text once decided; before that, all
         but the characters that could still turn out to start a stop string."""
         if self.text_end is not None:
             return self.text_end
-        return max(0, len(self._detok.text) - self.hold_back)
+        return max(0, self._detok.length - self.hold_back)
 
     # ---- internals ---------------------------------------------------------------------------
     def _decide(self, n: int, reason: str, matched: int | str | None, text_end: int) -> StopDecision:
@@ -137,10 +139,12 @@ class StopChecker:
         """The first stop string completed by a run of tokens (one or more) whose text began at `old_len`
         and reached `ends[k]` after its k-th token: (k, where the string starts, the string); earliest
         start wins among the strings the same token completes."""
-        text, best = self._detok.text, None
+        first = max(0, old_len - self.hold_back)  # a string completed now starts after this
+        text, best = self._detok.slice(first), None
         for word in self._words:
-            start = text.find(word, max(0, old_len - len(word) + 1))
+            start = text.find(word, max(0, old_len - len(word) + 1 - first))
             if start >= 0:
+                start += first
                 hit = (bisect_left(ends, start + len(word)), start, word)
                 best = hit if best is None or hit < best else best
         return best

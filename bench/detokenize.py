@@ -1,0 +1,93 @@
+"""`python -m bench.detokenize`: host time per output token of the engine's incremental detokenizer,
+against tokenizers' `DecodeStream` stepped one token at a time into a growing string (what the engine
+did before its table of whole pieces and its settled text) in the same run.
+
+    PYTHONPATH=. python -m bench.detokenize [--tokens 20000]
+
+Three token streams over the tiny byte-level tokenizer (`testing.tiny.tokenizer`): English text,
+text with accented letters and emoji (multi-byte characters split across tokens), and uniformly
+random ids (a random-weight model's output: about half of them parts of a character). Each is
+timed over its first and its last 2,000 tokens, where a string that is copied whole on every append
+shows. The engine's table is per tokenizer and fills as tokens are first seen; each stream runs once
+untimed first, as a serving engine's table is warm after its first requests. Prints JSON: µs per
+token, per stream and position, for both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+
+from tokenizers.decoders import DecodeStream
+
+from engine.core.detokenizer import IncrementalDetokenizer
+from testing.tiny.tokenizer import build_byte_tokenizer
+
+WINDOW = 2000  # tokens timed at each position
+
+
+def _stream_baseline(tokenizer, ids: list[int]) -> list[float]:
+    """DecodeStream.step per token, its pieces appended to a string another name also holds."""
+    stream, backend, marks = DecodeStream(skip_special_tokens=True), tokenizer.backend_tokenizer, []
+    holder = {"text": ""}
+    t = time.perf_counter()
+    for k, token_id in enumerate(ids):
+        text = holder["text"]
+        piece = stream.step(backend, token_id)
+        if piece is not None:
+            text += piece
+        holder["text"] = text
+        if k + 1 in (WINDOW, len(ids) - WINDOW, len(ids)):
+            marks.append(time.perf_counter() - t)
+            t = time.perf_counter()
+    return marks
+
+
+def _engine(tokenizer, ids: list[int]) -> list[float]:
+    detok, marks = IncrementalDetokenizer(tokenizer, skip_special_tokens=True), []
+    t = time.perf_counter()
+    for k, token_id in enumerate(ids):
+        detok.add([token_id])
+        if k + 1 in (WINDOW, len(ids) - WINDOW, len(ids)):
+            marks.append(time.perf_counter() - t)
+            t = time.perf_counter()
+    return marks
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=20000, help="output length (tokens) of each stream")
+    args = ap.parse_args(argv)
+    tokenizer = build_byte_tokenizer()
+    vocab = tokenizer.backend_tokenizer.get_vocab_size()
+    rng = random.Random(0)
+
+    def text_ids(sample: str) -> list[int]:
+        ids = tokenizer.encode(sample, add_special_tokens=False)
+        return (ids * (args.tokens // len(ids) + 1))[: args.tokens]
+
+    streams = {
+        "english": text_ids("The quick brown fox jumps over the lazy dog. Once upon a time, 12 + 30 = 42. "),
+        "accented_emoji": text_ids("Grüße, €5 — naïve café 😀 "),
+        "random_ids": [rng.randrange(vocab) for _ in range(args.tokens)],
+    }
+    out: dict = {"command": " ".join(["python -m bench.detokenize", *sys.argv[1:]]),
+                 "tokens": args.tokens, "window": WINDOW, "streams": {}}
+    for name, ids in streams.items():
+        _engine(tokenizer, ids)  # fills the tokenizer's table
+        row = {}
+        for side, run in (("decode_stream_baseline", _stream_baseline), ("engine", _engine)):
+            first, _, last = run(tokenizer, ids)
+            row[side] = {"us_per_token_first": round(1e6 * first / WINDOW, 3),
+                         "us_per_token_last": round(1e6 * last / WINDOW, 3)}
+        row["speedup_last"] = round(row["decode_stream_baseline"]["us_per_token_last"]
+                                    / row["engine"]["us_per_token_last"], 2)
+        out["streams"][name] = row
+    print(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()
