@@ -26,12 +26,21 @@ from tokenizers.decoders import DecodeStream
 from engine.core.detokenizer import IncrementalDetokenizer
 from testing.tiny.tokenizer import build_byte_tokenizer
 
-WINDOW = 2000  # tokens timed at each position
+WINDOW = 2000  # tokens timed at each position (a third of a shorter output)
+
+
+def _window(tokens: int) -> int:
+    return min(WINDOW, tokens // 3)
+
+
+def _marks(ids: list[int]) -> tuple[int, int, int]:
+    """Where the timed windows end: the first window, the start of the last one, the end."""
+    return _window(len(ids)), len(ids) - _window(len(ids)), len(ids)
 
 
 def _stream_baseline(tokenizer, ids: list[int]) -> list[float]:
     """DecodeStream.step per token, its pieces appended to a string another name also holds."""
-    stream, backend, marks = DecodeStream(skip_special_tokens=True), tokenizer.backend_tokenizer, []
+    stream, backend, marks, ends = DecodeStream(skip_special_tokens=True), tokenizer.backend_tokenizer, [], _marks(ids)
     holder = {"text": ""}
     t = time.perf_counter()
     for k, token_id in enumerate(ids):
@@ -40,18 +49,18 @@ def _stream_baseline(tokenizer, ids: list[int]) -> list[float]:
         if piece is not None:
             text += piece
         holder["text"] = text
-        if k + 1 in (WINDOW, len(ids) - WINDOW, len(ids)):
+        if k + 1 in ends:
             marks.append(time.perf_counter() - t)
             t = time.perf_counter()
     return marks
 
 
 def _engine(tokenizer, ids: list[int]) -> list[float]:
-    detok, marks = IncrementalDetokenizer(tokenizer, skip_special_tokens=True), []
+    detok, marks, ends = IncrementalDetokenizer(tokenizer, skip_special_tokens=True), [], _marks(ids)
     t = time.perf_counter()
     for k, token_id in enumerate(ids):
         detok.add([token_id])
-        if k + 1 in (WINDOW, len(ids) - WINDOW, len(ids)):
+        if k + 1 in ends:
             marks.append(time.perf_counter() - t)
             t = time.perf_counter()
     return marks
@@ -59,8 +68,10 @@ def _engine(tokenizer, ids: list[int]) -> list[float]:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tokens", type=int, default=20000, help="output length (tokens) of each stream")
+    ap.add_argument("--tokens", type=int, default=20000, help="output length (tokens) of each stream (at least 3)")
     args = ap.parse_args(argv)
+    if args.tokens < 3:
+        ap.error("--tokens: at least 3 (a first, a middle and a last window)")
     tokenizer = build_byte_tokenizer()
     vocab = tokenizer.backend_tokenizer.get_vocab_size()
     rng = random.Random(0)
@@ -75,14 +86,14 @@ def main(argv: list[str] | None = None) -> None:
         "random_ids": [rng.randrange(vocab) for _ in range(args.tokens)],
     }
     out: dict = {"command": " ".join(["python -m bench.detokenize", *sys.argv[1:]]),
-                 "tokens": args.tokens, "window": WINDOW, "streams": {}}
+                 "tokens": args.tokens, "window": _window(args.tokens), "streams": {}}
     for name, ids in streams.items():
         _engine(tokenizer, ids)  # fills the tokenizer's table
         row = {}
         for side, run in (("decode_stream_baseline", _stream_baseline), ("engine", _engine)):
             first, _, last = run(tokenizer, ids)
-            row[side] = {"us_per_token_first": round(1e6 * first / WINDOW, 3),
-                         "us_per_token_last": round(1e6 * last / WINDOW, 3)}
+            row[side] = {"us_per_token_first": round(1e6 * first / _window(len(ids)), 3),
+                         "us_per_token_last": round(1e6 * last / _window(len(ids)), 3)}
         row["speedup_last"] = round(row["decode_stream_baseline"]["us_per_token_last"]
                                     / row["engine"]["us_per_token_last"], 2)
         out["streams"][name] = row

@@ -24,7 +24,7 @@ SMOKED_HERE = {"bench", "bench.memory", "bench.overhead", "bench.replica_overhea
                "bench.moe", "bench.weight_sync", "bench.prefix_routing",
                "bench.load", "bench.outputs", "bench.fused_elementwise", "bench.published_configs",
                "bench.diffusion_gemma", "bench.step_metadata", "bench.decisions",
-               "bench.nemotron"}
+               "bench.nemotron", "bench.detokenize"}
 SMOKED_ELSEWHERE = {"bench.gpu_check": "bench/test_gpu_check.py", "bench.gpu_check.collect": "bench/test_gpu_check.py",
                     "bench.trajectory_scoring": "engine/test_trajectory_scoring.py",
                     "bench.fast_dllm": "engine/families/test_fast_dllm.py", "bench.soak": "system/test_soak.py",
@@ -188,6 +188,17 @@ def test_serve_streaming():
     for interval, ways in rows.items():
         assert ways["unary"]["events"] == 2 and ways["streamed"]["events"] >= 4, (interval, ways)
         assert all(way["cpu_s"] > 0 and way["cpu_s_by_process"] for way in ways.values()), (interval, ways)
+
+
+@pytest.mark.system  # the bench command as a user types it
+def test_detokenize(capsys, monkeypatch):
+    """Both sides time every stream over a first and a last window."""
+    r = _run_module_here(capsys, monkeypatch, "bench.detokenize", "--tokens", "60")
+    assert r["command"] == "python -m bench.detokenize --tokens 60" and r["window"] == 20
+    assert set(r["streams"]) == {"english", "accented_emoji", "random_ids"}
+    for name, row in r["streams"].items():
+        for side in ("decode_stream_baseline", "engine"):
+            assert row[side]["us_per_token_first"] > 0 and row[side]["us_per_token_last"] > 0, (name, row)
 
 
 @pytest.mark.system  # the bench command as a user types it, in a process of its own
