@@ -5,15 +5,12 @@ A token that ends inside a UTF-8 sequence adds nothing until the sequence comple
 ends there, `flush` decodes the held-back tail with a few tokens of left context (sentencepiece-style
 tokenizers drop a leading space at the start of a decode, so the tail alone would lose it).
 
-A byte-level tokenizer (the `ByteLevel` decoder of Qwen, SDAR, LLaDA2 and GPT-2-style vocabularies)
-decodes a run of tokens as the concatenation of their bytes. So while the text ends on a whole
-character, a token whose bytes are whole characters by themselves adds exactly its own text: that
-text is looked up in a table of the tokenizer's (filled as tokens are first seen) instead of asking
-the stream, which costs about a microsecond a token. A token that is not whole by itself (part of a
-multi-byte character) goes to a stream started at the character boundary, which holds it back as
-the stream always did until the character completes; then the table takes over again. Any other
-decoder (sentencepiece's, whose decode of a lone token drops its leading space) always uses the
-stream.
+With a byte-level tokenizer the stream is not needed: a token's text, or its bytes when they are
+part of a character, come from the tokenizer's table (`engine.core.token_pieces`), the bytes of a
+split character are held until it completes, and the text added is what the stream would add (the
+decode of the held bytes, once it ends on a whole character). A token the table has no bytes for
+starts a stream over the run held since the last whole character. Any other decoder (sentencepiece's,
+whose decode of a lone token drops its leading space) always uses the stream.
 
 The text is kept as settled pieces plus a recent tail, so that adding a token copies only the tail,
 not the whole text: a Python string grown with `+=` while another name holds it is copied whole each
@@ -24,34 +21,14 @@ joined only when asked for.
 
 from __future__ import annotations
 
-from weakref import WeakKeyDictionary
+from tokenizers.decoders import DecodeStream
 
-from tokenizers.decoders import ByteLevel, DecodeStream
+from engine.core.token_pieces import pieces_of
 
 _FLUSH_CONTEXT = 4  # tokens of left context decoded with a held-back tail
 _TAIL_MAX = 1024  # characters the recent tail grows to before it settles up to _TAIL_KEEP before the
 _TAIL_KEEP = 256  # text that the last `add` began at
-
-
 _UNSEEN = object()
-_TABLES: WeakKeyDictionary = WeakKeyDictionary()  # tokenizer -> {skip_special_tokens: its table}
-
-
-def _whole_pieces(tokenizer, skip_special_tokens: bool) -> dict[int, str | None] | None:
-    """The table of a byte-level tokenizer (None for any other decoder), one per tokenizer and setting,
-    shared by its requests: token id -> its text when its bytes are whole characters by themselves,
-    None when they are not; filled by `_piece`."""
-    if type(tokenizer.backend_tokenizer.decoder) is not ByteLevel:
-        return None
-    return _TABLES.setdefault(tokenizer, {}).setdefault(skip_special_tokens, {})
-
-
-def _piece(table: dict[int, str | None], backend, skip: bool, token_id: int) -> str | None:
-    """The table's entry for `token_id`, decoded once: its text, or None when that text is not whole (a
-    replacement character marks bytes that need their neighbours)."""
-    text = backend.decode([token_id], skip_special_tokens=skip)
-    piece = table[token_id] = None if "\ufffd" in text else text
-    return piece
 
 
 class IncrementalDetokenizer:
@@ -59,9 +36,11 @@ class IncrementalDetokenizer:
         self._tokenizer = tokenizer
         self._backend = tokenizer.backend_tokenizer
         self._skip = skip_special_tokens
-        self._pieces = _whole_pieces(tokenizer, skip_special_tokens)
-        # the stream: always without a table; with one, only while a character is incomplete
+        self._pieces = pieces_of(tokenizer, skip_special_tokens)
+        # the stream: always without a table; with one, only for a run the table has no bytes for
         self._stream = DecodeStream(skip_special_tokens=skip_special_tokens) if self._pieces is None else None
+        self._held: bytes | None = None  # with a table: the bytes of a character not complete yet
+        self._held_ids: list[int] = []  # and their tokens
         self._ids: list[int] = []  # every token added
         self._pending = 0  # trailing tokens whose text the stream still holds back
         self._settled: list[str] = []  # the text is "".join(_settled) + _tail
@@ -83,19 +62,24 @@ class IncrementalDetokenizer:
 
     def add(self, token_ids: list[int]) -> list[int]:
         """Add each token in turn; returns the text's length after each."""
-        backend, pieces, ends, tail, old = self._backend, self._pieces, [], self._tail, self.length
+        backend, ends, tail, old = self._backend, [], self._tail, self.length
+        entries = self._pieces.entries if self._pieces is not None else None
         length = old
         for token_id in token_ids:
             stream = self._stream
-            if stream is None:  # at a character boundary, with a table
-                piece = pieces.get(token_id, _UNSEEN)
-                if piece is _UNSEEN:
-                    piece = _piece(pieces, backend, self._skip, token_id)
-                if piece is None:  # not whole by itself: a stream from here to the character's end
-                    stream = self._stream = DecodeStream(skip_special_tokens=self._skip)
+            if stream is None:
+                entry = entries.get(token_id, _UNSEEN)
+                if entry is _UNSEEN:
+                    entry = self._pieces.fill(token_id)
+                if self._held is None and entry.__class__ is str:  # whole characters after whole characters
+                    piece = entry
+                elif entry is None:  # no bytes of its own: a stream from the last whole character
+                    stream = self._stream = self._stream_from_boundary()
+                else:
+                    piece = self._hold(token_id, entry.encode() if entry.__class__ is str else entry)
             if stream is not None:
                 piece = stream.step(backend, token_id)
-                if piece is not None and pieces is not None:
+                if piece is not None and entries is not None:
                     self._stream = None  # the text ends on a whole character again: the table from here
             if piece is None:  # an incomplete UTF-8 sequence: the stream waits for its next bytes
                 self._pending += 1
@@ -123,6 +107,28 @@ class IncrementalDetokenizer:
         self._tail += added
         self.length += len(added)
         self._pending = 0
+
+    def _hold(self, token_id: int, raw: bytes) -> str | None:
+        """Add a token's bytes to those held: the text they make once it ends on a whole character (the
+        held bytes then let go), else None (held)."""
+        held = raw if self._held is None else self._held + raw
+        text = held.decode("utf-8", "replace")
+        if text and not text.endswith("\ufffd"):
+            self._held = None
+            self._held_ids.clear()
+            return text
+        self._held = held
+        self._held_ids.append(token_id)
+        return None
+
+    def _stream_from_boundary(self) -> DecodeStream:
+        """A stream that has read the tokens held since the last whole character (it holds them too)."""
+        stream = DecodeStream(skip_special_tokens=self._skip)
+        for token_id in self._held_ids:
+            stream.step(self._backend, token_id)
+        self._held = None
+        self._held_ids.clear()
+        return stream
 
     def _settle(self, upto: int) -> None:
         """Move the text before `upto` from the tail to the settled pieces (the readers of a step start

@@ -20,6 +20,7 @@ import engine.core.detokenizer as detokenizer
 from configs import GenerationConfig
 from engine.core.detokenizer import IncrementalDetokenizer
 from engine.core.stopping import StopChecker
+from engine.core.token_pieces import pieces_of
 from testing.tiny.tokenizer import build_byte_tokenizer
 
 ALPHABET = "ab é€😀\n"
@@ -28,6 +29,19 @@ ALPHABET = "ab é€😀\n"
 @pytest.fixture(scope="module")
 def tokenizer():
     return build_byte_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def tokenizer_with_added():
+    """The tiny tokenizer plus added tokens: two whose bytes are parts of characters ('é' is the
+    alphabet's symbol of the byte 0xE9, a lead byte), one with a character outside the alphabet (its
+    text is its own UTF-8), and one holding a replacement character, which the table has no bytes for."""
+    tokenizer = build_byte_tokenizer()
+    tokenizer.backend_tokenizer.add_tokens(["\u00e9x", "\u00e9", "\u00e2\u0082", "a\ufffd"])
+    pieces = pieces_of(tokenizer, skip_special_tokens=True)
+    assert pieces.fill(tokenizer.backend_tokenizer.token_to_id("a\ufffd")) is None
+    assert isinstance(pieces.fill(tokenizer.backend_tokenizer.token_to_id("\u00e9x")), bytes)
+    return tokenizer
 
 
 @contextmanager
@@ -89,10 +103,12 @@ def test_stop_rule_decides_as_with_the_default_tail(tokenizer, data):
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
-def test_table_adds_what_the_stream_adds(tokenizer, data):
-    """A byte-level tokenizer's text comes from its table of whole pieces where it can: token for token,
-    the same text (or the same nothing) as tokenizers' own DecodeStream, over any ids -- parts of
-    multi-byte characters, bytes that never complete, special tokens skipped or not, in runs."""
+def test_table_adds_what_the_stream_adds(tokenizer_with_added, data):
+    """A byte-level tokenizer's text comes from its table of pieces: token for token, the same text (or
+    the same nothing) as tokenizers' own DecodeStream, over any ids -- parts of multi-byte characters,
+    bytes that never complete, special tokens skipped or not, added tokens the table has no bytes for
+    (a stream takes over from the last whole character), in runs."""
+    tokenizer = tokenizer_with_added
     vocab = tokenizer.backend_tokenizer.get_vocab_size()
     ids = data.draw(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=40))
     skip = data.draw(st.booleans())
@@ -123,3 +139,14 @@ def test_other_decoders_use_the_stream():
     assert detok._pieces is None
     detok.add([1, 0, 0])
     assert detok.text == "b a a"
+
+
+def test_the_table_takes_over_again_after_a_stream(tokenizer_with_added):
+    """A token the table has no bytes for starts a stream; once the text ends on a whole character
+    again, the next tokens come from the table (the stream's microsecond a token is paid only there)."""
+    backend = tokenizer_with_added.backend_tokenizer
+    detok = IncrementalDetokenizer(tokenizer_with_added, skip_special_tokens=True)
+    odd, b = backend.token_to_id("a\ufffd"), tokenizer_with_added.encode("b", add_special_tokens=False)
+    assert detok.add([odd]) == [0] and detok._stream is not None  # held: the text ends in U+FFFD
+    assert detok.add(b) == [3] and detok._stream is None
+    assert detok.text == "a\ufffdb"
