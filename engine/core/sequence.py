@@ -23,7 +23,7 @@ class SeqStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)  # a request is itself: list membership and removal compare identity, not every field
 class Sequence:
     request_id: str
     prompt_ids: list[int]

@@ -179,3 +179,17 @@ def test_prefill_budget_does_not_cap_running_sequences(ar_ckpt, dllm_ckpt, model
         pipe(prompts, GenerationConfig(max_new_tokens=6, ignore_eos=True))
     widest = max(len(q) for q, _ in batches)
     assert widest == 4, f"all 4 sequences should decode together; widest forward had {widest} (q_lens: {batches})"
+
+
+def test_a_sequence_is_itself():
+    """Two sequences whose fields are all equal are still two requests: finishing one takes that one
+    out of the running list (membership is identity, which also keeps a finish from comparing every
+    field of every running sequence)."""
+    from engine.core.sequence import Sequence
+
+    params = GenerationConfig(max_new_tokens=4)
+    a, b = (Sequence("r", [1, 2], params, frozenset(), None, 0, 0) for _ in range(2))
+    b.added_at = a.added_at
+    running = [a, b]
+    running.remove(b)
+    assert running[0] is a and a != b
