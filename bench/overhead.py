@@ -36,7 +36,9 @@ count: editing and canvas steps count every token they write) and forward_cpu_ms
 takes names or prefixes (`block_diffusion`: each of its rules). At the defaults the whole list takes
 about 2.5 minutes on two shared CPU cores, DiffusionGemma's ~400 steps most of it. The mode uses only
 engine interfaces that older checkouts also have, so the file can be copied into one to compare
-revisions.
+revisions. `--unary` adds the requests as a caller that waits for the whole result does (an RL
+rollout, a unary HTTP call: the engine then builds their first and last chunks only, not one a step);
+it needs a checkout from 6909f75 on.
 """
 
 from __future__ import annotations
@@ -239,17 +241,20 @@ def request_params(paradigm: Paradigm, tokens: int, i: int) -> GenerationConfig:
 
 
 def measure_paradigm(path: Path, paradigm: Paradigm, tokens: int, concurrency: int, device: str,
-                     profile_at: int | None, profile_steps: int) -> dict:
-    """One run of `concurrency` requests of `tokens` output tokens. The `profile_steps` steps from step
-    `profile_at` run under cProfile (their calls counted per sequence-step) and are left out of the
-    timings; `profile_at=None` profiles none (the warm-up run)."""
+                     profile_at: int | None, profile_steps: int, unary: bool = False) -> dict:
+    """One run of `concurrency` requests of `tokens` output tokens (`unary`: added as unary requests).
+    The `profile_steps` steps from step `profile_at` run under cProfile (their calls counted per
+    sequence-step) and are left out of the timings; `profile_at=None` profiles none (the warm-up run)."""
     config = EngineConfig(**engine_settings(paradigm, tokens, concurrency, device))
     with pipeline(str(path), config) as pipe:
         engine = pipe.engine
         freeze_startup_heap()  # as a Serve engine replica does
         clock = engine.executor.execute = _ForwardClock(engine.executor.execute, device)
         for i in range(concurrency):
-            engine.add_request(_prompt(i), request_params(paradigm, tokens, i))
+            if unary:
+                engine.add_request(_prompt(i), request_params(paradigm, tokens, i), streamed=False)
+            else:
+                engine.add_request(_prompt(i), request_params(paradigm, tokens, i))
         full, seconds, sequences = [], 0.0, 0  # per full-batch step: overhead / sequences; all timed steps' sums
         profile, profiled_sequences, steps = cProfile.Profile(), 0, 0
         while engine.has_unfinished():
@@ -288,11 +293,12 @@ def measure_paradigm(path: Path, paradigm: Paradigm, tokens: int, concurrency: i
         }
 
 
-def run_paradigms(names: list[str], tokens: int, concurrency: int, device: str, profile_steps: int) -> dict:
+def run_paradigms(names: list[str], tokens: int, concurrency: int, device: str, profile_steps: int,
+                  unary: bool = False) -> dict:
     """`--paradigms`: each named paradigm once to warm up, then measured with its profiled steps in
     the middle of the warm-up run's step count. A paradigm's `rule` is null where its requests name
     none (the family's own: Fast-dLLM v2 low_confidence_dynamic, DiffusionGemma and AR have no rule)."""
-    out: dict = {"mode": "paradigms", "device": device, "concurrency": concurrency, "tokens": tokens,
+    out: dict = {"mode": "paradigms", "device": device, "concurrency": concurrency, "tokens": tokens, "unary": unary,
                  "prompt_len": PROMPT_LEN, "torch_threads": torch.get_num_threads(), "profile_steps": profile_steps,
                  "paradigms": {}}
     with tempfile.TemporaryDirectory() as tmp:
@@ -305,11 +311,11 @@ def run_paradigms(names: list[str], tokens: int, concurrency: int, device: str, 
             config = json.loads((path / "config.json").read_text())
             layers = config.get("num_hidden_layers") or config["text_config"]["num_hidden_layers"]
             print(f"[overhead] {name}: warm-up", file=sys.stderr, flush=True)
-            warm = measure_paradigm(path, paradigm, tokens, concurrency, device, None, profile_steps)
+            warm = measure_paradigm(path, paradigm, tokens, concurrency, device, None, profile_steps, unary)
             middle = max(0, (warm["steps"] - profile_steps) // 2)
             print(f"[overhead] {name}: {warm['steps']} steps, profiling {middle}..{middle + profile_steps}",
                   file=sys.stderr, flush=True)
-            result = measure_paradigm(path, paradigm, tokens, concurrency, device, middle, profile_steps)
+            result = measure_paradigm(path, paradigm, tokens, concurrency, device, middle, profile_steps, unary)
             out["paradigms"][name] = {"family": paradigm.family, "rule": paradigm.rule, "layers": layers, **result}
     return out
 
@@ -329,6 +335,8 @@ def main(argv: list[str] | None = None) -> None:
                     help=f"--paradigms: run only these (or a prefix such as block_diffusion): {', '.join(PARADIGMS)}")
     ap.add_argument("--profile-steps", type=int, default=16,
                     help="--paradigms: steps profiled with cProfile in the middle of the run")
+    ap.add_argument("--unary", action="store_true",
+                    help="--paradigms: the requests wait for their whole result (no chunk a step), as RL rollouts do")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                     help="cuda: the forward runs on the GPU (bf16) and leaves the CPU caches to the engine")
     args = ap.parse_args(argv)
@@ -336,11 +344,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.paradigms:
         command = "python -m bench.overhead " + " ".join(sys.argv[1:] if argv is None else argv)
         result = run_paradigms(select_paradigms(args.only), args.tokens, args.concurrency or 128, args.device,
-                               args.profile_steps)
+                               args.profile_steps, args.unary)
         print(json.dumps({"command": command, **result}, indent=2))
         return
-    if args.only:
-        ap.error("--only needs --paradigms")
+    if args.only or args.unary:
+        ap.error("--only and --unary need --paradigms")
     args.concurrency = args.concurrency or 32
     out: dict = {"device": args.device, "concurrency": args.concurrency, "short": args.short, "long": args.long}
     with tempfile.TemporaryDirectory() as tmp:
