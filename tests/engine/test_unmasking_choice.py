@@ -1,7 +1,9 @@
 """The reveal choice of the confidence rules, against its definition: candidates ranked by confidence,
 highest first, ties toward the lower position; `low_confidence_static` takes the first n of that order,
 `low_confidence_dynamic` every candidate at least as confident as its threshold when there are n of
-them, else the first n. Drawn with many ties (a few distinct values), n = 1 included."""
+them, else the first n; `above_threshold_or_best` (Fast-dLLM v2's sub-blocks, token editing's reveals)
+every candidate strictly above its threshold, else the first. Drawn with many ties (a few distinct
+values), n = 1 included."""
 
 from __future__ import annotations
 
@@ -11,7 +13,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from configs import EngineConfig, GenerationConfig
-from engine.core.decoding.unmasking import UnmaskingSettings, low_confidence_dynamic, low_confidence_static
+from engine.core.decoding.unmasking import (
+    UnmaskingSettings,
+    above_threshold_or_best,
+    low_confidence_dynamic,
+    low_confidence_static,
+)
 
 BLOCK = 8
 SETTINGS = UnmaskingSettings.resolve(GenerationConfig(), EngineConfig(dllm_block_length=BLOCK), BLOCK)
@@ -33,3 +40,5 @@ def test_confidence_rules_choose_as_defined(data):
     sure = [i for i, c in enumerate(confidence) if c >= threshold]
     expected = sure if len(sure) >= n else _ranked(confidence)[:n]
     assert low_confidence_dynamic(confidence, None, n, knobs, 0) == expected
+    above = [i for i, c in enumerate(confidence) if c > threshold]
+    assert above_threshold_or_best(confidence, threshold) == (above or _ranked(confidence)[:1])

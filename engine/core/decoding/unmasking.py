@@ -72,9 +72,10 @@ def tokens_this_step(num_masked_at_block_start: int, steps: int, step_index: int
 
 
 def _most_confident(confidence: list[float], n: int) -> list[int]:
-    # a stable sort, also in reverse: equal confidences keep the lower position first (as `max` does)
+    # a stable sort, also in reverse: equal confidences keep the lower position first; for one, `max`
+    # keeps the first of equal values and `index` finds the first
     if n == 1:
-        return [max(range(len(confidence)), key=confidence.__getitem__)]
+        return [confidence.index(max(confidence))]
     return sorted(range(len(confidence)), key=confidence.__getitem__, reverse=True)[:n]
 
 
@@ -126,7 +127,7 @@ def above_threshold_or_best(confidence: list[float], threshold: float) -> list[i
     """Indices of the candidates with confidence strictly above `threshold`; when none is, the single
     most confident one (ties: the lowest index)."""
     chosen = [i for i, c in enumerate(confidence) if c > threshold]
-    return chosen or [max(range(len(confidence)), key=lambda i: (confidence[i], -i))]
+    return chosen or _most_confident(confidence, 1)
 
 
 Rule = Callable[[list[float], list[float] | None, int, "UnmaskingSettings", int], list[int]]
