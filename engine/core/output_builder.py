@@ -90,24 +90,24 @@ class OutputBuilder:
             return None  # not streamed: the first chunk is the first to carry tokens
         if self.pending_input_rows and not (finished or seq.num_computed >= seq.score_end):
             return None  # input rows travel together, once the prompt is fully scored
-        chunk = OutputChunk(
-            request_id=seq.request_id,
-            text=delta,
-            token_ids=new_ids,
-            step_map=seq.out_steps[start:end] if self.is_dllm else None,
-            logprobs=list(seq.out_logprobs[start:end]) if self.want_logprobs else None,
-            step_trace=self.pending_trace if self.want_trace else None,
-            block_step_map=seq.out_block_steps[start:end] if self.want_block_steps else None,
-            label_mass=None if self.label_masses is None else [self.label_masses.get(g) for g in range(start, end)],
-            finish_reason=seq.finish_reason if finished else None,
-            matched=seq.matched if finished else None,
-            input_token_len=seq.prompt_len,
-            generate_token_len=end,
-            num_steps=seq.step_counter if self.is_dllm else None,
-            weight_version=weight_version,
-            weight_versions=self.pending_versions,
-            queue_time_s=seq.admitted_at - seq.added_at if self.first and seq.admitted_at is not None else None,
-        )
+        chunk = OutputChunk(request_id=seq.request_id, text=delta, token_ids=new_ids, input_token_len=seq.prompt_len,
+                            generate_token_len=end, weight_version=weight_version,
+                            weight_versions=self.pending_versions)
+        # what the request asked for beyond text and tokens (None, the fields' default, where it did not)
+        if self.is_dllm:
+            chunk.step_map, chunk.num_steps = seq.out_steps[start:end], seq.step_counter
+        if self.want_logprobs:
+            chunk.logprobs = list(seq.out_logprobs[start:end])
+        if self.want_trace:
+            chunk.step_trace = self.pending_trace
+        if self.want_block_steps:
+            chunk.block_step_map = seq.out_block_steps[start:end]
+        if self.label_masses is not None:
+            chunk.label_mass = [self.label_masses.get(g) for g in range(start, end)]
+        if finished:
+            chunk.finish_reason, chunk.matched = seq.finish_reason, seq.matched
+        if self.first and seq.admitted_at is not None:
+            chunk.queue_time_s = seq.admitted_at - seq.added_at
         if self.speculation is not None:
             chunk.nfe, accepted = self.speculation.nfe, self.speculation.acceptance
             chunk.acceptance_lengths, self.sent_verifies = accepted[self.sent_verifies:], len(accepted)
