@@ -139,6 +139,8 @@ class StopChecker:
         """The first stop string completed by a run of tokens (one or more) whose text began at `old_len`
         and reached `ends[k]` after its k-th token: (k, where the string starts, the string); earliest
         start wins among the strings the same token completes."""
+        if not ends or ends[-1] == old_len:  # no text added (a split character held back): nothing completed
+            return None
         first = max(0, old_len - self.hold_back)  # a string completed now starts after this
         text, best = self._detok.slice(first), None
         for word in self._words:
