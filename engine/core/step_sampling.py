@@ -74,8 +74,9 @@ class StepSampling:
         for sl, group in zip(fwd.slices, fwd.groups):
             first, end = sl.first, sl.first + len(sl.positions)
             rows = PickedRows(sl.positions, tokens[first:end], confidence[first:end],
-                              entropy[first:end] if entropy is not None else None, entries[first:end],
-                              label_mass=mass[first:end] if mass is not None and group.allowed is not None else None)
+                              entropy[first:end] if entropy is not None else None, entries[first:end])
+            if mass is not None and group.allowed is not None:
+                rows.label_mass = mass[first:end]
             if group.want_logits:
                 rows.logits = fwd.result.logits[first:end]
                 rows.logprob_of = partial(token_logprobs, rows.logits, k=group.params.logprobs,
