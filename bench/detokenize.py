@@ -38,32 +38,35 @@ def _marks(ids: list[int]) -> tuple[int, int, int]:
     return _window(len(ids)), len(ids) - _window(len(ids)), len(ids)
 
 
-def _stream_baseline(tokenizer, ids: list[int]) -> list[float]:
-    """DecodeStream.step per token, its pieces appended to a string another name also holds."""
-    stream, backend, marks, ends = DecodeStream(skip_special_tokens=True), tokenizer.backend_tokenizer, [], _marks(ids)
-    holder = {"text": ""}
+def _timed(ids: list[int], add_one) -> list[float]:
+    """Seconds `add_one(token_id)` took over each window of `ids` (`_marks`)."""
+    marks, ends = [], _marks(ids)
     t = time.perf_counter()
     for k, token_id in enumerate(ids):
+        add_one(token_id)
+        if k + 1 in ends:
+            marks.append(time.perf_counter() - t)
+            t = time.perf_counter()
+    return marks
+
+
+def _stream_baseline(tokenizer, ids: list[int]) -> list[float]:
+    """DecodeStream.step per token, its pieces appended to a string another name also holds."""
+    stream, backend, holder = DecodeStream(skip_special_tokens=True), tokenizer.backend_tokenizer, {"text": ""}
+
+    def add_one(token_id: int) -> None:
         text = holder["text"]
         piece = stream.step(backend, token_id)
         if piece is not None:
             text += piece
         holder["text"] = text
-        if k + 1 in ends:
-            marks.append(time.perf_counter() - t)
-            t = time.perf_counter()
-    return marks
+
+    return _timed(ids, add_one)
 
 
 def _engine(tokenizer, ids: list[int]) -> list[float]:
-    detok, marks, ends = IncrementalDetokenizer(tokenizer, skip_special_tokens=True), [], _marks(ids)
-    t = time.perf_counter()
-    for k, token_id in enumerate(ids):
-        detok.add([token_id])
-        if k + 1 in ends:
-            marks.append(time.perf_counter() - t)
-            t = time.perf_counter()
-    return marks
+    detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=True)
+    return _timed(ids, lambda token_id: detok.add([token_id]))
 
 
 def main(argv: list[str] | None = None) -> None:
