@@ -7,8 +7,9 @@ tiny random-weight model with one layer, once per `stream_batching_interval_ms` 
 `--concurrency` requests of `--tokens` output tokens over loopback HTTP, unary and streamed (SSE),
 alternating, `--repeats` times each. Per way it prints the wall seconds of the whole batch, the CPU
 seconds the cluster's processes spent on it (the proxy, the ingress and engine replicas, Ray's
-daemons: `psutil`, per process name), and the SSE events the client read. CPU time, not wall time,
-is the figure to compare on a shared machine; both are medians of the repeats.
+daemons: the processes the bench started, by `psutil`, summed per process name), and the SSE events
+the client read. CPU time, not wall time, is the figure to compare on a shared machine; both are
+medians of the repeats.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -34,15 +34,16 @@ DEFAULT_ONLY = "block_diffusion/low_confidence_dynamic"
 WAYS = ("unary", "streamed")
 
 
-def _cluster_cpu() -> dict[str, float]:
-    """CPU seconds so far of each Ray process on this machine (by process name, e.g. `ray::ProxyActor`)."""
-    out: dict[str, float] = {}
-    for p in psutil.process_iter(["pid", "name", "cmdline"]):
+def _cluster_cpu() -> dict[tuple[int, float], tuple[str, float]]:
+    """CPU seconds so far of each process of the bench's own cluster -- the Ray processes this process
+    started, its descendants, not another cluster's on a shared machine -- keyed by (pid, start time)
+    so that a process that exits or a pid that is reused is not mistaken for another: (its name, e.g.
+    `ray::ProxyActor`, its seconds)."""
+    out: dict[tuple[int, float], tuple[str, float]] = {}
+    for p in psutil.Process().children(recursive=True):
         try:
-            if p.pid == os.getpid() or "ray" not in " ".join(p.info["cmdline"] or []):
-                continue
             t = p.cpu_times()
-            out[p.info["name"]] = out.get(p.info["name"], 0.0) + t.user + t.system
+            out[(p.pid, p.create_time())] = (p.name(), t.user + t.system)
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
     return out
@@ -72,7 +73,9 @@ def _measure(url: str, concurrency: int, tokens: int, streamed: bool) -> dict:
     before, t0 = _cluster_cpu(), time.perf_counter()
     events = asyncio.run(_send(url, concurrency, tokens, streamed))
     wall, after = time.perf_counter() - t0, _cluster_cpu()
-    spent = {name: after[name] - before.get(name, 0.0) for name in after}
+    spent: dict[str, float] = {}  # by process name; a process that ended in between is not counted
+    for key, (name, seconds) in after.items():
+        spent[name] = spent.get(name, 0.0) + seconds - before.get(key, (name, 0.0))[1]
     return {"wall_s": wall, "cpu_s": sum(spent.values()), "events": events,
             "cpu_s_by_process": {n: round(s, 3) for n, s in sorted(spent.items()) if s >= 0.01}}
 
