@@ -194,7 +194,10 @@ def test_serve_streaming():
     assert list(rows) == ["0", "20"]
     for interval, ways in rows.items():
         assert ways["unary"]["events"] == 2 and ways["streamed"]["events"] >= 4, (interval, ways)
-        assert all(way["cpu_s"] > 0 and way["cpu_s_by_process"] for way in ways.values()), (interval, ways)
+        for way in ways.values():  # how much CPU is the machine's business; that it adds up is the bench's
+            by_process = way["cpu_s_by_process"]
+            assert way["cpu_s"] >= 0 and all(s > 0 for s in by_process.values()), (interval, ways)
+            assert abs(sum(by_process.values()) - way["cpu_s"]) <= 0.001 * (len(by_process) + 1), (interval, ways)
 
 
 @pytest.mark.system  # the bench command as a user types it
