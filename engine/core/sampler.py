@@ -65,6 +65,16 @@ class RowGroup:
     allowed: list[list[int] | None] | None = None
 
 
+def steady_group(group: RowGroup, request: GenerationConfig) -> bool:
+    """Whether `group` may serve its sequence's later steps as it is: the request's own settings (not a
+    step's override of them), greedy rows over the raw logits (no draw, so its stale `first_draw` is
+    never read; no penalty, no suppressed row, no λ, no allowed set), whose only per-step inputs were
+    the positions, which none of its fields then depends on."""
+    p = group.params
+    return (p is request and p.is_greedy and p.repetition_penalty == 1.0 and not group.suppress
+            and group.lowered is None and group.allowed is None)
+
+
 @dataclass(slots=True)
 class Picked:
     """Per row, on the logits' device: the token, its confidence (None when not needed: plain greedy

@@ -9,7 +9,7 @@ from __future__ import annotations
 from configs import EngineConfig, GenerationConfig
 from engine.core.decisions import Decisions
 from engine.core.decoding.base import DecodingStrategy, Finalize, PickedRows
-from engine.core.sampler import RowGroup
+from engine.core.sampler import RowGroup, steady_group
 from engine.core.sequence import Sequence
 from engine.core.step_plan import Feed, SampleSlice
 from engine.model.spec import ModelSpec
@@ -50,18 +50,22 @@ class AutoregressiveDecoding(DecodingStrategy):
         groups = []
         for sl in slices:
             seq = sl.seq
-            params = seq.params
-            g = sl.positions[0] + 1 - seq.prompt_len  # a causal LM's logits at p decide generated token p + 1
-            floor = params.min_new_tokens
-            group = RowGroup(params, seq.seed, seq.num_draws,
-                             sorted(seq.penalty_ids) if params.repetition_penalty != 1.0 else [],
-                             [g < floor] if floor else [], seq.stop_ids)
-            decisions = seq.decisions
-            if decisions is not None:
-                if decisions.pinned(g) is not None:  # forced: the row's logits give the pinned token's logprob
-                    group.want_logits = params.logprobs is not None
-                elif decisions.has_sets:
-                    group.allowed = [decisions.allowed(g)]
+            group = seq.row_group
+            if group is None:
+                params = seq.params
+                g = sl.positions[0] + 1 - seq.prompt_len  # a causal LM's logits at p decide generated token p + 1
+                floor = params.min_new_tokens
+                group = RowGroup(params, seq.seed, seq.num_draws,
+                                 sorted(seq.penalty_ids) if params.repetition_penalty != 1.0 else [],
+                                 [g < floor] if floor else [], seq.stop_ids)
+                decisions = seq.decisions
+                if decisions is not None:
+                    if decisions.pinned(g) is not None:  # forced: the row's logits give the pinned token's logprob
+                        group.want_logits = params.logprobs is not None
+                    elif decisions.has_sets:
+                        group.allowed = [decisions.allowed(g)]
+                elif steady_group(group, seq.params):
+                    seq.row_group = group
             groups.append(group)
         return groups
 

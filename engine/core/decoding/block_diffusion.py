@@ -42,7 +42,7 @@ from engine.core.decoding.indel import special_ids
 from engine.core.decoding.rules import RULES, DecodingRule, write_pinned
 from engine.core.decoding.unmasking import SpecialIds, UnmaskingSettings
 from engine.core.input_processing import check_knobs
-from engine.core.sampler import RowGroup
+from engine.core.sampler import RowGroup, steady_group
 from engine.core.sequence import Sequence
 from engine.core.step_plan import Feed, SampleSlice
 from engine.errors import RequestError
@@ -168,15 +168,20 @@ class BlockDiffusionDecoding(DecodingStrategy):
         groups = []
         for sl in slices:
             seq, positions = sl.seq, sl.positions
-            params, rule = self.row_params(seq), RULES[seq.state.settings.strategy]
-            floor, first = params.min_new_tokens, seq.prompt_len - self.row_shift
-            decisions = seq.decisions
-            groups.append(RowGroup(
-                params, seq.seed, seq.num_draws, sorted(seq.penalty_ids) if params.repetition_penalty != 1.0 else [],
-                [p - first < floor for p in positions] if floor else [], seq.stop_ids, rule.needs_entropy,
-                rule.lowered_logits(seq, positions) if rule.spec.edits else None, rule.wants_logits,
-                [decisions.allowed(p - first) for p in positions] if decisions is not None and decisions.has_sets
-                else None))
+            group = seq.row_group
+            if group is None:
+                params, rule = self.row_params(seq), RULES[seq.state.settings.strategy]
+                floor, first = params.min_new_tokens, seq.prompt_len - self.row_shift
+                decisions = seq.decisions
+                group = RowGroup(
+                    params, seq.seed, seq.num_draws, sorted(seq.penalty_ids) if params.repetition_penalty != 1.0
+                    else [], [p - first < floor for p in positions] if floor else [], seq.stop_ids,
+                    rule.needs_entropy, rule.lowered_logits(seq, positions) if rule.spec.edits else None,
+                    rule.wants_logits, [decisions.allowed(p - first) for p in positions]
+                    if decisions is not None and decisions.has_sets else None)
+                if decisions is None and steady_group(group, seq.params):
+                    seq.row_group = group
+            groups.append(group)
         return groups
 
     def apply(self, picked: list[tuple[Sequence, PickedRows]], finalize: Finalize
