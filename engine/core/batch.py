@@ -12,6 +12,11 @@ from engine.worker.forward_batch import ForwardBatch
 
 def add_slots(slots: list[int], pages: list[int], start: int, end: int, page_size: int) -> None:
     """Append the flat cache slots of positions [start, end): one range per page they touch."""
+    offset = start % page_size
+    if 0 < end - start <= page_size - offset:  # inside one page: a step's block or token, most of the time
+        first = pages[start // page_size] * page_size + offset
+        slots += range(first, first + end - start)
+        return
     while start < end:
         offset = start % page_size
         stop = min(end, start - offset + page_size)
@@ -49,7 +54,7 @@ def build_batch(items: list[ScheduledSeq], decoding: DecodingStrategy, page_size
             sampled = decoding.sample_positions(seq, end)
             slices += (SampleSlice(seq, len(sample_rows), sampled),)
             first = base - start
-            sample_rows += [first + p for p in sampled]
+            sample_rows += map(first.__add__, sampled)
         if seq.params.logprob_start_len >= 0:  # the request scores its input tokens
             add_score_rows(batch, it, base)
     return batch, slices
