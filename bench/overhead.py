@@ -27,7 +27,9 @@ sliding-window and one full-attention layer, the least its layer groups run with
 a MoE one), every paradigm at the same output length, one torch thread, a warm-up run first. Prints
 one JSON object; per paradigm: `overhead_us_per_seq_step` over the steps that ran the whole batch
 (editing and canvas requests finish at different steps, so these can be few:
-`overhead_us_per_seq_step_all_steps` is the same over every timed step), `python_calls_per_seq_step`
+`overhead_us_per_seq_step_all_steps` is the same over every timed step;
+`overhead_us_per_seq_step_median` the median of the full-batch steps, which a few steps slowed by
+the rest of a shared machine move less than the mean), `python_calls_per_seq_step`
 over `--profile-steps` steps (cProfile; not timed) in the middle of the run (where the warm-up run,
 decoding the same requests, had its middle) and `engine_python_calls_per_seq_step`, the same without
 the calls inside the forward (on the CPU its attention backend's bucketing; on a GPU a graph replay
@@ -285,6 +287,7 @@ def measure_paradigm(path: Path, paradigm: Paradigm, tokens: int, concurrency: i
             "full_batch_steps": len(full),
             "generated_tokens": engine.stats.generated_tokens,
             "overhead_us_per_seq_step": round(1e6 * statistics.fmean(full), 2) if full else None,
+            "overhead_us_per_seq_step_median": round(1e6 * statistics.median(full), 2) if full else None,
             "overhead_us_per_seq_step_all_steps": round(1e6 * seconds / sequences, 2) if sequences else None,
             "python_calls_per_seq_step": round(engine_calls + forward_calls, 2) if profiled_sequences else None,
             "engine_python_calls_per_seq_step": round(engine_calls, 2) if profiled_sequences else None,

@@ -134,7 +134,8 @@ def test_overhead():
 
 
 PARADIGM_FIGURES = {"family", "rule", "layers", "tokens", "steps", "full_batch_steps", "generated_tokens",
-                    "overhead_us_per_seq_step", "overhead_us_per_seq_step_all_steps", "python_calls_per_seq_step",
+                    "overhead_us_per_seq_step", "overhead_us_per_seq_step_all_steps",
+                    "overhead_us_per_seq_step_median", "python_calls_per_seq_step",
                     "engine_python_calls_per_seq_step", "profiled_steps", "forward_cpu_ms_per_step"}
 
 

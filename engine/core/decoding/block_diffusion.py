@@ -117,8 +117,7 @@ class BlockDiffusionDecoding(DecodingStrategy):
             end = (start // b + 1) * b
             n = end - start
             seq.append_positions([self.mask_id] * n)
-            block = seq.state = BlockState(settings, start=start - start % b, end=end,
-                                           masked=list(range(start, end)), num_masked_at_start=n)
+            block = seq.state = BlockState(settings, start - start % b, end, list(range(start, end)), n)
             if decisions is None or not decisions.template:
                 return False
             pinned_any = pin(seq, block, decisions) or pinned_any

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from engine.core.decoding.unmasking import UnmaskingSettings
 
 
-@dataclass
+@dataclass(slots=True)  # one is made per block of every request
 class BlockState:
     """The block being denoised: absolute positions [start, end), and the knobs the request decodes with."""
 

@@ -200,7 +200,9 @@ class RevealRule(DecodingRule):
         count = len(positions)
         n = max(1, min(tokens_this_step(block.num_masked_at_start, settings.denoising_steps, block.step_index), count))
         chosen = self.choose(rows.confidence, rows.entropy, n, settings, step_seed(seq) if self.draws else 0)
-        chosen = read_slots(block, positions, sorted(chosen))
+        chosen = sorted(chosen)
+        if block.read_left is not None:  # in a read's last block (typed decisions)
+            chosen = read_slots(block, positions, chosen)
         seq.step_counter += 1
         block.step_index += 1
         revealed = write_tokens(seq, positions, rows, chosen)
