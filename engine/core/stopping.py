@@ -17,6 +17,11 @@ So the output always ends at the token that completes the first stop, and `token
 builder and the servers all read the decision from here. Work per token is constant: the decoder
 is incremental, its text grows without being copied whole, and a stop string is searched for only in
 the text the new token added, plus the `len(word) - 1` characters before it.
+
+Without stop strings nothing decides on text, so the tokens read are detokenized only when the text
+is read: a streamed request's next delta, the decision's end, a unary request's first and last
+chunk. A request that waits for its whole result (an RL rollout, a unary HTTP call) then makes its
+text in a few runs rather than once a step.
 """
 
 from __future__ import annotations
@@ -43,8 +48,7 @@ class StopChecker:
         self._stop_ids = stop_ids
         self._words = list(params.stop_words or [])
         self._detok = IncrementalDetokenizer(tokenizer, params.skip_special_tokens)
-        #: `text[start:end]`, read without joining the whole text when the range lies near its end
-        self.text_between = self._detok.slice
+        self._unread: list[int] = []  # tokens read whose text is not made yet (only without stop strings)
         self.num_consumed = 0  # generated tokens read so far
         self.text_end: int | None = None  # where the output text ends, once decided
         self.decision: StopDecision | None = None
@@ -53,22 +57,26 @@ class StopChecker:
     @property
     def text(self) -> str:
         """Text of the consumed tokens (without a stop id's text, unless asked)."""
-        return self._detok.text
+        return self._text().text
+
+    def text_between(self, start: int, end: int | None = None) -> str:
+        """`text[start:end]`, read without joining the whole text when the range lies near its end."""
+        return self._text().slice(start, end)
 
     def consume(self, token_id: int) -> StopDecision | None:
         """Read the next final token; returns the decision once the output ends (then stop calling)."""
         assert self.decision is None, "the output already ended"
-        p = self._params
+        p, detok = self._params, self._text()
         g = self.num_consumed
         self.num_consumed += 1
         may_stop = g >= p.min_new_tokens
         if may_stop and token_id in self._stop_ids:
             if p.include_stop_str_in_output:
-                self._detok.add([token_id])
-            self._detok.flush()
-            return self._decide(g + 1, "stop", token_id, self._detok.length)
-        old_len = self._detok.length
-        ends = self._detok.add([token_id])
+                detok.add([token_id])
+            detok.flush()
+            return self._decide(g + 1, "stop", token_id, detok.length)
+        old_len = detok.length
+        ends = detok.add([token_id])
         if may_stop and self._words:
             hit = self._find_word(old_len, ends)
             if hit is not None:
@@ -76,8 +84,8 @@ class StopChecker:
                 end = start + (len(word) if p.include_stop_str_in_output else 0)
                 return self._decide(g + 1, "stop", word, end)
         if g + 1 >= p.max_new_tokens:
-            self._detok.flush()
-            return self._decide(g + 1, "length", None, self._detok.length)
+            detok.flush()
+            return self._decide(g + 1, "length", None, detok.length)
         return None
 
     def consume_final(self, tokens: list[int], offset: int, num_final: int) -> StopDecision | None:
@@ -100,34 +108,48 @@ class StopChecker:
                 if token in self._stop_ids:
                     stop_at = i
                     break
-        old_len = self._detok.length
-        ends = self._detok.add(new[:stop_at])
-        hit = self._find_word(old_len, ends) if self._words else None
-        if hit is not None:
-            k, start, word = hit
-            self.num_consumed = first + k + 1
-            return self._decide(first + k + 1, "stop", word, start + (len(word) if p.include_stop_str_in_output else 0))
-        self.num_consumed = first + len(ends)
+        run = new[:stop_at]
+        if self._words:
+            old_len = self._detok.length
+            ends = self._detok.add(run)
+            hit = self._find_word(old_len, ends)
+            if hit is not None:
+                k, start, word = hit
+                self.num_consumed = first + k + 1
+                return self._decide(first + k + 1, "stop", word,
+                                    start + (len(word) if p.include_stop_str_in_output else 0))
+        else:  # nothing decides on the text: it is made when read
+            self._unread += run
+        self.num_consumed = first + len(run)
         if stop_at is not None:
             return self.consume(new[stop_at])  # the stop id ends the output (the per-token rule)
         if self.num_consumed >= p.max_new_tokens:
-            self._detok.flush()
-            return self._decide(self.num_consumed, "length", None, self._detok.length)
+            detok = self._text()
+            detok.flush()
+            return self._decide(self.num_consumed, "length", None, detok.length)
         return None
 
     def end_from_outside(self) -> None:
         """The request ends without a stop (abort / error): its text is everything consumed."""
-        self._detok.flush()
-        self.text_end = self._detok.length
+        detok = self._text()
+        detok.flush()
+        self.text_end = detok.length
 
     def visible_end(self) -> int:
         """How much of `text` is safe to stream now: the output's text once decided; before that, all
         but the characters that could still turn out to start a stop string."""
         if self.text_end is not None:
             return self.text_end
-        return max(0, self._detok.length - self.hold_back)
+        return max(0, self._text().length - self.hold_back)
 
     # ---- internals ---------------------------------------------------------------------------
+    def _text(self) -> IncrementalDetokenizer:
+        """The detokenizer, with the text of every token read made."""
+        if self._unread:
+            self._detok.add(self._unread)
+            self._unread = []
+        return self._detok
+
     def _decide(self, n: int, reason: str, matched: int | str | None, text_end: int) -> StopDecision:
         if reason == "length" and self._params.is_read:  # a read ends when its template's positions are final
             reason = "read"

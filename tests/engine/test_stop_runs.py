@@ -22,8 +22,11 @@ def tokenizer():
     return build_byte_tokenizer()
 
 
-def _decide(checker: StopChecker, tokens: list[int], runs: list[int] | None):
-    """Feed `tokens` (runs of the given lengths, or one at a time) until decided; the final state."""
+def _decide(checker: StopChecker, tokens: list[int], runs: list[int] | None, deltas: list[str] | None = None,
+            eager: StopChecker | None = None):
+    """Feed `tokens` (runs of the given lengths, or one at a time) until decided; the final state.
+    `deltas`: read the visible text after each run, as a streamed request's chunks do, into it; what
+    is visible then is what `eager`, fed the same tokens one at a time, shows."""
     if runs is None:
         for t in tokens:
             if checker.consume(t) is not None:
@@ -32,7 +35,14 @@ def _decide(checker: StopChecker, tokens: list[int], runs: list[int] | None):
         final = 0
         for n in runs:
             final = min(len(tokens), final + n)
-            if checker.consume_final(tokens, 0, final) is not None:
+            decided = checker.consume_final(tokens, 0, final) is not None
+            if deltas is not None:
+                while eager.decision is None and eager.num_consumed < checker.num_consumed:
+                    eager.consume(tokens[eager.num_consumed])
+                assert checker.visible_end() == eager.visible_end()
+                sent = sum(map(len, deltas))
+                deltas.append(checker.text_between(sent, max(sent, checker.visible_end())))
+            if decided:
                 break
     return checker.decision, checker.num_consumed, checker.text[: checker.visible_end()]
 
@@ -52,3 +62,9 @@ def test_runs_decide_as_token_by_token(tokenizer, data):
     one_by_one = _decide(StopChecker(tokenizer, params, stop_ids), tokens, None)
     in_runs = _decide(StopChecker(tokenizer, params, stop_ids), tokens, runs)
     assert in_runs == one_by_one
+    # read between runs (without stop strings the text is made only when read): the same decision and
+    # text, and the pieces read add up to it
+    deltas: list[str] = []
+    eager = StopChecker(tokenizer, params, stop_ids)
+    assert _decide(StopChecker(tokenizer, params, stop_ids), tokens, runs, deltas, eager) == one_by_one
+    assert "".join(deltas) == one_by_one[2]
