@@ -40,7 +40,8 @@ about 2.5 minutes on two shared CPU cores, DiffusionGemma's ~400 steps most of i
 engine interfaces that older checkouts also have, so the file can be copied into one to compare
 revisions. `--unary` adds the requests as a caller that waits for the whole result does (an RL
 rollout, a unary HTTP call: the engine then builds their first and last chunks only, not one a step);
-it needs a checkout from 6909f75 on.
+it needs a checkout from 6909f75 on. `--no-stop-strings` leaves the stop string out (RL rollouts
+usually stop on token ids only, and then nothing decides on the text while a request runs).
 """
 
 from __future__ import annotations
@@ -234,17 +235,19 @@ def engine_settings(paradigm: Paradigm, tokens: int, concurrency: int, device: s
             **paradigm.engine}
 
 
-def request_params(paradigm: Paradigm, tokens: int, i: int) -> GenerationConfig:
-    """The i-th request of a paradigm's run: `tokens` output tokens, the stop-string search on, seeded
-    where the paradigm samples, under the paradigm's rule."""
+def request_params(paradigm: Paradigm, tokens: int, i: int, stop_strings: bool = True) -> GenerationConfig:
+    """The i-th request of a paradigm's run: `tokens` output tokens, the stop-string search on (unless
+    not `stop_strings`), seeded where the paradigm samples, under the paradigm's rule."""
     rule = {"dllm_unmasking_strategy": paradigm.rule} if paradigm.rule else {}
-    return GenerationConfig(max_new_tokens=tokens, ignore_eos=True, stop_words=NEVER,
+    return GenerationConfig(max_new_tokens=tokens, ignore_eos=True, stop_words=NEVER if stop_strings else None,
                             random_seed=i if paradigm.seeded else None, **rule)
 
 
 def measure_paradigm(path: Path, paradigm: Paradigm, tokens: int, concurrency: int, device: str,
-                     profile_at: int | None, profile_steps: int, unary: bool = False) -> dict:
-    """One run of `concurrency` requests of `tokens` output tokens (`unary`: added as unary requests).
+                     profile_at: int | None, profile_steps: int, unary: bool = False, stop_strings: bool = True
+                     ) -> dict:
+    """One run of `concurrency` requests of `tokens` output tokens (`unary`: added as unary requests;
+    `stop_strings`: with the never-matching stop string).
     The `profile_steps` steps from step `profile_at` run under cProfile (their calls counted per
     sequence-step) and are left out of the timings; `profile_at=None` profiles none (the warm-up run)."""
     config = EngineConfig(**engine_settings(paradigm, tokens, concurrency, device))
@@ -253,10 +256,11 @@ def measure_paradigm(path: Path, paradigm: Paradigm, tokens: int, concurrency: i
         freeze_startup_heap()  # as a Serve engine replica does
         clock = engine.executor.execute = _ForwardClock(engine.executor.execute, device)
         for i in range(concurrency):
+            params = request_params(paradigm, tokens, i, stop_strings)
             if unary:
-                engine.add_request(_prompt(i), request_params(paradigm, tokens, i), streamed=False)
+                engine.add_request(_prompt(i), params, streamed=False)
             else:
-                engine.add_request(_prompt(i), request_params(paradigm, tokens, i))
+                engine.add_request(_prompt(i), params)
         full, seconds, sequences = [], 0.0, 0  # per full-batch step: overhead / sequences; all timed steps' sums
         profile, profiled_sequences, steps = cProfile.Profile(), 0, 0
         while engine.has_unfinished():
@@ -297,11 +301,12 @@ def measure_paradigm(path: Path, paradigm: Paradigm, tokens: int, concurrency: i
 
 
 def run_paradigms(names: list[str], tokens: int, concurrency: int, device: str, profile_steps: int,
-                  unary: bool = False) -> dict:
+                  unary: bool = False, stop_strings: bool = True) -> dict:
     """`--paradigms`: each named paradigm once to warm up, then measured with its profiled steps in
     the middle of the warm-up run's step count. A paradigm's `rule` is null where its requests name
     none (the family's own: Fast-dLLM v2 low_confidence_dynamic, DiffusionGemma and AR have no rule)."""
     out: dict = {"mode": "paradigms", "device": device, "concurrency": concurrency, "tokens": tokens, "unary": unary,
+                 "stop_strings": stop_strings,
                  "prompt_len": PROMPT_LEN, "torch_threads": torch.get_num_threads(), "profile_steps": profile_steps,
                  "paradigms": {}}
     with tempfile.TemporaryDirectory() as tmp:
@@ -314,11 +319,13 @@ def run_paradigms(names: list[str], tokens: int, concurrency: int, device: str, 
             config = json.loads((path / "config.json").read_text())
             layers = config.get("num_hidden_layers") or config["text_config"]["num_hidden_layers"]
             print(f"[overhead] {name}: warm-up", file=sys.stderr, flush=True)
-            warm = measure_paradigm(path, paradigm, tokens, concurrency, device, None, profile_steps, unary)
+            warm = measure_paradigm(path, paradigm, tokens, concurrency, device, None, profile_steps, unary,
+                                    stop_strings)
             middle = max(0, (warm["steps"] - profile_steps) // 2)
             print(f"[overhead] {name}: {warm['steps']} steps, profiling {middle}..{middle + profile_steps}",
                   file=sys.stderr, flush=True)
-            result = measure_paradigm(path, paradigm, tokens, concurrency, device, middle, profile_steps, unary)
+            result = measure_paradigm(path, paradigm, tokens, concurrency, device, middle, profile_steps, unary,
+                                      stop_strings)
             out["paradigms"][name] = {"family": paradigm.family, "rule": paradigm.rule, "layers": layers, **result}
     return out
 
@@ -340,6 +347,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="--paradigms: steps profiled with cProfile in the middle of the run")
     ap.add_argument("--unary", action="store_true",
                     help="--paradigms: the requests wait for their whole result (no chunk a step), as RL rollouts do")
+    ap.add_argument("--no-stop-strings", dest="stop_strings", action="store_false",
+                    help="--paradigms: requests without stop strings (RL rollouts usually stop on ids only)")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                     help="cuda: the forward runs on the GPU (bf16) and leaves the CPU caches to the engine")
     args = ap.parse_args(argv)
@@ -347,11 +356,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.paradigms:
         command = "python -m bench.overhead " + " ".join(sys.argv[1:] if argv is None else argv)
         result = run_paradigms(select_paradigms(args.only), args.tokens, args.concurrency or 128, args.device,
-                               args.profile_steps, args.unary)
+                               args.profile_steps, args.unary, args.stop_strings)
         print(json.dumps({"command": command, **result}, indent=2))
         return
-    if args.only or args.unary:
-        ap.error("--only and --unary need --paradigms")
+    if args.only or args.unary or not args.stop_strings:
+        ap.error("--only, --unary and --no-stop-strings need --paradigms")
     args.concurrency = args.concurrency or 32
     out: dict = {"device": args.device, "concurrency": args.concurrency, "short": args.short, "long": args.long}
     with tempfile.TemporaryDirectory() as tmp:

@@ -159,10 +159,12 @@ def test_overhead_paradigms():
         assert figures["python_calls_per_seq_step"] > 0 and figures["overhead_us_per_seq_step"] is not None, name
         # the forward's own calls (the CPU attention backend's) are counted apart from the engine's
         assert 0 < figures["engine_python_calls_per_seq_step"] < figures["python_calls_per_seq_step"], (name, figures)
-    # unary requests: the same steps, without a chunk a step (fewer engine calls in the profiled ones)
+    # unary requests without stop strings (an RL rollout's): the same steps, without a chunk a step or
+    # a text a step (fewer engine calls in the profiled ones)
     unary = _run_module("bench.overhead", "--paradigms", "--concurrency", "4", "--tokens", "16", "--profile-steps", "2",
-                        "--only", "ar", "--unary")
+                        "--only", "ar", "--unary", "--no-stop-strings")
     assert unary["unary"] and not r["unary"] and list(unary["paradigms"]) == ["ar"]
+    assert r["stop_strings"] and not unary["stop_strings"]
     streamed, once = r["paradigms"]["ar"], unary["paradigms"]["ar"]
     assert once["steps"] == streamed["steps"] and once["generated_tokens"] == streamed["generated_tokens"]
     assert once["engine_python_calls_per_seq_step"] < streamed["engine_python_calls_per_seq_step"], (once, streamed)
