@@ -107,7 +107,7 @@ class Scheduler:
             if seq.status is not SeqStatus.RUNNING:  # preempted by an earlier one of this loop
                 continue
             if decoding and seq.table.holds(target, page_size):  # the common step: nothing to allocate
-                out.append(ScheduledSeq(seq, seq.num_computed, target, sample, decoding=True, kv_final=kv_final))
+                out.append(ScheduledSeq(seq, seq.num_computed, target, sample, True, kv_final))  # decoding
                 continue
             item = self._try_schedule(seq, _UNLIMITED if decoding else budget, out, first=not out, feed=feed)
             if item is None:

@@ -43,10 +43,10 @@ class ScheduledSeq:
     start: int  # first token fed in this forward
     end: int  # one past the last token fed
     sample: bool  # whether this forward's logits pick tokens for the sequence
-    views: list[View] | None = None  # trajectory scoring: the views this forward runs (start == end)
-    score_first: int = 0  # views: the first of their score rows in the batch
     decoding: bool = False  # past its prefill (the scheduler charged its rows to no prefill budget)
     kv_final: int = 0  # when it samples: the leading tokens whose K/V are final after this forward
+    views: list[View] | None = None  # trajectory scoring: the views this forward runs (start == end)
+    score_first: int = 0  # views: the first of their score rows in the batch
 
     @property
     def num_rows(self) -> int:

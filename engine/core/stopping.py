@@ -49,6 +49,9 @@ class StopChecker:
         self._words = list(params.stop_words or [])
         self._detok = IncrementalDetokenizer(tokenizer, params.skip_special_tokens)
         self._unread: list[int] = []  # tokens read whose text is not made yet (only without stop strings)
+        #: `text[start:end]` up to `visible_end()` (which makes the text of every token read), read
+        #: without joining the whole text when the range lies near its end
+        self.text_between = self._detok.slice
         self.num_consumed = 0  # generated tokens read so far
         self.text_end: int | None = None  # where the output text ends, once decided
         self.decision: StopDecision | None = None
@@ -58,10 +61,6 @@ class StopChecker:
     def text(self) -> str:
         """Text of the consumed tokens (without a stop id's text, unless asked)."""
         return self._text().text
-
-    def text_between(self, start: int, end: int | None = None) -> str:
-        """`text[start:end]`, read without joining the whole text when the range lies near its end."""
-        return self._text().slice(start, end)
 
     def consume(self, token_id: int) -> StopDecision | None:
         """Read the next final token; returns the decision once the output ends (then stop calling)."""
@@ -140,7 +139,9 @@ class StopChecker:
         but the characters that could still turn out to start a stop string."""
         if self.text_end is not None:
             return self.text_end
-        return max(0, self._text().length - self.hold_back)
+        if self._unread:
+            self._text()
+        return max(0, self._detok.length - self.hold_back)
 
     # ---- internals ---------------------------------------------------------------------------
     def _text(self) -> IncrementalDetokenizer:
