@@ -23,15 +23,11 @@ of the batch's largest k, never a sort; top-p sorts only the rows that ask for i
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from configs import GenerationConfig
 from ops.layers import row_max
-
-if TYPE_CHECKING:
-    from engine.core.sequence import Sequence
 
 _MASK64 = (1 << 64) - 1
 
@@ -69,16 +65,14 @@ class RowGroup:
     allowed: list[list[int] | None] | None = None
 
 
-def keep_if_steady(seq: Sequence, group: RowGroup) -> None:
-    """Keep `group` as the sequence's `row_group`, served again at its later steps, when it cannot change
-    between steps: the request's own settings (not a step's override of them), no typed decisions, and
-    greedy rows over the raw logits (no draw, so its stale `first_draw` is never read; no penalty, no
-    suppressed row, no λ, no allowed set), whose only per-step inputs were the positions, which none of
-    its fields then depends on."""
+def steady_group(group: RowGroup, request: GenerationConfig) -> bool:
+    """Whether `group` may serve its sequence's later steps as it is: the request's own settings (not a
+    step's override of them), greedy rows over the raw logits (no draw, so its stale `first_draw` is
+    never read; no penalty, no suppressed row, no λ, no allowed set), whose only per-step inputs were
+    the positions, which none of its fields then depends on."""
     p = group.params
-    if (p is seq.params and seq.decisions is None and p.is_greedy and p.repetition_penalty == 1.0
-            and not group.suppress and group.lowered is None and group.allowed is None):
-        seq.row_group = group
+    return (p is request and p.is_greedy and p.repetition_penalty == 1.0 and not group.suppress
+            and group.lowered is None and group.allowed is None)
 
 
 @dataclass(slots=True)

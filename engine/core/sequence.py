@@ -44,7 +44,7 @@ class Sequence:
     out_logprobs: list[dict | None] = field(default_factory=list)
     penalty_ids: set[int] = field(default_factory=set)  # every token id seen (kept only under a repetition penalty)
     num_draws: int = 0  # random draws consumed (the sampler's counter)
-    # how the sampler treats its rows, kept from step to step where that never changes (`keep_if_steady`)
+    # how the sampler treats its rows, kept from step to step where that never changes (`steady_group`)
     row_group: RowGroup | None = None
     # the decoding paradigm's own state of the request (its class is the strategy's: a block-diffusion
     # request's block and knobs, a renoising request's canvas and generator); None for autoregressive
