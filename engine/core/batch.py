@@ -12,11 +12,6 @@ from engine.worker.forward_batch import ForwardBatch
 
 def add_slots(slots: list[int], pages: list[int], start: int, end: int, page_size: int) -> None:
     """Append the flat cache slots of positions [start, end): one range per page they touch."""
-    offset = start % page_size
-    if 0 < end - start <= page_size - offset:  # inside one page: a step's block or token, most of the time
-        first = pages[start // page_size] * page_size + offset
-        slots += range(first, first + end - start)
-        return
     while start < end:
         offset = start % page_size
         stop = min(end, start - offset + page_size)

@@ -9,11 +9,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from configs import GenerationConfig
+from engine.core.sampler import RowGroup, steady_group
 from engine.kv.page_manager import PageTable
 
 if TYPE_CHECKING:
     from engine.core.decisions import Decisions
-    from engine.core.sampler import RowGroup
     from engine.core.stopping import StopChecker
     from engine.core.trajectory_plan import TrajectoryState
 
@@ -44,7 +44,7 @@ class Sequence:
     out_logprobs: list[dict | None] = field(default_factory=list)
     penalty_ids: set[int] = field(default_factory=set)  # every token id seen (kept only under a repetition penalty)
     num_draws: int = 0  # random draws consumed (the sampler's counter)
-    # how the sampler treats its rows, kept from step to step where that never changes (`steady_group`)
+    # how the sampler treats its rows, kept from step to step where that never changes (`keep_row_group`)
     row_group: RowGroup | None = None
     # the decoding paradigm's own state of the request (its class is the strategy's: a block-diffusion
     # request's block and knobs, a renoising request's canvas and generator); None for autoregressive
@@ -91,6 +91,12 @@ class Sequence:
         self.out_steps += [None] * n
         self.out_block_steps += [None] * n
         self.out_logprobs += [None] * n
+
+    def keep_row_group(self, group: RowGroup) -> None:
+        """Serve `group` again at the later steps when nothing of it can change between them: no typed
+        decision shapes the rows, and the group is steady (`sampler.steady_group`)."""
+        if self.decisions is None and steady_group(group, self.params):
+            self.row_group = group
 
     def finish(self, reason: str, num_output: int, matched: int | str | None = None) -> None:
         self.finish_reason, self.num_output, self.matched = reason, num_output, matched

@@ -1,4 +1,4 @@
-"""A sequence's sampler group kept from step to step (`steady_group`) is the group the strategy would
+"""A sequence's sampler group kept from step to step (`Sequence.keep_row_group`) is the group the strategy would
 build afresh at that step: every step of a mixed batch is checked against a fresh build, and only the
 greedy requests with nothing step-dependent keep one."""
 

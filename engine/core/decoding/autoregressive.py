@@ -9,7 +9,7 @@ from __future__ import annotations
 from configs import EngineConfig, GenerationConfig
 from engine.core.decisions import Decisions
 from engine.core.decoding.base import DecodingStrategy, Finalize, PickedRows
-from engine.core.sampler import RowGroup, steady_group
+from engine.core.sampler import RowGroup
 from engine.core.sequence import Sequence
 from engine.core.step_plan import Feed, SampleSlice
 from engine.model.spec import ModelSpec
@@ -64,8 +64,7 @@ class AutoregressiveDecoding(DecodingStrategy):
                         group.want_logits = params.logprobs is not None
                     elif decisions.has_sets:
                         group.allowed = [decisions.allowed(g)]
-                elif steady_group(group, seq.params):
-                    seq.row_group = group
+                seq.keep_row_group(group)
             groups.append(group)
         return groups
 

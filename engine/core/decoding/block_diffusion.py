@@ -42,7 +42,7 @@ from engine.core.decoding.indel import special_ids
 from engine.core.decoding.rules import RULES, DecodingRule, write_pinned
 from engine.core.decoding.unmasking import SpecialIds, UnmaskingSettings
 from engine.core.input_processing import check_knobs
-from engine.core.sampler import RowGroup, steady_group
+from engine.core.sampler import RowGroup
 from engine.core.sequence import Sequence
 from engine.core.step_plan import Feed, SampleSlice
 from engine.errors import RequestError
@@ -178,8 +178,7 @@ class BlockDiffusionDecoding(DecodingStrategy):
                     rule.needs_entropy, rule.lowered_logits(seq, positions) if rule.spec.edits else None,
                     rule.wants_logits, [decisions.allowed(p - first) for p in positions]
                     if decisions is not None and decisions.has_sets else None)
-                if decisions is None and steady_group(group, seq.params):
-                    seq.row_group = group
+                seq.keep_row_group(group)
             groups.append(group)
         return groups
 
