@@ -7,7 +7,8 @@ from engine.core.decoding.base import DecodingStrategy
 from engine.core.scoring import add_score_rows
 from engine.core.step_plan import SampleSlice, ScheduledSeq
 from engine.core.trajectory import add_view_rows
-from engine.worker.forward_batch import ForwardBatch
+from engine.kv.page_rows import PageRows, StepTables
+from engine.worker.forward_batch import NO_TABLES, ForwardBatch
 
 
 def add_slots(slots: list[int], pages: list[int], start: int, end: int, page_size: int) -> None:
@@ -20,9 +21,13 @@ def add_slots(slots: list[int], pages: list[int], start: int, end: int, page_siz
         start = stop
 
 
-def build_batch(items: list[ScheduledSeq], decoding: DecodingStrategy, page_size: int
+def build_batch(items: list[ScheduledSeq], decoding: DecodingStrategy, page_size: int, page_rows: PageRows | None
                 ) -> tuple[ForwardBatch, list[SampleSlice]]:
-    batch = ForwardBatch([], [], [], [], [], [])
+    """The step's forward; `page_rows`: the page manager's rows of the sequences' tables (None: a
+    network whose layer groups keep tables of their own)."""
+    batch = ForwardBatch([], [], [], [], [], NO_TABLES)
+    tables = StepTables(page_rows)
+    table_rows = tables.rows
     slices: list[SampleSlice] = []
     input_ids, positions, q_lens, kv_lens, sample_rows = (batch.input_ids, batch.positions, batch.q_lens,
                                                           batch.kv_lens, batch.sample_rows)
@@ -30,7 +35,7 @@ def build_batch(items: list[ScheduledSeq], decoding: DecodingStrategy, page_size
     view_fields = decoding.view_fields if decoding.has_pass_fields else None
     for it in items:
         if it.views is not None:
-            add_view_rows(batch, it, page_size, view_fields)
+            add_view_rows(batch, tables, it, page_size, view_fields)
             continue
         seq, start, end, base = it.seq, it.start, it.end, len(input_ids)
         input_ids += seq.tokens[start:end]
@@ -42,7 +47,7 @@ def build_batch(items: list[ScheduledSeq], decoding: DecodingStrategy, page_size
                 batch.group_page_tables.setdefault(group, []).append(list(table.pages))
         else:
             add_slots(batch.slot_mapping, seq.table.pages, start, end, page_size)
-            batch.page_tables += (seq.table.pages,)  # read up to kv_lens; not copied (the runner pads its own)
+            table_rows += (seq.table.row,)
         if pass_fields is not None:
             pass_fields(batch, seq, it.sample)
         if it.sample:
@@ -52,4 +57,6 @@ def build_batch(items: list[ScheduledSeq], decoding: DecodingStrategy, page_size
             sample_rows += map(first.__add__, sampled)
         if seq.params.logprob_start_len >= 0:  # the request scores its input tokens
             add_score_rows(batch, it, base)
+    if tables.rows:  # every sequence has one: as wide as the longest one's keys need
+        batch.page_tables = tables.array(-(-max(kv_lens) // page_size))
     return batch, slices

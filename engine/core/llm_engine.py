@@ -283,7 +283,7 @@ class LLMEngine:
     def _launch(self, items: list[ScheduledSeq]) -> LaunchedForward:
         """Queue the forward and the sampling; on CUDA nothing here waits for the device (but a
         forward that scores input tokens reads its rows back)."""
-        batch, slices = build_batch(items, self.decoding, self.config.kv_block_size)
+        batch, slices = build_batch(items, self.decoding, self.config.kv_block_size, self.kv.rows)
         t = time.perf_counter()
         result = self.executor.execute(batch)
         self.stats.forward_seconds += time.perf_counter() - t

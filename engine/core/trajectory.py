@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 
 from engine.carrier import OutputChunk
 from engine.kv.page_manager import KVPageManager
+from engine.kv.page_rows import StepTables
 from engine.worker.forward_batch import ForwardBatch, ForwardOutput, RowFilter, RowPenalty
 
 if TYPE_CHECKING:
@@ -41,7 +42,7 @@ if TYPE_CHECKING:
 
 
 # ---- one forward -----------------------------------------------------------------------------------
-def add_view_rows(batch: ForwardBatch, it: ScheduledSeq, page_size: int,
+def add_view_rows(batch: ForwardBatch, tables: StepTables, it: ScheduledSeq, page_size: int,
                   view_fields: Callable[[ForwardBatch], None] | None = None) -> None:
     """Append the item's views to the batch: B query rows each at their absolute positions (a seed's
     view: one), a page table of the shared context pages before the block and the view's scratch
@@ -64,7 +65,7 @@ def add_view_rows(batch: ForwardBatch, it: ScheduledSeq, page_size: int,
         if view_fields is not None:
             view_fields(batch)
         batch.slot_mapping += [table[p // page_size] * page_size + p % page_size for p in range(v.start, end)]
-        batch.page_tables.append(table)
+        tables.add_pages(table)
         head = v.start % page_size  # context tokens sharing the block's first page
         if head:
             batch.kv_copy_src += [seq.table.pages[shared] * page_size + o for o in range(head)]

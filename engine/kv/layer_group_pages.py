@@ -31,6 +31,7 @@ class LayerGroupPages:
         # the groups that keep the whole context bound how long a sequence can be
         self._whole = [m for g, m in self.managers.items() if self.windows[g] is None] or list(self.managers.values())
         self.prefix_query_tokens = 0  # tokens every lookup asked for
+        self.rows = None  # no table of the whole network: a step reads each group's (`group_page_tables`)
 
     @property
     def prefix_hit_tokens(self) -> int:

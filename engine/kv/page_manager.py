@@ -21,6 +21,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from engine.kv.page_rows import PageRows
+
 RELEASED = -1  # a page table entry given back (a sliding-window layer group's page before its window)
 
 
@@ -42,6 +44,7 @@ class PageTable:
     parent_hash: int | None = None  # hash of the last registered page's key
     epoch: int = 0  # the cache epoch its first page was taken in; only the current epoch publishes
     groups: dict[str, PageTable] = field(default_factory=dict)
+    row: int = -1  # its row of the manager's `PageRows` while it holds pages (-1: none)
 
     def holds(self, num_tokens: int, page_size: int) -> bool:
         """Whether its pages (every group's) reach `num_tokens` tokens already: nothing to allocate."""
@@ -64,6 +67,7 @@ class KVPageManager:
         self.prefix_hit_tokens = 0  # tokens found in the cache by every lookup (accounting for tests and metrics)
         self.prefix_query_tokens = 0  # tokens every lookup asked for (a preempted sequence asks again)
         self.epoch = 0  # bumped by every flush
+        self.rows = PageRows()  # every table that holds pages, one row each: what a step's forward reads
 
     def new_table(self) -> PageTable:
         """An empty page table for a new sequence."""
@@ -97,8 +101,16 @@ class KVPageManager:
             return False
         if not table.pages:
             table.epoch = self.epoch
-        table.pages.extend(self._take_page() for _ in range(need))
+        if need:
+            self._append(table, [self._take_page() for _ in range(need)])
         return True
+
+    def _append(self, table: PageTable, pages: list[int]) -> None:
+        """Add `pages` to the end of `table`, in its list and in its row."""
+        if table.row < 0:
+            table.row = self.rows.take()
+        self.rows.write(table.row, len(table.pages), pages)
+        table.pages += pages
 
     def release_before(self, table: PageTable, position: int) -> int:
         """Give back the pages of `table` that lie wholly before `position` (a sliding-window layer
@@ -108,6 +120,7 @@ class KVPageManager:
             if table.pages[index] != RELEASED:
                 self._unref(table.pages[index])
                 table.pages[index] = RELEASED
+                self.rows.array[table.row, index] = RELEASED
                 released += 1
         return released
 
@@ -124,6 +137,9 @@ class KVPageManager:
         for page_id in reversed(table.pages):
             if page_id != RELEASED:
                 self._unref(page_id)
+        if table.row >= 0:
+            self.rows.give_back(table.row, len(table.pages))
+            table.row = -1
         table.pages.clear()
         table.registered = 0
         table.parent_hash = None
@@ -149,6 +165,7 @@ class KVPageManager:
         self.prefix_query_tokens += max_tokens
         table.epoch = self.epoch
         hashes: list[int] = []  # of the attached pages' keys
+        attached: list[int] = []
         p = 0
         while self._key_end(p) <= max_tokens and (p + 1) * self.page_size <= max_tokens:
             key = self._key(hashes[-1] if hashes else None, tokens, p)
@@ -159,16 +176,18 @@ class KVPageManager:
             if page.ref_count == 0:
                 del self._evictable[page_id]
             page.ref_count += 1
-            table.pages.append(page_id)
+            attached.append(page_id)
             hashes.append(hash(key))
             p += 1
         # a hit covers whole DLLM blocks (its pages are at most one block's short of one when the page
         # after them was evicted): a forward then feeds whole blocks from it, as block routing needs
         b = self.dllm_block_length
         while b is not None and p and (p * self.page_size) % b:
-            self._unref(table.pages.pop())
+            self._unref(attached.pop())
             hashes.pop()
             p -= 1
+        if attached:
+            self._append(table, attached)
         table.registered = p
         table.parent_hash = hashes[-1] if hashes else None
         reused = p * self.page_size
@@ -212,16 +231,19 @@ class KVPageManager:
         table.epoch = self.epoch
         first = max(0, num_tokens - (window - 1)) // self.page_size
         keys = self._keys(tokens, num_tokens // self.page_size)
+        attached: list[int] = []
         for p, key in enumerate(keys):
             if p < first:
-                table.pages.append(RELEASED)
+                attached.append(RELEASED)
                 continue
             page_id = self._cached(key)
             page = self._pages[page_id]
             if page.ref_count == 0:
                 del self._evictable[page_id]
             page.ref_count += 1
-            table.pages.append(page_id)
+            attached.append(page_id)
+        if attached:
+            self._append(table, attached)
         table.registered = len(keys)
         table.parent_hash = hash(keys[-1]) if keys else None
 

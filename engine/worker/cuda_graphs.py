@@ -41,7 +41,9 @@ Forward = Callable[[dict[str, torch.Tensor], AttentionMetadata], torch.Tensor]
 def pad_tokens(batch: ForwardBatch, tokens: int, null_page: int, page_size: int) -> ForwardBatch:
     """`batch` padded to `tokens` rows by one dummy sequence (none when it has that many already): token 0
     at position 0 in every row, one key long, reading and writing slot 0 of `null_page` alone. The real
-    rows keep their indices, so `sample_rows` and `score_rows` are unchanged."""
+    rows keep their indices, so `sample_rows` and `score_rows` are unchanged. Its page table row
+    (`null_page` alone) is not added to `page_tables`: the upload writes it after the others
+    (`step_upload.upload_step`), which spares a copy of the step's largest field."""
     n = tokens - len(batch.input_ids)
     if n < 0:
         raise ValueError(f"a step of {len(batch.input_ids)} tokens does not fit a graph of {tokens}")
@@ -54,7 +56,6 @@ def pad_tokens(batch: ForwardBatch, tokens: int, null_page: int, page_size: int)
         q_lens=batch.q_lens + [n],
         kv_lens=batch.kv_lens + [1],
         slot_mapping=batch.slot_mapping + [null_page * page_size] * n,
-        page_tables=batch.page_tables + [[null_page]],
     )
 
 

@@ -1,13 +1,15 @@
 """What one forward takes and gives back: plain data, the same for every tensor-parallel rank.
 
-A leaf module (torch only for the logits' type, configs for the sampling parameters of scored rows)
-so the scheduler side can build batches without importing the runner.
+A leaf module (torch only for the logits' type, numpy for the page tables, configs for the sampling
+parameters of scored rows) so the scheduler side can build batches without importing the runner.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from configs import GenerationConfig
 
@@ -25,7 +27,9 @@ class ForwardBatch:
     q_lens: list[int]  # per sequence: its query rows in this forward
     kv_lens: list[int]  # per sequence: the keys its queries see (its cached tokens plus its rows)
     slot_mapping: list[int]  # per query row: the flat cache slot its K/V are written to
-    page_tables: list[list[int]]  # per sequence: its pages, read up to its kv_lens (not copied)
+    # [sequences, width] int64: per sequence its pages, read up to its kv_lens; `width` is the pages the
+    # longest one reads, later entries 0 (`page_table_array` makes one from lists)
+    page_tables: np.ndarray
     sample_rows: list[int] = field(default_factory=list)  # query rows whose logits pick tokens, in order
     score_rows: list[int] = field(default_factory=list)  # query rows whose logits score input tokens
     score_targets: list[int] = field(default_factory=list)  # per score row: the token it scores
@@ -59,6 +63,17 @@ class ForwardBatch:
     # per sequence: its rows run the network's draft adapter (self-speculation's draft passes; a network
     # with one). Empty, or no True: none do.
     draft_rows: list[bool] = field(default_factory=list)
+
+
+NO_TABLES = np.zeros((0, 0), dtype=np.int64)  # a batch without page tables (or not built yet)
+
+
+def page_table_array(tables: list[list[int]]) -> np.ndarray:
+    """Page tables given as lists, as a batch's array: each padded with page 0 to the longest."""
+    out = np.zeros((len(tables), max(map(len, tables), default=0)), dtype=np.int64)
+    for row, pages in zip(out, tables):
+        row[: len(pages)] = pages
+    return out
 
 
 MASK_CAUSAL, MASK_BIDIRECTIONAL = "causal", "bidirectional"

@@ -325,7 +325,7 @@ class ModelRunner:
         """The token bucket whose CUDA graph `batch` replays, or None (no graphs, or a step too large)."""
         if self.graphs is None:
             return None
-        return self.graphs.bucket(len(batch.input_ids), len(batch.q_lens), max(len(t) for t in batch.page_tables))
+        return self.graphs.bucket(len(batch.input_ids), len(batch.q_lens), batch.page_tables.shape[1])
 
     def _graph_forward(self, bucket: int, step: dict[str, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         """`_forward` through the step graphs; a capture that fails switches graphs off (logged, and kept in

@@ -2,8 +2,8 @@
 
 `upload_step` assembles what a forward reads from its `ForwardBatch` -- padded to a CUDA graph's
 token bucket where one replays -- with the attention backend's plan, and uploads it: every list a
-forward needs (token ids, positions, cache slots, page tables, rows to sample, the attention
-backend's planned arrays) is packed on the host into one int64 tensor and copied once.
+forward needs (token ids, positions, cache slots, the page tables' array, rows to sample, the
+attention backend's planned arrays) is packed on the host into one int64 tensor and copied once.
 On CUDA the host side is a persistent pinned buffer and the copy is non-blocking into a persistent
 device buffer, so the host goes on to queue the forward while the copy runs; the arrays are views
 of that device buffer. Before the pinned buffer is written again, the host waits for the event
@@ -16,6 +16,7 @@ from __future__ import annotations
 from array import array
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine.worker.cuda_graphs import pad_tokens
@@ -39,17 +40,23 @@ def upload_step(batch: ForwardBatch, backend: AttentionBackend, uploader: StepUp
     backend's planned arrays, in one copy) and the attention metadata viewing them. Page tables travel
     at the width the step uses, whatever `max_model_len` is."""
     fed = batch if padding is None else pad_tokens(batch, padding.tokens, padding.null_page, page_size)
-    tables = fed.page_tables
+    tables, rows = batch.page_tables, len(fed.q_lens)
+    width = tables.shape[1]
+    # the padding sequence's table row ([null_page, 0, ...]) is uploaded right after the others, so
+    # that the tables -- the step's largest field -- are never copied into a padded array on the host
+    null_row = [padding.null_page] + [0] * (width - 1) if rows > len(batch.q_lens) else []
     bidirectional = bidirectional_rows(batch)
     if bidirectional is not None:  # the batch names every sequence's mask: the others are causal
         block_length = None
         bidirectional += [False] * (len(fed.q_lens) - len(bidirectional))  # the padding sequence
     pad_tiles = None if padding is None else backend.tiles_for(padding.tokens, padding.max_seqs)
-    plan = backend.plan(fed.q_lens, fed.kv_lens, tables, page_size, block_length, pad_tiles, bidirectional)
-    width = max(len(t) for t in tables)
+    lists = None
+    if backend.plans_from_page_tables:
+        lists = table_lists(tables, batch.kv_lens, page_size) + ([null_row[:1]] if null_row else [])
+    plan = backend.plan(fed.q_lens, fed.kv_lens, lists or [], page_size, block_length, pad_tiles, bidirectional)
     step = uploader.upload({
         "input_ids": fed.input_ids, "positions": fed.positions, "slot_mapping": fed.slot_mapping,
-        "page_tables": padded_rows(tables, width),
+        "page_tables": tables, "page_tables.padding": null_row,
         "sample_rows": batch.sample_rows, **{f"plan.{name}": values for name, values in plan.arrays.items()},
     }, device)
     meta = AttentionMetadata(
@@ -57,25 +64,21 @@ def upload_step(batch: ForwardBatch, backend: AttentionBackend, uploader: StepUp
         kv_lens=fed.kv_lens,
         positions=step["positions"],
         slot_mapping=step["slot_mapping"],
-        page_tables=step["page_tables"].view(len(tables), width),
+        page_tables=step["page_tables"].as_strided((rows, width), (width, 1)),  # with the padding's row after
         page_size=page_size,
         dllm_block_length=block_length,
         bidirectional=bidirectional,
-        page_table_lists=tables,
+        page_table_lists=lists,
         plan=plan,
         planned={name: step[f"plan.{name}"] for name in plan.arrays},
     )
+    del step["page_tables.padding"]  # read through `meta.page_tables` only
     return step, meta
 
 
-def padded_rows(tables: list[list[int]], width: int) -> array:
-    """The page tables as one row-major int64 array, each row padded with page 0 to `width` (a list
-    at a time: its ints are converted in C, not one Python step each)."""
-    out, zeros = array("q"), [0] * width
-    for table in tables:
-        out.fromlist(table)
-        out.fromlist(zeros[len(table):])
-    return out
+def table_lists(tables: np.ndarray, kv_lens: list[int], page_size: int) -> list[list[int]]:
+    """Each sequence's pages up to its last key's, as lists (for a backend whose plan reads them)."""
+    return [row[: -(-kv // page_size)] for row, kv in zip(tables.tolist(), kv_lens, strict=True)]
 
 
 class StepUploader:
@@ -86,26 +89,19 @@ class StepUploader:
         self._copied: torch.cuda.Event | None = None
         self.uploads = 0  # host->device copies made, for tests and profiles
 
-    def upload(self, fields: dict[str, list[int] | array], device: torch.device) -> dict[str, torch.Tensor]:
-        """`fields` (lists of ints, or int64 arrays) as 1-D int64 tensors on `device`, in one host->device
-        copy (none on the CPU)."""
-        sizes = [len(values) for values in fields.values()]
-        # an int64 array packs the ints in C (torch.tensor(list) took ~80 ns an element), a list at a
-        # time (fromlist: twice as fast as feeding it an iterator), an array as a copy
-        values = array("q")
-        for field in fields.values():
-            if field.__class__ is list:
-                values.fromlist(field)
-            else:
-                values.extend(field)
-        if device.type != "cpu" and not torch.cuda.is_available():  # a fake CUDA device (tests): no pinned
-            self.uploads += 1  # memory, no events, and fake mode takes a tensor made from a list only
-            return dict(zip(fields, torch.tensor(values.tolist(), device=device).split(sizes), strict=True))
-        packed = torch.frombuffer(values, dtype=torch.long) if values else torch.empty(0, dtype=torch.long)
+    def upload(self, fields: dict[str, list[int] | array | np.ndarray], device: torch.device
+               ) -> dict[str, torch.Tensor]:
+        """`fields` (lists of ints, int64 arrays, or int64 numpy arrays, flattened) as 1-D int64 tensors on
+        `device`, in one host->device copy (none on the CPU)."""
+        sizes = [values.size if values.__class__ is np.ndarray else len(values) for values in fields.values()]
+        n = sum(sizes)
         if device.type == "cpu":
+            packed = torch.from_numpy(pack(fields, np.empty(n, dtype=np.int64)))
             return dict(zip(fields, packed.split(sizes), strict=True))
         self.uploads += 1
-        n = packed.numel()
+        if not torch.cuda.is_available():  # a fake CUDA device (tests): no pinned memory, no events, and
+            packed = pack(fields, np.empty(n, dtype=np.int64))  # fake mode takes a tensor made from a list
+            return dict(zip(fields, torch.tensor(packed.tolist(), device=device).split(sizes), strict=True))
         if self._host is None or self._host.numel() < n or self._for != device:
             size = max(n, 2 * (0 if self._host is None else self._host.numel()), 4096)
             self._host = torch.empty(size, dtype=torch.long, pin_memory=True)
@@ -113,8 +109,33 @@ class StepUploader:
             self._for = device
         elif self._copied is not None:
             self._copied.synchronize()
-        self._host[:n].copy_(packed)
+        pack(fields, self._host[:n].numpy())
         self._device[:n].copy_(self._host[:n], non_blocking=True)
         self._copied = torch.cuda.Event()
         self._copied.record()
         return dict(zip(fields, self._device[:n].split(sizes), strict=True))
+
+
+def pack(fields: dict[str, list[int] | array | np.ndarray], out: np.ndarray) -> np.ndarray:
+    """Write `fields` one after another into the int64 array `out` (their total length); returns it.
+    Consecutive lists are packed in C first (an int64 array, a list at a time: `torch.tensor(list)` took
+    ~80 ns an element, `fromlist` is twice as fast as an iterator) and copied in one go; a numpy array
+    (the page tables) is copied as it is."""
+    run, run_at, offset = array("q"), 0, 0
+    for field in fields.values():
+        if field.__class__ is np.ndarray:
+            if run:
+                out[run_at: offset] = np.frombuffer(run, dtype=np.int64)
+                run = array("q")
+            end = offset + field.size
+            out[offset: end] = field.reshape(-1)
+            offset = run_at = end
+            continue
+        if field.__class__ is list:
+            run.fromlist(field)
+        else:
+            run.extend(field)
+        offset += len(field)
+    if run:
+        out[run_at: offset] = np.frombuffer(run, dtype=np.int64)
+    return out

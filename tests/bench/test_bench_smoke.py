@@ -87,11 +87,13 @@ def test_every_bench_entry_point_has_a_smoke_test():
 
 
 def test_step_metadata_bench():
-    """What a graphed step uploads is the same at any max_model_len; the padded-table baseline grows."""
-    out = _run_module("bench.step_metadata", "--max-model-len", "1024", "4096", "--repeats", "2")
+    """The bench checks the gathered tables against the lists itself, and reports every figure at each
+    context; the table grows with the context."""
+    out = _run_module("bench.step_metadata", "--context", "256", "2048", "--repeats", "2")
     small, large = out["runs"]
-    assert small["uploaded_elements"] == large["uploaded_elements"] > 0
-    assert small["baseline_table_elements"] < large["baseline_table_elements"]
+    assert (small["context"], large["context"]) == (256, 2048)
+    assert 0 < small["table_entries"] < large["table_entries"]
+    assert all(run[k] >= 0 for run in out["runs"] for k in ("tables_ms", "baseline_lists_ms", "upload_step_ms"))
 
 
 @pytest.mark.parametrize("mode", ["full", "quick", "toy"])

@@ -30,7 +30,7 @@ from torch.utils._pytree import tree_leaves
 from configs import EngineConfig
 from engine.model.checkpoint import load_model_spec
 from engine.model.layers.decoder import PreNormDecoderLM
-from engine.worker.forward_batch import ForwardBatch
+from engine.worker.forward_batch import ForwardBatch, page_table_array
 from engine.worker.runner import ModelRunner
 from ops import flash_kernel
 from ops.attention import (
@@ -227,7 +227,7 @@ def forward_batch(paradigm: str) -> tuple[ForwardBatch, int]:
     last_rows = [sum(lists["q_lens"][: s + 1]) - 1 for s in range(len(shapes))]
     batch = ForwardBatch(input_ids=[7] * total, positions=lists["positions"], q_lens=lists["q_lens"],
                          kv_lens=lists["kv_lens"], slot_mapping=lists["slot_mapping"],
-                         page_tables=lists["page_tables"],
+                         page_tables=page_table_array(lists["page_tables"]),
                          sample_rows=list(range(total)) if paradigm == "dllm" else last_rows)
     return batch, lists["num_pages"]
 

@@ -12,7 +12,7 @@ from configs import EngineConfig
 from engine.kv.page_manager import KVPageManager, PageTable
 from engine.model.checkpoint import load_model_spec
 from engine.model.families.diffusion_gemma.config import FULL, SLIDING
-from engine.worker.forward_batch import ForwardBatch
+from engine.worker.forward_batch import NO_TABLES, ForwardBatch
 from engine.worker.runner import ModelRunner
 from testing.references.diffusion_gemma import (
     ReferenceSequence,
@@ -57,7 +57,7 @@ class Driver:
 
     def forward(self, work: list[tuple[str, str, list[int], str | None, float | None]]) -> list[torch.Tensor]:
         """(request, "encode"/"canvas", tokens, self-conditioning key read, temperature kept) passes."""
-        batch = ForwardBatch(input_ids=[], positions=[], q_lens=[], kv_lens=[], slot_mapping=[], page_tables=[],
+        batch = ForwardBatch(input_ids=[], positions=[], q_lens=[], kv_lens=[], slot_mapping=[], page_tables=NO_TABLES,
                              group_page_tables={SLIDING: [], FULL: []})
         for req, kind, tokens, read, keep in work:
             tables = self.tables.setdefault(req, {g: PageTable() for g in self.managers})

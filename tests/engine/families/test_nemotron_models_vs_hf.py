@@ -14,7 +14,7 @@ import torch
 from configs import EngineConfig
 from engine import GenerationConfig, pipeline
 from engine.model.checkpoint import load_model_spec
-from engine.worker.forward_batch import ForwardBatch
+from engine.worker.forward_batch import ForwardBatch, page_table_array
 from engine.worker.runner import ModelRunner
 from testing.tiny.nemotron_labs_diffusion import load_ministral3, write_tiny_nemotron_labs_diffusion
 
@@ -50,7 +50,8 @@ def test_runner_logits_equal_transformers_across_chunks(ckpt, hf):
     def forward(start: int, tokens: list[int]) -> torch.Tensor:
         n = len(tokens)
         batch = ForwardBatch(input_ids=tokens, positions=list(range(start, start + n)), q_lens=[n],
-                             kv_lens=[start + n], page_tables=[pages[::-1]], sample_rows=list(range(n)),
+                             kv_lens=[start + n], page_tables=page_table_array([pages[::-1]]),
+                             sample_rows=list(range(n)),
                              slot_mapping=[pages[::-1][i // PAGE] * PAGE + i % PAGE for i in range(start, start + n)])
         return runner.execute(batch).logits
 
@@ -68,7 +69,8 @@ def test_query_scaling_matters_past_the_original_context(ckpt, hf):
     runner.model.query_beta = 0.0
     ids = make_prompt(48, 1)
     batch = ForwardBatch(input_ids=ids, positions=list(range(48)), q_lens=[48], kv_lens=[48],
-                         slot_mapping=list(range(48)), page_tables=[list(range(12))], sample_rows=list(range(48)))
+                         slot_mapping=list(range(48)), page_tables=page_table_array([list(range(12))]),
+                         sample_rows=list(range(48)))
     got = runner.execute(batch).logits
     with torch.inference_mode():
         want = hf(torch.tensor([ids])).logits[0].float()
