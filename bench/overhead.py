@@ -34,7 +34,10 @@ over `--profile-steps` steps (cProfile; not timed) in the middle of the run (whe
 decoding the same requests, had its middle) and `engine_python_calls_per_seq_step`, the same without
 the calls inside the forward (on the CPU its attention backend's bucketing; on a GPU a graph replay
 makes none), steps, full_batch_steps, generated_tokens (the engine's
-count: editing and canvas steps count every token they write) and forward_cpu_ms_per_step. `--only`
+count: editing and canvas steps count every token they write), forward_cpu_ms_per_step and
+`overhead_us_per_seq_step_per_forward_ms`, the median divided by it: on a shared machine whose speed
+moves from run to run, the figure to compare between revisions (the forward is the same work on both
+sides, and the overhead moves with it). `--only`
 takes names or prefixes (`block_diffusion`: each of its rules). At the defaults the whole list takes
 about 2.5 minutes on two shared CPU cores, DiffusionGemma's ~400 steps most of it. The mode uses only
 engine interfaces that older checkouts also have, so the file can be copied into one to compare
@@ -282,6 +285,7 @@ def measure_paradigm(path: Path, paradigm: Paradigm, tokens: int, concurrency: i
             if running == concurrency:
                 full.append(overhead / running)
         engine_calls = forward_calls = None
+        forward_ms = 1e3 * clock.seconds / steps if steps else None
         if profiled_sequences:
             engine_calls = pstats.Stats(profile).total_calls / profiled_sequences
             forward_calls = pstats.Stats(clock.forward_profile).total_calls / profiled_sequences
@@ -296,7 +300,10 @@ def measure_paradigm(path: Path, paradigm: Paradigm, tokens: int, concurrency: i
             "python_calls_per_seq_step": round(engine_calls + forward_calls, 2) if profiled_sequences else None,
             "engine_python_calls_per_seq_step": round(engine_calls, 2) if profiled_sequences else None,
             "profiled_steps": [profile_at, profile_at + profile_steps] if profile_at is not None else None,
-            "forward_cpu_ms_per_step": round(1e3 * clock.seconds / steps, 4) if steps else None,
+            "forward_cpu_ms_per_step": round(forward_ms, 4) if forward_ms else None,
+            # the same work on either side of an A/B, so it cancels the machine's speed of the moment
+            "overhead_us_per_seq_step_per_forward_ms": round(1e6 * statistics.median(full) / forward_ms, 3)
+            if full and forward_ms else None,
         }
 
 

@@ -63,6 +63,8 @@ class RowGroup:
     #: per row the ids it may take (None: any); every other logit is set to -inf before the row is read
     #: (typed decisions' allowed sets); None: no row of the group has a set
     allowed: list[list[int] | None] | None = None
+    #: served again at its sequence's later steps (`steady_group` held when it was kept): plain greedy
+    steady: bool = False
 
 
 def steady_group(group: RowGroup, request: GenerationConfig) -> bool:
@@ -199,7 +201,7 @@ def pick_tokens(logits: torch.Tensor, groups: list[tuple[int, int, RowGroup]], n
     for _, _, g in groups:
         want_entropy = want_entropy or g.want_entropy
         want_mass = want_mass or g.allowed is not None
-        plain = plain and _is_plain_greedy(g)
+        plain = plain and (g.steady or _is_plain_greedy(g))
     if plain:
         processed = logits if keep_processed else None
         if not need_confidence and not want_entropy:

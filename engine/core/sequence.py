@@ -96,6 +96,7 @@ class Sequence:
         """Serve `group` again at the later steps when nothing of it can change between them: no typed
         decision shapes the rows, and the group is steady (`sampler.steady_group`)."""
         if self.decisions is None and steady_group(group, self.params):
+            group.steady = True
             self.row_group = group
 
     def finish(self, reason: str, num_output: int, matched: int | str | None = None) -> None:

@@ -138,7 +138,8 @@ def test_overhead():
 PARADIGM_FIGURES = {"family", "rule", "layers", "tokens", "steps", "full_batch_steps", "generated_tokens",
                     "overhead_us_per_seq_step", "overhead_us_per_seq_step_all_steps",
                     "overhead_us_per_seq_step_median", "python_calls_per_seq_step",
-                    "engine_python_calls_per_seq_step", "profiled_steps", "forward_cpu_ms_per_step"}
+                    "engine_python_calls_per_seq_step", "profiled_steps", "forward_cpu_ms_per_step",
+                    "overhead_us_per_seq_step_per_forward_ms"}
 
 
 @pytest.mark.system  # the bench command as a user types it, in a process of its own

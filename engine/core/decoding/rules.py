@@ -237,10 +237,11 @@ class EditRule(DecodingRule):
     def advance(self, seq: Sequence, rows: PickedRows, ids: SpecialIds) -> list[int]:
         """Write what the rule picks, or end the block."""
         block, positions, mask_id = seq.state, rows.positions, ids.mask_id
-        masked = [seq.tokens[p] == mask_id for p in positions]
-        if not any(masked):
+        now = [seq.tokens[p] for p in positions]
+        masked = [token == mask_id for token in now]
+        if True not in masked:
             block.post_edit_steps += 1
-        view = BlockRows([seq.tokens[p] for p in positions], rows.tokens, rows.confidence, masked)
+        view = BlockRows(now, rows.tokens, rows.confidence, masked)
         writes = self.pick(view, block.post_edit_steps, seq.state.settings)
         if writes is None:
             end_block(seq, fed_final=True)
