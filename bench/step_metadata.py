@@ -10,7 +10,11 @@ block (block 4), at several contexts:
   (`engine.kv.page_rows`: `StepTables`, what `build_batch` does), against `baseline_lists_ms`, the
   same array packed from each sequence's page list (`array.fromlist` a table at a time, padded with
   page 0: what every step did before the rows);
-- `upload_step_ms`: the whole upload (`upload_step`, with the `triton` backend's plan) of that batch.
+- `upload_step_ms`: the whole upload (`upload_step`, with the `triton` backend's plan) of that batch;
+- `gemma_prepare_ms`: DiffusionGemma's per-forward attention metadata (`GemmaAttentionMeta.prepare`,
+  the torch backend) for 32 canvases of 256 positions over that context (sliding window 1,024, the
+  release's), whose committed keys' cache slots are worked out a page at a time, against
+  `gemma_baseline_slot_by_slot_ms`, the same slots one position at a time (what it did before).
 
 Prints one JSON object: per context, milliseconds per step (median of `--repeats`) and the table
 entries uploaded. Runs on the CPU (the host side is what it measures; the copy is a CPU tensor here).
@@ -29,6 +33,14 @@ from collections.abc import Callable
 import torch
 
 from engine.kv.page_rows import PageRows, StepTables
+from engine.model.families.diffusion_gemma.attention import (
+    CANVAS,
+    FREED,
+    GemmaAttentionMeta,
+    GemmaPass,
+    GemmaTorchAttention,
+)
+from engine.model.families.diffusion_gemma.config import FULL, SLIDING
 from engine.worker.forward_batch import ForwardBatch
 from engine.worker.step_upload import GraphPadding, StepUploader, upload_step
 from ops.attention.triton_backend import TritonAttention
@@ -97,6 +109,40 @@ def measure(context: int, repeats: int) -> dict:
                                               repeats), 3)}
 
 
+def gemma_passes(context: int, canvases: int = 32, canvas: int = 256, window: int = 1024) -> list[GemmaPass]:
+    """`canvases` canvas passes over `context` committed tokens: each group's pages laid out one pass after
+    another, a sliding group's pages before its window freed."""
+    pages = -(-(context + canvas) // PAGE)
+    live = max(0, context - (window - 1)) // PAGE  # the sliding group's first page still held
+    tables = [{FULL: list(range(s * pages, (s + 1) * pages)),
+               SLIDING: [FREED] * live + list(range(s * pages + live, (s + 1) * pages))} for s in range(canvases)]
+    return [GemmaPass(CANVAS, context, canvas, t) for t in tables]
+
+
+def slot_by_slot(passes: list[GemmaPass], window: int) -> list[list[int]]:
+    """The baseline: every committed key's slot of every pass and group, a position at a time."""
+    out = []
+    for kind in (SLIDING, FULL):
+        for p in passes:
+            table, lo = p.page_tables[kind], 0 if kind == FULL else max(0, p.start - (window - 1))
+            out.append([table[pos // PAGE] * PAGE + pos % PAGE for pos in range(lo, p.start)])
+    return out
+
+
+def measure_gemma(context: int, repeats: int, window: int = 1024) -> dict:
+    passes = gemma_passes(context, window=window)
+
+    def prepare() -> GemmaAttentionMeta:
+        meta = GemmaAttentionMeta(passes, PAGE, window, torch.device("cpu"), GemmaTorchAttention())
+        meta.prepare()
+        return meta
+
+    meta = prepare()
+    assert [s.tolist() for kind in (SLIDING, FULL) for s in meta.groups[kind].committed] == slot_by_slot(passes, window)
+    return {"gemma_prepare_ms": round(median_ms(prepare, repeats), 3),
+            "gemma_baseline_slot_by_slot_ms": round(median_ms(lambda: slot_by_slot(passes, window), repeats), 3)}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.step_metadata", description=__doc__.splitlines()[0])
     parser.add_argument("--context", type=int, nargs="+", default=[512, 4096, 32768],
@@ -104,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=30)
     args = parser.parse_args(argv)
     print(json.dumps({"seqs": SEQS, "block": BLOCK, "page": PAGE,
-                      "runs": [measure(n, args.repeats) for n in args.context]}, indent=2))
+                      "runs": [measure(n, args.repeats) | measure_gemma(n, args.repeats) for n in args.context]},
+                     indent=2))
     return 0
 
 

@@ -93,7 +93,8 @@ def test_step_metadata_bench():
     small, large = out["runs"]
     assert (small["context"], large["context"]) == (256, 2048)
     assert 0 < small["table_entries"] < large["table_entries"]
-    assert all(run[k] >= 0 for run in out["runs"] for k in ("tables_ms", "baseline_lists_ms", "upload_step_ms"))
+    assert all(run[k] >= 0 for run in out["runs"] for k in ("tables_ms", "baseline_lists_ms", "upload_step_ms",
+                                                              "gemma_prepare_ms", "gemma_baseline_slot_by_slot_ms"))
 
 
 @pytest.mark.parametrize("mode", ["full", "quick", "toy"])

@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -44,7 +45,7 @@ class GemmaPass:
 class GroupPlan:
     """One layer group's share of a forward, the same for all its layers."""
 
-    committed: list[list[int]]  # per pass: the cache slots of the committed keys it reads, in position order
+    committed: list[np.ndarray]  # per pass: the cache slots (int64) of the committed keys it reads, in position order
     committed_from: list[int]  # per pass: the position of its first committed key
     rows: list[int]  # per pass: its first row in the flat batch
     write_rows: torch.Tensor  # rows of encoder passes, whose K/V go to the cache...
@@ -88,26 +89,36 @@ class GemmaAttentionMeta:
             for p in self.passes:
                 lo, hi = self.committed_range(p, kind)
                 table = p.page_tables[kind]
-                committed.append([_slot(table, pos, self.page_size) for pos in range(lo, hi)])
+                committed.append(slots_of(table, lo, hi, self.page_size))
                 committed_from.append(lo)
                 rows.append(row)
                 if p.kind == ENCODE:
                     write_rows += range(row, row + p.q_len)
-                    write_slots += [_slot(table, p.start + i, self.page_size) for i in range(p.q_len)]
+                    write_slots.append(slots_of(table, p.start, p.start + p.q_len, self.page_size))
                 row += p.q_len
+            writes = np.concatenate(write_slots) if write_slots else np.empty(0, dtype=np.int64)
             plan = GroupPlan(committed, committed_from, rows,
                              torch.tensor(write_rows, dtype=torch.long, device=self.device),
-                             torch.tensor(write_slots, dtype=torch.long, device=self.device),
+                             torch.from_numpy(writes).to(self.device),
                              self.sliding_window if kind == SLIDING else None)
             self.backend.prepare(self, plan)
             self.groups[kind] = plan
 
 
-def _slot(table: list[int], pos: int, page_size: int) -> int:
-    page = table[pos // page_size]
-    if page == FREED:
+def slots_of(table: list[int], lo: int, hi: int, page_size: int) -> np.ndarray:
+    """The cache slots of positions [lo, hi) through `table`, as int64, worked out a page at a time (a long
+    context's committed keys are thousands a pass, every forward); RuntimeError when one lies on a freed
+    page."""
+    if hi <= lo:
+        return np.empty(0, dtype=np.int64)
+    first = lo // page_size
+    pages = np.asarray(table[first: (hi - 1) // page_size + 1], dtype=np.int64)
+    freed = np.flatnonzero(pages == FREED)
+    if freed.size:
+        pos = max(lo, (first + int(freed[0])) * page_size)
         raise RuntimeError(f"position {pos} lies on a freed page: the sliding window no longer holds it")
-    return page * page_size + pos % page_size
+    offset = lo - first * page_size
+    return (pages[:, None] * page_size + np.arange(page_size)).reshape(-1)[offset: offset + hi - lo]
 
 
 def gemma_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -130,7 +141,7 @@ class GemmaTorchAttention:
 
     def prepare(self, meta: GemmaAttentionMeta, plan: GroupPlan) -> None:
         plan.backend["torch"] = [
-            (torch.tensor(slots, dtype=torch.long, device=meta.device), self._mask(p, lo, plan.window, meta.device))
+            (torch.from_numpy(slots).to(meta.device), self._mask(p, lo, plan.window, meta.device))
             for p, slots, lo in zip(meta.passes, plan.committed, plan.committed_from, strict=True)]
 
     @staticmethod

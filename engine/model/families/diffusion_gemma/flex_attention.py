@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask
@@ -73,7 +74,7 @@ def plan_flex(meta: GemmaAttentionMeta, plan: GroupPlan) -> dict[str, list[int] 
     blocks = [sorted(b) for b in tile_blocks]
     width = max(len(b) for b in blocks)
     pad_rows, pad_keys = tiles * FLEX_TILE - num_rows, num_keys - len(key_pass)
-    return {"slots": [slot for slots in plan.committed for slot in slots],
+    return {"slots": np.concatenate(plan.committed).tolist() if plan.committed else [],
             "key_pass": key_pass + [-1] * pad_keys, "key_pos": key_pos + [0] * pad_keys,
             "q_pass": q_pass + [-2] * pad_rows, "q_pos": q_pos + [0] * pad_rows, "q_canvas": q_canvas + [0] * pad_rows,
             "kv_num_blocks": [len(b) for b in blocks],
