@@ -120,7 +120,7 @@ class KVPageManager:
             if table.pages[index] != RELEASED:
                 self._unref(table.pages[index])
                 table.pages[index] = RELEASED
-                self.rows.array[table.row, index] = RELEASED
+                self.rows.write(table.row, index, [RELEASED])
                 released += 1
         return released
 

@@ -17,6 +17,8 @@ import numpy as np
 
 
 class PageRows:
+    """The rows: `array` [rows, columns] int64, one row per table that holds pages, the rest zeros."""
+
     def __init__(self, rows: int = 64, columns: int = 64):
         self.array = np.zeros((rows, columns), dtype=np.int64)
         self._free = list(range(rows - 1, -1, -1))  # pop() gives low rows first
