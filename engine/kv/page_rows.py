@@ -22,7 +22,11 @@ class PageRows:
     def __init__(self, rows: int = 64, columns: int = 64):
         self.array = np.zeros((rows, columns), dtype=np.int64)
         self._free = list(range(rows - 1, -1, -1))  # pop() gives low rows first
-        self.in_use = 0
+
+    @property
+    def in_use(self) -> int:
+        """Rows held by a table."""
+        return self.array.shape[0] - len(self._free)
 
     def take(self) -> int:
         """A free row (all zeros) for a table that gets its first page."""
@@ -30,14 +34,12 @@ class PageRows:
             rows = self.array.shape[0]
             self.array = np.concatenate([self.array, np.zeros_like(self.array)])
             self._free = list(range(2 * rows - 1, rows - 1, -1))
-        self.in_use += 1
         return self._free.pop()
 
     def give_back(self, row: int, length: int) -> None:
         """Zero the row's first `length` entries and make it free again."""
         self.array[row, :length] = 0
         self._free.append(row)
-        self.in_use -= 1
 
     def write(self, row: int, start: int, pages: list[int]) -> None:
         """Write `pages` into `row` from column `start` (widening the array when they run past it)."""
@@ -68,6 +70,8 @@ class StepTables:
     table; `width` is the pages its longest sequence reads."""
 
     def __init__(self, page_rows: PageRows | None):
+        """`page_rows` None: a network whose layer groups keep tables of their own, for which a step
+        adds no table here (and makes no array)."""
         self.page_rows = page_rows
         self.rows: list[int] = []  # per sequence its row (a table of the step's own: any, overwritten)
         self.listed: list[tuple[int, list[int]]] = []  # (index in the step, pages) of the step's own tables
@@ -77,10 +81,7 @@ class StepTables:
         self.rows.append(0)
 
     def array(self, width: int) -> np.ndarray:
-        if self.page_rows is None:
-            out = np.zeros((len(self.rows), width), dtype=np.int64)
-        else:
-            out = self.page_rows.gather(self.rows, width)
+        out = self.page_rows.gather(self.rows, width)
         for i, pages in self.listed:
             n = min(len(pages), width)
             out[i, :n] = pages[:n]

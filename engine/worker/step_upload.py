@@ -21,7 +21,7 @@ import torch
 
 from engine.worker.cuda_graphs import pad_tokens
 from engine.worker.forward_batch import ForwardBatch, bidirectional_rows
-from ops.attention import AttentionBackend, AttentionMetadata
+from ops.attention import AttentionBackend, AttentionMetadata, table_lists
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ def upload_step(batch: ForwardBatch, backend: AttentionBackend, uploader: StepUp
     pad_tiles = None if padding is None else backend.tiles_for(padding.tokens, padding.max_seqs)
     lists = None
     if backend.plans_from_page_tables:
-        lists = table_lists(tables, batch.kv_lens, page_size) + ([null_row[:1]] if null_row else [])
+        lists = table_lists(tables.tolist(), batch.kv_lens, page_size) + ([null_row[:1]] if null_row else [])
     plan = backend.plan(fed.q_lens, fed.kv_lens, lists or [], page_size, block_length, pad_tiles, bidirectional)
     step = uploader.upload({
         "input_ids": fed.input_ids, "positions": fed.positions, "slot_mapping": fed.slot_mapping,
@@ -74,11 +74,6 @@ def upload_step(batch: ForwardBatch, backend: AttentionBackend, uploader: StepUp
     )
     del step["page_tables.padding"]  # read through `meta.page_tables` only
     return step, meta
-
-
-def table_lists(tables: np.ndarray, kv_lens: list[int], page_size: int) -> list[list[int]]:
-    """Each sequence's pages up to its last key's, as lists (for a backend whose plan reads them)."""
-    return [row[: -(-kv // page_size)] for row, kv in zip(tables.tolist(), kv_lens, strict=True)]
 
 
 class StepUploader:

@@ -38,7 +38,7 @@ skips `plan` (tests, benchmarks) gets it done inside `prepare`, at the cost of e
 `make_attention_backend` picks one from the config and the settings the kernels depend on.
 """
 
-from ops.attention.base import AttentionBackend, AttentionMetadata, StepPlan, planned, write_kv
+from ops.attention.base import AttentionBackend, AttentionMetadata, StepPlan, planned, table_lists, write_kv
 from ops.attention.flash import FlashAttention, usable_flash_kernel
 from ops.attention.flex import FLEX_TILE, FlexAttention, flex_attention_fn, flex_unmet
 from ops.attention.selection import make_attention_backend
@@ -47,4 +47,4 @@ from ops.attention.triton_backend import TritonAttention, require_triton, triton
 
 __all__ = ["FLEX_TILE", "AttentionBackend", "AttentionMetadata", "FlashAttention", "FlexAttention", "StepPlan",
            "TorchAttention", "TritonAttention", "flex_attention_fn", "flex_unmet", "make_attention_backend", "planned",
-           "require_triton", "sdpa_heads_folded", "triton_unmet", "usable_flash_kernel", "write_kv"]
+           "require_triton", "sdpa_heads_folded", "table_lists", "triton_unmet", "usable_flash_kernel", "write_kv"]

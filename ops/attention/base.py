@@ -44,13 +44,18 @@ class StepPlan:
     scalars: dict[str, object] = field(default_factory=dict)
 
 
+def table_lists(rows: list[list[int]], kv_lens: list[int], page_size: int) -> list[list[int]]:
+    """Padded page-table rows cut to each sequence's pages up to its last key's (what a backend's plan
+    reads when it `plans_from_page_tables`)."""
+    return [row[: -(-kv // page_size)] for row, kv in zip(rows, kv_lens, strict=True)]
+
+
 def planned(backend: AttentionBackend, meta: AttentionMetadata) -> dict[str, torch.Tensor]:
     """`meta.planned`, planning and uploading here (one copy per array) if the caller did not."""
     if meta.planned is None:
         tables = meta.page_table_lists
-        if tables is None and backend.plans_from_page_tables:  # read back, each cut to its keys' pages
-            tables = [row[: -(-kv // meta.page_size)]
-                      for row, kv in zip(meta.page_tables.tolist(), meta.kv_lens, strict=True)]
+        if tables is None and backend.plans_from_page_tables:  # read back
+            tables = table_lists(meta.page_tables.tolist(), meta.kv_lens, meta.page_size)
         meta.plan = backend.plan(meta.q_lens, meta.kv_lens, tables or [], meta.page_size, meta.dllm_block_length,
                                  None, meta.bidirectional)
         device = meta.positions.device
