@@ -8,7 +8,7 @@ import pytest
 from configs import EngineConfig, GenerationConfig
 from deployments.sglang.serving import fold_cumulative_chunks
 from engine.offline import pipeline
-from tests.support.http import sse_events, without_ids
+from tests.support.http import close_as_json, sse_events, without_ids
 from tests.support.serve import wait_idle
 
 TIMEOUT = 120
@@ -92,16 +92,11 @@ def _flat(url: str, body: dict) -> dict:
     return without_ids(r.json())
 
 
-def close(a, b, tol: float = 1e-5) -> bool:
-    """Equal JSON, floats within `tol` (logprob values move in the last float32 bits with what else
-    shares the forward)."""
-    if isinstance(a, float) or isinstance(b, float):
-        return isinstance(a, int | float) and isinstance(b, int | float) and abs(a - b) <= tol
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(close(a[k], b[k], tol) for k in a)
-    if isinstance(a, list) and isinstance(b, list):
-        return len(a) == len(b) and all(close(x, y, tol) for x, y in zip(a, b))
-    return a == b
+# A logprob moves in its last float32 bits with what else shares the forward and with whether its
+# prompt's K/V came from the prefix cache: n=3 samples batched together differ from the same seeds
+# run one by one by up to 8.6e-6 on the tiny SDAR checkpoint. A defect moves a token or a logprob by
+# orders of magnitude more.
+LOGPROB_TOL = 1e-4
 
 
 def _merged_by_index(events: list) -> dict[int, dict]:
@@ -124,15 +119,17 @@ def test_sglang_native_bodies_equal_flat_ones(served_apps):
     want = [_flat(url, {**flat, "prompt": p}) for p in prompts]
 
     r = post(url, {"text": prompts[0], "sampling_params": sp, **logprob})
-    assert r.status_code == 200 and close(without_ids(r.json()), want[0])  # one prompt: the flat body, no list
+    assert r.status_code == 200
+    close_as_json(without_ids(r.json()), want[0], LOGPROB_TOL)  # one prompt: the flat body, no list
     batch = {"text": prompts, "sampling_params": [sp, sp], **logprob}
     r = post(url, batch)
     assert r.status_code == 200, r.text
     bodies = r.json()
     assert [b.pop("index") for b in bodies] == [0, 1]
-    assert close([without_ids(b) for b in bodies], want)
+    close_as_json([without_ids(b) for b in bodies], want, LOGPROB_TOL)
     status, events = stream(url, {**batch, "stream": True})
-    assert status == 200 and close(_merged_by_index(events), dict(enumerate(want)))
+    assert status == 200
+    close_as_json(_merged_by_index(events), dict(enumerate(want)), LOGPROB_TOL)
 
     ids = [[40, 41, 42, 43, 44], [50, 51, 52]]
     r = post(url, {"input_ids": ids, "sampling_params": {"max_new_tokens": 9, "temperature": 0}})
@@ -143,12 +140,13 @@ def test_sglang_native_bodies_equal_flat_ones(served_apps):
     samples = [_flat(url, {**flat, "prompt": prompts[0], "seed": 7 + j}) | {"index": j} for j in range(3)]
     assert len({tuple(b["output_ids"]) for b in samples}) > 1
     r = post(url, {"text": prompts[0], "sampling_params": {**sp, "n": 3}, **logprob})
-    assert close([without_ids(b) for b in r.json()], samples)
-    assert close([without_ids(b) for b in post(url, {**flat, "prompt": prompts[0], "n": 3}).json()], samples)
+    close_as_json([without_ids(b) for b in r.json()], samples, LOGPROB_TOL)
+    flat_n = post(url, {**flat, "prompt": prompts[0], "n": 3}).json()
+    close_as_json([without_ids(b) for b in flat_n], samples, LOGPROB_TOL)
     status, events = stream(url, {"text": prompts[0], "sampling_params": {**sp, "n": 3}, "stream": True, **logprob})
     assert status == 200
-    assert close(_merged_by_index(events), {j: {k: v for k, v in b.items() if k != "index"}
-                                            for j, b in enumerate(samples)})
+    close_as_json(_merged_by_index(events), {j: {k: v for k, v in b.items() if k != "index"}
+                                             for j, b in enumerate(samples)}, LOGPROB_TOL)
 
 
 def test_scoring_over_http_matches_in_process_engine(served_apps):
