@@ -33,11 +33,14 @@ def build_batch(items: list[ScheduledSeq], decoding: DecodingStrategy, page_size
                                                           batch.kv_lens, batch.sample_rows)
     pass_fields = decoding.pass_fields if decoding.has_pass_fields else None
     view_fields = decoding.view_fields if decoding.has_pass_fields else None
+    num_rows = num_sampled = 0  # rows laid out so far, and sampled rows among them
     for it in items:
         if it.views is not None:
             add_view_rows(batch, tables, it, page_size, view_fields)
+            num_rows, num_sampled = len(input_ids), len(sample_rows)
             continue
-        seq, start, end, base = it.seq, it.start, it.end, len(input_ids)
+        seq, start, end, base = it.seq, it.start, it.end, num_rows
+        num_rows += end - start
         input_ids += seq.tokens[start:end]
         positions += range(start, end)
         q_lens += (end - start,)
@@ -52,7 +55,8 @@ def build_batch(items: list[ScheduledSeq], decoding: DecodingStrategy, page_size
             pass_fields(batch, seq, it.sample)
         if it.sample:
             sampled = decoding.sample_positions(seq, end)
-            slices += (SampleSlice(seq, len(sample_rows), sampled),)
+            first_row, num_sampled = num_sampled, num_sampled + len(sampled)
+            slices += (SampleSlice(seq, first_row, num_sampled, sampled),)
             first = base - start
             sample_rows += map(first.__add__, sampled)
         if seq.params.logprob_start_len >= 0:  # the request scores its input tokens

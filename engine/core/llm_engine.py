@@ -339,7 +339,10 @@ class LLMEngine:
             if seq.request_id not in seqs:
                 continue
             done = seq.finish_reason is not None
-            chunk = outputs[seq.request_id].build(done, version)
+            output = outputs[seq.request_id]
+            if output.quiet and not done and output.version == version:
+                continue  # between a unary request's first chunk and its last
+            chunk = output.build(done, version)
             if chunk is not None:
                 chunks.append(chunk)
             if done:

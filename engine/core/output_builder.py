@@ -49,6 +49,9 @@ class OutputBuilder:
         self.pending_input_rows: list[tuple[float, int]] = []
         self.pending_input_top: list[list[tuple[float, int]]] = []
         self.first = True
+        #: a request not streamed whose first chunk went out: until it finishes, a step builds nothing
+        #: for it unless the weights changed (`build` keeps every version it ran under)
+        self.quiet = False
         self.version: str | None = None  # the weights of the last step this request ran
         self.pending_versions: list[str] = []  # versions run under since the last chunk
 
@@ -120,6 +123,7 @@ class OutputBuilder:
                 chunk.input_top_logprobs = self.pending_input_top if self.first else []
             self.pending_input_rows, self.pending_input_top = [], []
         self.first = False
+        self.quiet = not self.streamed
         self.pending_trace = []
         self.pending_versions = []
         self.sent_tokens = end

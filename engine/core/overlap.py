@@ -34,6 +34,7 @@ class LaunchedForward:
     slices: list[SampleSlice]
     on_host: PickedOnHost | None = None  # None when no sequence samples in this forward
     groups: list[RowGroup] = field(default_factory=list)  # per slice: how the sampler treated its rows
+    any_logits: bool = False  # whether a group asked for its rows' raw logits back
     ks: list[int | None] = field(default_factory=list)  # per sampled row: the logprobs asked for (when any)
     rows: list[PickedRows] = field(default_factory=list)  # per slice, once read back
 

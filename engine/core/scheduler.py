@@ -69,7 +69,7 @@ class Scheduler:
     def _plan_feeds(self, seqs: list[Sequence]) -> list[Feed]:
         """Per sequence its next forward (`step_plan.Feed`): the strategy's plan, or a trajectory's
         context prefill (its views come after)."""
-        if not any(seq.trajectory is not None for seq in seqs):
+        if not [seq for seq in seqs if seq.trajectory is not None]:  # a comprehension: one call a step
             return self.decoding.plan_feeds(seqs)
         planned = iter(self.decoding.plan_feeds([seq for seq in seqs if seq.trajectory is None]))
         return [(seq.trajectory.context_len, False, False, 0) if seq.trajectory is not None else next(planned)
@@ -96,13 +96,14 @@ class Scheduler:
         sequences (None: no limit besides the batch size and the prefill budget)."""
         budget = self.config.max_prefill_token_num
         limit = _UNLIMITED if max_seqs is None else max_seqs
+        limited = max_seqs is not None
         self._busy = busy
         out: list[ScheduledSeq] = []
         page_size = self.kv.page_size
         candidates = [seq for seq in self.running if seq.request_id not in busy]
         for seq, feed in zip(candidates, self._plan_feeds(candidates)):
             target, sample, decoding, kv_final = feed
-            if len(out) >= limit:
+            if limited and len(out) >= limit:
                 break
             if seq.status is not SeqStatus.RUNNING:  # preempted by an earlier one of this loop
                 continue

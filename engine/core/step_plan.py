@@ -69,8 +69,9 @@ class ScheduledSeq:
 
 @dataclass(slots=True)
 class SampleSlice:
-    """The logits rows [first, first + len(positions)) pick tokens for `positions` of `seq`."""
+    """The logits rows [first, end) pick tokens for `positions` of `seq` (one row each)."""
 
     seq: Sequence
     first: int
+    end: int
     positions: list[int]

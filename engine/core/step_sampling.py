@@ -33,8 +33,9 @@ class StepSampling:
         for g in groups:
             any_logprobs = any_logprobs or g.params.logprobs is not None
             any_logits = any_logits or g.want_logits
+        fwd.any_logits = any_logits
         processed = any_logprobs and self.logprobs_mode in ("processed_logprobs", "processed_logits")
-        picked = pick_tokens(fwd.result.logits, [(sl.first, len(sl.positions), g) for sl, g in zip(fwd.slices, groups)],
+        picked = pick_tokens(fwd.result.logits, [(sl.first, sl.end - sl.first, g) for sl, g in zip(fwd.slices, groups)],
                              self.decoding.needs_confidence, overwrite=not (any_logprobs or any_logits),
                              keep_processed=processed)
         logprobs = None
@@ -52,7 +53,7 @@ class StepSampling:
         sets: list[list[int] | None] = [None] * values.shape[0]
         for sl, g in zip(slices, groups):
             if g.allowed is not None:
-                sets[sl.first: sl.first + len(g.allowed)] = g.allowed
+                sets[sl.first: sl.end] = g.allowed
         return allowed_rows(values, sets)
 
     def read(self, fwd: LaunchedForward) -> LaunchedForward:
@@ -61,7 +62,7 @@ class StepSampling:
         if self.decoding.samples_logits:
             logits = fwd.result.logits
             fwd.rows = [PickedRows(sl.positions, [], [], None, [], read_logits=partial(
-                logits.__getitem__, slice(sl.first, sl.first + len(sl.positions)))) for sl in fwd.slices]
+                logits.__getitem__, slice(sl.first, sl.end))) for sl in fwd.slices]
             return fwd
         if fwd.on_host is None:
             return fwd
@@ -70,16 +71,16 @@ class StepSampling:
         entries: list[dict | None] = [None] * len(tokens)
         if chosen_v is not None:
             entries = logprob_entries(tokens, fwd.ks, chosen_v, top_v, top_i)
+        fwd.rows = [PickedRows(sl.positions, tokens[sl.first: sl.end], confidence[sl.first: sl.end],
+                               entropy[sl.first: sl.end] if entropy is not None else None, entries[sl.first: sl.end])
+                    for sl in fwd.slices]
         mass = fwd.on_host.label_mass()
-        for sl, group in zip(fwd.slices, fwd.groups):
-            first, end = sl.first, sl.first + len(sl.positions)
-            rows = PickedRows(sl.positions, tokens[first:end], confidence[first:end],
-                              entropy[first:end] if entropy is not None else None, entries[first:end])
-            if mass is not None and group.allowed is not None:
-                rows.label_mass = mass[first:end]
-            if group.want_logits:
-                rows.logits = fwd.result.logits[first:end]
-                rows.logprob_of = partial(token_logprobs, rows.logits, k=group.params.logprobs,
-                                          mode=self.logprobs_mode)
-            fwd.rows.append(rows)
+        if mass is not None or fwd.any_logits:
+            for rows, sl, group in zip(fwd.rows, fwd.slices, fwd.groups):
+                if mass is not None and group.allowed is not None:
+                    rows.label_mass = mass[sl.first: sl.end]
+                if group.want_logits:
+                    rows.logits = fwd.result.logits[sl.first: sl.end]
+                    rows.logprob_of = partial(token_logprobs, rows.logits, k=group.params.logprobs,
+                                              mode=self.logprobs_mode)
         return fwd

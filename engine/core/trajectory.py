@@ -123,6 +123,8 @@ class TrajectoryOutput:
     """The one chunk of a trajectory request: the rollout's tokens and step_map with the scored logprob
     of each (and the entropy on request), once every view is scored."""
 
+    quiet = False  # `build` is asked every step (it answers None until the request finishes)
+
     def __init__(self, seq: Sequence, tokenizer):
         self.seq = seq
         self.tokenizer = tokenizer

@@ -279,7 +279,7 @@ class KVPageManager:
             end = (table.registered + 1) * page_size
             if b is not None:
                 end = -(-end // b) * b
-            if table.registered < len(table.pages) and end <= num_committed:
+            if end <= num_committed and table.registered < len(table.pages):
                 self.register(table, tokens, num_committed)
 
     def flush(self) -> None:

@@ -40,33 +40,23 @@ class AutoregressiveDecoding(DecodingStrategy):
     # ---- the step, over all its sequences ------------------------------------------------------
     def plan_feeds(self, seqs: list[Sequence]) -> list[Feed]:
         """Every token not computed yet; the forward that reaches the newest one samples the next."""
-        feeds = []
-        for seq in seqs:
-            n = len(seq.tokens)
-            feeds.append((n, seq.params.max_new_tokens > 0, n - seq.num_computed <= 1, n))
-        return feeds
+        return [(n, seq.params.max_new_tokens > 0, n - seq.num_computed <= 1, n) for seq in seqs
+                for n in (len(seq.tokens),)]
 
-    def row_groups(self, slices: list[SampleSlice]) -> list[RowGroup]:
-        groups = []
-        for sl in slices:
-            seq = sl.seq
-            group = seq.row_group
-            if group is None:
-                params = seq.params
-                g = sl.positions[0] + 1 - seq.prompt_len  # a causal LM's logits at p decide generated token p + 1
-                floor = params.min_new_tokens
-                group = RowGroup(params, seq.seed, seq.num_draws,
-                                 sorted(seq.penalty_ids) if params.repetition_penalty != 1.0 else [],
-                                 [g < floor] if floor else [], seq.stop_ids)
-                decisions = seq.decisions
-                if decisions is not None:
-                    if decisions.pinned(g) is not None:  # forced: the row's logits give the pinned token's logprob
-                        group.want_logits = params.logprobs is not None
-                    elif decisions.has_sets:
-                        group.allowed = [decisions.allowed(g)]
-                seq.keep_row_group(group)
-            groups.append(group)
-        return groups
+    def row_group(self, sl: SampleSlice) -> RowGroup:
+        seq, params = sl.seq, sl.seq.params
+        g = sl.positions[0] + 1 - seq.prompt_len  # a causal LM's logits at p decide generated token p + 1
+        floor = params.min_new_tokens
+        group = RowGroup(params, seq.seed, seq.num_draws,
+                         sorted(seq.penalty_ids) if params.repetition_penalty != 1.0 else [],
+                         [g < floor] if floor else [], seq.stop_ids)
+        decisions = seq.decisions
+        if decisions is not None:
+            if decisions.pinned(g) is not None:  # forced: the row's logits give the pinned token's logprob
+                group.want_logits = params.logprobs is not None
+            elif decisions.has_sets:
+                group.allowed = [decisions.allowed(g)]
+        return group
 
     def apply(self, picked: list[tuple[Sequence, PickedRows]], finalize: Finalize
               ) -> list[tuple[Sequence, Exception]]:

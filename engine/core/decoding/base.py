@@ -5,9 +5,10 @@ strategy's own class), made by `start` under the request's resolved `request_set
 three calls, each over all of the step's sequences of the paradigm: `plan_feeds` (what each feeds
 next), `row_groups` (how the sampler treats each one's sampled rows, whose positions
 `sample_positions` names) and `apply` (write the picks, hand what became final to the engine's
-`Finalize` -- the stop rule and the trace -- and prepare the next step). The defaults of the first
-and last run over per-sequence hooks: `feed_target`, `is_decoding`, `computed_after`; `advance`,
-`num_final`, `after_step`. `row_groups` has no default: it is where a paradigm's rows meet the sampler.
+`Finalize` -- the stop rule and the trace -- and prepare the next step). The defaults run over
+per-sequence hooks: `feed_target`, `is_decoding`, `computed_after`; `row_group`, asked only for a
+sequence that keeps no group (it is where a paradigm's rows meet the sampler, and has no default);
+`advance`, `num_final`, `after_step`.
 
 What a paradigm reads of the request is declared in `configs.knobs` under its `paradigm` name
 (the default `check_request` refuses the rest); what differs between unmasking rules inside a
@@ -169,10 +170,20 @@ class DecodingStrategy(ABC):
 
     def row_groups(self, slices: list[SampleSlice]) -> list[RowGroup]:
         """Pick from the logits: how the sampler treats each slice's rows (its sampling parameters, seed
-        and draw counter, penalties, suppressed stop ids, λ-lowered tokens, entropy, raw logits). Every
-        strategy whose rows the engine's sampler picks writes it; one that samples its raw rows itself
-        (`samples_logits`) is never asked."""
-        raise NotImplementedError(f"{type(self).__name__} names how the sampler treats its rows in row_groups")
+        and draw counter, penalties, suppressed stop ids, λ-lowered tokens, entropy, raw logits). A
+        sequence whose group cannot change between steps is served the group it keeps
+        (`Sequence.keep_row_group`); `row_group` makes the others'. A strategy that samples its raw rows
+        itself (`samples_logits`) is never asked."""
+        groups = [sl.seq.row_group for sl in slices]
+        for i in [i for i, group in enumerate(groups) if group is None]:  # one call a step, not one a sequence
+            groups[i] = group = self.row_group(slices[i])
+            slices[i].seq.keep_row_group(group)
+        return groups
+
+    def row_group(self, sl: SampleSlice) -> RowGroup:
+        """How the sampler treats one slice's rows, made anew (the default `row_groups` calls it for a
+        sequence that keeps no group). Every strategy whose rows the engine's sampler picks writes it."""
+        raise NotImplementedError(f"{type(self).__name__} names how the sampler treats its rows in row_group")
 
     def apply(self, picked: list[tuple[Sequence, PickedRows]], finalize: Finalize
               ) -> list[tuple[Sequence, Exception]]:

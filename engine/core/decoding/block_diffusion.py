@@ -149,38 +149,32 @@ class BlockDiffusionDecoding(DecodingStrategy):
     def plan_feeds(self, seqs: list[Sequence]) -> list[Feed]:
         """The block being denoised, with the commit of the previous one (without commit fusion, a
         finished block's commit is a forward of its own); its K/V stay final up to the block's start."""
-        window, fused = 2 * self.block_length, self.commit_fusion
+        window = 2 * self.block_length  # a block, with at most the previous one's commit: decoding
+        if self.commit_fusion:
+            return [(seq.state.end, True, seq.state.end - seq.num_computed <= window, seq.state.start) for seq in seqs]
         feeds = []
         for seq in seqs:
             block = seq.state
-            decoding = block.end - seq.num_computed <= window  # a block, with at most the previous one's commit
-            if not fused and seq.num_computed < block.start and seq.step_counter > 0:
+            decoding = block.end - seq.num_computed <= window
+            if seq.num_computed < block.start and seq.step_counter > 0:
                 feeds.append((block.start, False, decoding, block.start))
             else:
                 feeds.append((block.end, True, decoding, block.start))
         return feeds
 
-    def row_groups(self, slices: list[SampleSlice]) -> list[RowGroup]:
+    def row_group(self, sl: SampleSlice) -> RowGroup:
         """The request's rule says what the rows need: entropy, λ-lowered tokens (an editing rule), the
         raw logits (a rule that reads them itself); logits at p decide position p + `row_shift`; a
         typed decision's slot takes only its allowed ids."""
-        groups = []
-        for sl in slices:
-            seq, positions = sl.seq, sl.positions
-            group = seq.row_group
-            if group is None:
-                params, rule = self.row_params(seq), RULES[seq.state.settings.strategy]
-                floor, first = params.min_new_tokens, seq.prompt_len - self.row_shift
-                decisions = seq.decisions
-                group = RowGroup(
-                    params, seq.seed, seq.num_draws, sorted(seq.penalty_ids) if params.repetition_penalty != 1.0
-                    else [], [p - first < floor for p in positions] if floor else [], seq.stop_ids,
-                    rule.needs_entropy, rule.lowered_logits(seq, positions) if rule.spec.edits else None,
-                    rule.wants_logits, [decisions.allowed(p - first) for p in positions]
-                    if decisions is not None and decisions.has_sets else None)
-                seq.keep_row_group(group)
-            groups.append(group)
-        return groups
+        seq, positions = sl.seq, sl.positions
+        params, rule = self.row_params(seq), RULES[seq.state.settings.strategy]
+        floor, first = params.min_new_tokens, seq.prompt_len - self.row_shift
+        decisions = seq.decisions
+        return RowGroup(
+            params, seq.seed, seq.num_draws, sorted(seq.penalty_ids) if params.repetition_penalty != 1.0 else [],
+            [p - first < floor for p in positions] if floor else [], seq.stop_ids, rule.needs_entropy,
+            rule.lowered_logits(seq, positions) if rule.spec.edits else None, rule.wants_logits,
+            [decisions.allowed(p - first) for p in positions] if decisions is not None and decisions.has_sets else None)
 
     def apply(self, picked: list[tuple[Sequence, PickedRows]], finalize: Finalize
               ) -> list[tuple[Sequence, Exception]]:

@@ -4,7 +4,7 @@ An editing rule sees every generated position of the current block, in ascending
 `tokens` (what the position holds now: a token or the mask id), `candidates` and `confidence` (the
 sampler's pick at that position and its probability under the distribution it drew from),
 `masked` (whether the position holds the mask id), and the block's post-edit count so far. It
-returns the indices to write this step, or None when the block ends (nothing is written then).
+returns the indices to write this step, ascending, or None when the block ends (nothing is written then).
 
 `joint_threshold` is SGLang's JointThreshold (LLaDA2.1), with t = `confidence_threshold`,
 e = `edit_threshold`, m = `max_post_edit_steps`:

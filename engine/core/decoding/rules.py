@@ -198,26 +198,24 @@ class RevealRule(DecodingRule):
         block = seq.state
         settings, positions = block.settings, rows.positions
         count = len(positions)
-        n = max(1, min(tokens_this_step(block.num_masked_at_start, settings.denoising_steps, block.step_index), count))
+        n = tokens_this_step(block.num_masked_at_start, settings.denoising_steps, block.step_index)
+        n = 1 if n < 1 else count if n > count else n
         chosen = self.choose(rows.confidence, rows.entropy, n, settings, step_seed(seq) if self.draws else 0)
-        chosen = sorted(chosen)
         if block.read_left is not None:  # in a read's last block (typed decisions)
             chosen = read_slots(block, positions, chosen)
         seq.step_counter += 1
         block.step_index += 1
         revealed = write_tokens(seq, positions, rows, chosen)
-        if len(chosen) == count:
-            block.masked = []
-        else:
-            chosen_set = set(chosen)
-            block.masked = [p for i, p in enumerate(positions) if i not in chosen_set]
+        masked = block.masked  # equal to `positions` (the step sampled the masked ones): the chosen leave it
+        for i in reversed(chosen):
+            del masked[i]
         return revealed
 
 
 @dataclass(frozen=True)
 class EditRule(DecodingRule):
     """A token-editing rule: every generated position of the block is sampled each step; `pick` (see
-    `engine.core.decoding.editing`) returns the indices to write, or None when the block ends."""
+    `engine.core.decoding.editing`) returns the indices to write, ascending, or None when the block ends."""
 
     pick: Callable[[BlockRows, int, UnmaskingSettings], list[int] | None] | None = None
 
@@ -237,9 +235,10 @@ class EditRule(DecodingRule):
     def advance(self, seq: Sequence, rows: PickedRows, ids: SpecialIds) -> list[int]:
         """Write what the rule picks, or end the block."""
         block, positions, mask_id = seq.state, rows.positions, ids.mask_id
-        now = [seq.tokens[p] for p in positions]
+        # the positions are one stretch of the block unless a template pinned some of it
+        now = [seq.tokens[p] for p in positions] if block.pinned else seq.tokens[positions[0]: positions[-1] + 1]
         masked = [token == mask_id for token in now]
-        if True not in masked:
+        if mask_id not in now:
             block.post_edit_steps += 1
         view = BlockRows(now, rows.tokens, rows.confidence, masked)
         writes = self.pick(view, block.post_edit_steps, seq.state.settings)
@@ -247,7 +246,7 @@ class EditRule(DecodingRule):
             end_block(seq, fed_final=True)
             return []
         last_read = block.read_left == 1
-        writes = read_slots(block, positions, sorted(writes), masked)
+        writes = read_slots(block, positions, writes, masked)  # `pick` gives them ascending
         seq.step_counter += 1
         block.step_index += 1
         written = write_tokens(seq, positions, rows, writes, final=False)

@@ -11,7 +11,7 @@ candidate token under the distribution the sampler drew from, and `entropy`, the
 distribution (nats; computed only for the rules that need it, None for the others). `n` is the step's
 quota: with M positions masked when the block opened and S denoising steps, the block's s-th step
 (s = 0, 1, ...) has `n_s = M // S + (1 if s < M % S else 0)`. A rule returns the indices of at least
-one and at most all candidates. Ties break toward the lower position.
+one and at most all candidates, ascending. Ties break toward the lower position.
 """
 
 from __future__ import annotations
@@ -72,11 +72,12 @@ def tokens_this_step(num_masked_at_block_start: int, steps: int, step_index: int
 
 
 def _most_confident(confidence: list[float], n: int) -> list[int]:
+    """The n most confident candidates, ascending."""
     # a stable sort, also in reverse: equal confidences keep the lower position first; for one, `max`
     # keeps the first of equal values and `index` finds the first
     if n == 1:
         return [confidence.index(max(confidence))]
-    return sorted(range(len(confidence)), key=confidence.__getitem__, reverse=True)[:n]
+    return sorted(sorted(range(len(confidence)), key=confidence.__getitem__, reverse=True)[:n])
 
 
 def sequential(confidence: list[float], entropy: list[float] | None, n: int, settings: UnmaskingSettings,
@@ -113,14 +114,14 @@ def entropy_bounded(confidence: list[float], entropy: list[float], n: int, setti
         if total >= settings.entropy_threshold:
             break
         k += 1
-    return ranked[: max(k, 1)]
+    return sorted(ranked[: max(k, 1)])
 
 
 def random_order(confidence: list[float], entropy: list[float] | None, n: int, settings: UnmaskingSettings,
                  step_seed: int) -> list[int]:
     """n positions drawn uniformly without replacement (JetEngine's and LLaDA's `random` remasking),
     from a generator seeded by the request's seed and step: the same seed gives the same order."""
-    return random.Random(step_seed).sample(range(len(confidence)), n)
+    return sorted(random.Random(step_seed).sample(range(len(confidence)), n))
 
 
 def above_threshold_or_best(confidence: list[float], threshold: float) -> list[int]:
