@@ -15,7 +15,9 @@ def add_slots(slots: list[int], pages: list[int], start: int, end: int, page_siz
     """Append the flat cache slots of positions [start, end): one range per page they touch."""
     while start < end:
         offset = start % page_size
-        stop = min(end, start - offset + page_size)
+        stop = start - offset + page_size  # the page's end, or `end` within it
+        if stop > end:
+            stop = end
         first = pages[start // page_size] * page_size + offset
         slots += range(first, first + stop - start)
         start = stop
