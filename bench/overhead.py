@@ -33,8 +33,12 @@ the rest of a shared machine move less than the mean), `python_calls_per_seq_ste
 over `--profile-steps` steps (cProfile; not timed) in the middle of the run (where the warm-up run,
 decoding the same requests, had its middle) and `engine_python_calls_per_seq_step`, the same without
 the calls inside the forward (on the CPU its attention backend's bucketing; on a GPU a graph replay
-makes none), steps, full_batch_steps, generated_tokens (the engine's
-count: editing and canvas steps count every token they write), forward_cpu_ms_per_step and
+makes none), `engine_bytecodes_per_seq_step`, the Python bytecode instructions the engine runs per
+sequence-step outside the forward, over as many steps right after the profiled ones (the finest of
+the deterministic figures: it counts the work inside a function as well as the calls between them,
+and like them it is the same on a busy machine as on a quiet one), steps, full_batch_steps,
+generated_tokens (the engine's count: editing and canvas steps count every token they write),
+forward_cpu_ms_per_step and
 `overhead_us_per_seq_step_per_forward_ms`, the median divided by it: on a shared machine whose speed
 moves from run to run, the figure to compare between revisions (the forward is the same work on both
 sides, and the overhead moves with it). `--only`
@@ -78,11 +82,37 @@ def _pages(output_len: int, concurrency: int) -> int:
     return concurrency * (-(-(PROMPT_LEN + output_len + 8) // 16) + 1)
 
 
+class BytecodeCounter:
+    """Counts the Python bytecode instructions its thread runs while on (`sys.settrace` with opcode
+    events on every frame entered). The same work gives the same count on any machine, busy or
+    not, unlike its time; work done inside C (torch, a list copy) counts as the one instruction
+    that called it. Tracing makes the code it counts some 50x slower."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.on = False
+
+    def _trace(self, frame, event: str, arg):
+        if event == "opcode":
+            self.count += 1
+        else:
+            frame.f_trace_opcodes = True
+        return self._trace
+
+    def start(self) -> None:
+        self.on = True
+        sys.settrace(self._trace)
+
+    def stop(self) -> None:
+        sys.settrace(None)
+        self.on = False
+
+
 class _ForwardClock:
     """Wraps the executor's forward: adds its thread CPU time to `seconds`, and optionally sweeps
     `sweep_bytes` of memory after it (counted as forward time). While `step_profile` (the step's
     profiler) is set, the forward's Python calls go to `forward_profile` instead, so that the step's
-    profile holds the engine's calls only."""
+    profile holds the engine's calls only; while `bytecodes` counts, the forward's are left out."""
 
     def __init__(self, execute, device: str, sweep_bytes: int = 0):
         self.execute = execute
@@ -91,8 +121,15 @@ class _ForwardClock:
         self.seconds = 0.0
         self.step_profile: cProfile.Profile | None = None
         self.forward_profile = cProfile.Profile()
+        self.bytecodes = BytecodeCounter()
 
     def __call__(self, batch):
+        if self.bytecodes.on:
+            self.bytecodes.stop()
+            try:
+                return self._timed(batch)
+            finally:
+                self.bytecodes.start()
         if self.step_profile is None:
             return self._timed(batch)
         self.step_profile.disable()
@@ -252,7 +289,8 @@ def measure_paradigm(path: Path, paradigm: Paradigm, tokens: int, concurrency: i
     """One run of `concurrency` requests of `tokens` output tokens (`unary`: added as unary requests;
     `stop_strings`: with the never-matching stop string).
     The `profile_steps` steps from step `profile_at` run under cProfile (their calls counted per
-    sequence-step) and are left out of the timings; `profile_at=None` profiles none (the warm-up run)."""
+    sequence-step), as many after them count the engine's bytecode instructions (`BytecodeCounter`),
+    and both are left out of the timings; `profile_at=None` profiles none (the warm-up run)."""
     config = EngineConfig(**engine_settings(paradigm, tokens, concurrency, device))
     with pipeline(str(path), config) as pipe:
         engine = pipe.engine
@@ -265,7 +303,7 @@ def measure_paradigm(path: Path, paradigm: Paradigm, tokens: int, concurrency: i
             else:
                 engine.add_request(_prompt(i), params)
         full, seconds, sequences = [], 0.0, 0  # per full-batch step: overhead / sequences; all timed steps' sums
-        profile, profiled_sequences, steps = cProfile.Profile(), 0, 0
+        profile, profiled_sequences, counted_sequences, steps = cProfile.Profile(), 0, 0, 0
         while engine.has_unfinished():
             running = len(engine.scheduler.running) + len(engine.scheduler.waiting)
             if profile_at is not None and profile_at <= steps < profile_at + profile_steps:
@@ -275,6 +313,13 @@ def measure_paradigm(path: Path, paradigm: Paradigm, tokens: int, concurrency: i
                 profile.disable()
                 clock.step_profile = None
                 profiled_sequences += running
+                steps += 1
+                continue
+            if profile_at is not None and profile_at + profile_steps <= steps < profile_at + 2 * profile_steps:
+                clock.bytecodes.start()  # the steps after the profiled ones, as many
+                engine.step()
+                clock.bytecodes.stop()
+                counted_sequences += running
                 steps += 1
                 continue
             forward0, t0 = clock.seconds, time.thread_time()
@@ -299,6 +344,8 @@ def measure_paradigm(path: Path, paradigm: Paradigm, tokens: int, concurrency: i
             "overhead_us_per_seq_step_all_steps": round(1e6 * seconds / sequences, 2) if sequences else None,
             "python_calls_per_seq_step": round(engine_calls + forward_calls, 2) if profiled_sequences else None,
             "engine_python_calls_per_seq_step": round(engine_calls, 2) if profiled_sequences else None,
+            "engine_bytecodes_per_seq_step": round(clock.bytecodes.count / counted_sequences, 1)
+            if counted_sequences else None,
             "profiled_steps": [profile_at, profile_at + profile_steps] if profile_at is not None else None,
             "forward_cpu_ms_per_step": round(forward_ms, 4) if forward_ms else None,
             # the same work on either side of an A/B, so it cancels the machine's speed of the moment

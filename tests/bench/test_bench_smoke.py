@@ -139,7 +139,8 @@ def test_overhead():
 PARADIGM_FIGURES = {"family", "rule", "layers", "tokens", "steps", "full_batch_steps", "generated_tokens",
                     "overhead_us_per_seq_step", "overhead_us_per_seq_step_all_steps",
                     "overhead_us_per_seq_step_median", "python_calls_per_seq_step",
-                    "engine_python_calls_per_seq_step", "profiled_steps", "forward_cpu_ms_per_step",
+                    "engine_python_calls_per_seq_step", "engine_bytecodes_per_seq_step", "profiled_steps",
+                    "forward_cpu_ms_per_step",
                     "overhead_us_per_seq_step_per_forward_ms"}
 
 
@@ -163,6 +164,7 @@ def test_overhead_paradigms():
         assert figures["python_calls_per_seq_step"] > 0 and figures["overhead_us_per_seq_step"] is not None, name
         # the forward's own calls (the CPU attention backend's) are counted apart from the engine's
         assert 0 < figures["engine_python_calls_per_seq_step"] < figures["python_calls_per_seq_step"], (name, figures)
+        assert figures["engine_bytecodes_per_seq_step"] > figures["engine_python_calls_per_seq_step"], (name, figures)
     # unary requests without stop strings (an RL rollout's): the same steps, without a chunk a step or
     # a text a step (fewer engine calls in the profiled ones)
     unary = _run_module("bench.overhead", "--paradigms", "--concurrency", "4", "--tokens", "16", "--profile-steps", "2",
@@ -172,6 +174,7 @@ def test_overhead_paradigms():
     streamed, once = r["paradigms"]["ar"], unary["paradigms"]["ar"]
     assert once["steps"] == streamed["steps"] and once["generated_tokens"] == streamed["generated_tokens"]
     assert once["engine_python_calls_per_seq_step"] < streamed["engine_python_calls_per_seq_step"], (once, streamed)
+    assert once["engine_bytecodes_per_seq_step"] < streamed["engine_bytecodes_per_seq_step"], (once, streamed)
 
 
 @pytest.mark.system  # the bench command as a user types it
