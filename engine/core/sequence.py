@@ -53,7 +53,6 @@ class Sequence:
     # a diffusion model's request decoded one causal token per forward (a mode it chose): its outputs
     # carry no step map, step count, trace or replay, as an autoregressive model's
     decodes_autoregressively: bool = False
-    num_revealed: int = 0  # leading generated positions revealed (contiguous)
     stop_bound: int = 0  # the output cannot reach past this many tokens (a revealed stop id, max_new_tokens)
     # scoring: next position whose logits row (scoring token position+1) is still owed
     next_score_pos: int = 0

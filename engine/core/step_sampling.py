@@ -61,8 +61,9 @@ class StepSampling:
         itself gets each sequence's raw logits rows)."""
         if self.decoding.samples_logits:
             logits = fwd.result.logits
-            fwd.rows = [PickedRows(sl.positions, [], [], None, [], read_logits=partial(
-                logits.__getitem__, slice(sl.first, sl.end))) for sl in fwd.slices]
+            fwd.rows = [PickedRows(sl.positions, [], [], None, []) for sl in fwd.slices]
+            for rows, sl in zip(fwd.rows, fwd.slices):
+                rows.read_logits = partial(logits.__getitem__, slice(sl.first, sl.end))
             return fwd
         if fwd.on_host is None:
             return fwd

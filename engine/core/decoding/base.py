@@ -62,16 +62,13 @@ if TYPE_CHECKING:
     from engine.worker.forward_batch import ForwardBatch
 
 
-@dataclass(slots=True)
 class PickedRows:
     """What the sampler made of one sequence's rows (one entry per sampled position); for a strategy
-    that samples its rows itself (`samples_logits`), a reader of their raw logits instead."""
+    that samples its rows itself (`samples_logits`), a reader of their raw logits instead. One is made
+    per sequence every step: what only some rows ask for is a class default, set on the instance
+    when asked."""
 
-    positions: list[int]
-    tokens: list[int]
-    confidence: list[float]
-    entropy: list[float] | None
-    logprobs: list[dict | None]
+    #: for a rule that reads its rows' logits itself (`wants_logits`): those rows
     logits: torch.Tensor | None = None
     #: for a rule that reads its rows' logits (`wants_logits`): (row indices, tokens) -> the logprob
     #: entries of those tokens in those rows, in the engine's logprobs mode (None each when not asked)
@@ -82,6 +79,16 @@ class PickedRows:
     #: per row with an allowed set: the raw probability mass the set held (NaN for the others); None
     #: when the sequence's rows had no set
     label_mass: list[float] | None = None
+
+    def __init__(self, positions: list[int], tokens: list[int], confidence: list[float],
+                 entropy: list[float] | None, logprobs: list[dict | None]):
+        """One entry per sampled position of each: its pick, the pick's probability under the
+        distribution drawn from, that distribution's entropy (when asked), its logprob entry."""
+        self.positions = positions
+        self.tokens = tokens
+        self.confidence = confidence
+        self.entropy = entropy
+        self.logprobs = logprobs
 
 
 @dataclass

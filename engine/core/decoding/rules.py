@@ -173,13 +173,11 @@ class DecodingRule(ABC):
         return step_event(seq, shown)
 
     def num_final(self, seq: Sequence) -> int:
-        """Revealed tokens are final: the leading generated positions that hold one."""
-        n, steps = seq.num_revealed, seq.out_steps  # one entry per generated position
-        limit = len(steps)
-        while n < limit and steps[n] is not None:
-            n += 1
-        seq.num_revealed = n
-        return n
+        """Revealed tokens are final: the leading generated positions that hold one, every position
+        before the open block's first mask (a block opens once the one before it holds no mask; the
+        open block is the last one appended)."""
+        block = seq.state
+        return (block.masked[0] if block.masked else block.end) - seq.prompt_len
 
     def block_done(self, seq: Sequence) -> bool:
         return not seq.state.masked
