@@ -36,7 +36,9 @@ the calls inside the forward (on the CPU its attention backend's bucketing; on a
 makes none), `engine_bytecodes_per_seq_step`, the Python bytecode instructions the engine runs per
 sequence-step outside the forward, over as many steps right after the profiled ones (the finest of
 the deterministic figures: it counts the work inside a function as well as the calls between them,
-and like them it is the same on a busy machine as on a quiet one), steps, full_batch_steps,
+and like them it is the same on a busy machine as on a quiet one; `--bytecode-functions N` adds
+`engine_bytecodes_by_function`, the N functions that ran the most of them, each per sequence-step:
+a profile that noise cannot move either), steps, full_batch_steps,
 generated_tokens (the engine's count: editing and canvas steps count every token they write),
 forward_cpu_ms_per_step and
 `overhead_us_per_seq_step_per_forward_ms`, the median divided by it: on a shared machine whose speed
@@ -61,6 +63,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -88,16 +91,26 @@ class BytecodeCounter:
     not, unlike its time; work done inside C (torch, a list copy) counts as the one instruction
     that called it. Tracing makes the code it counts some 50x slower."""
 
-    def __init__(self) -> None:
+    def __init__(self, by_function: bool = False) -> None:
         self.count = 0
         self.on = False
+        #: with `by_function`: the instructions each function ran itself (its code object's count)
+        self.by_code: Counter | None = Counter() if by_function else None
 
     def _trace(self, frame, event: str, arg):
         if event == "opcode":
             self.count += 1
+            if self.by_code is not None:
+                self.by_code[frame.f_code] += 1
         else:
             frame.f_trace_opcodes = True
         return self._trace
+
+    def top(self, n: int, per: int) -> dict[str, float]:
+        """The `n` functions that ran the most instructions, each as `path:line name` -> its count / `per`."""
+        root = str(Path(__file__).resolve().parent.parent) + "/"
+        return {f"{code.co_filename.removeprefix(root)}:{code.co_firstlineno} {code.co_name}": round(count / per, 1)
+                for code, count in (self.by_code or Counter()).most_common(n)}
 
     def start(self) -> None:
         self.on = True
@@ -114,14 +127,14 @@ class _ForwardClock:
     profiler) is set, the forward's Python calls go to `forward_profile` instead, so that the step's
     profile holds the engine's calls only; while `bytecodes` counts, the forward's are left out."""
 
-    def __init__(self, execute, device: str, sweep_bytes: int = 0):
+    def __init__(self, execute, device: str, sweep_bytes: int = 0, bytecodes_by_function: bool = False):
         self.execute = execute
         self.cuda = device == "cuda"
         self.buffer = torch.zeros(sweep_bytes // 4) if sweep_bytes else None
         self.seconds = 0.0
         self.step_profile: cProfile.Profile | None = None
         self.forward_profile = cProfile.Profile()
-        self.bytecodes = BytecodeCounter()
+        self.bytecodes = BytecodeCounter(bytecodes_by_function)
 
     def __call__(self, batch):
         if self.bytecodes.on:
@@ -284,18 +297,20 @@ def request_params(paradigm: Paradigm, tokens: int, i: int, stop_strings: bool =
 
 
 def measure_paradigm(path: Path, paradigm: Paradigm, tokens: int, concurrency: int, device: str,
-                     profile_at: int | None, profile_steps: int, unary: bool = False, stop_strings: bool = True
-                     ) -> dict:
+                     profile_at: int | None, profile_steps: int, unary: bool = False, stop_strings: bool = True,
+                     top_functions: int = 0) -> dict:
     """One run of `concurrency` requests of `tokens` output tokens (`unary`: added as unary requests;
     `stop_strings`: with the never-matching stop string).
     The `profile_steps` steps from step `profile_at` run under cProfile (their calls counted per
-    sequence-step), as many after them count the engine's bytecode instructions (`BytecodeCounter`),
-    and both are left out of the timings; `profile_at=None` profiles none (the warm-up run)."""
+    sequence-step), as many after them count the engine's bytecode instructions (`BytecodeCounter`;
+    with `top_functions`, also the functions that ran the most of them), and both are left out of
+    the timings; `profile_at=None` profiles none (the warm-up run)."""
     config = EngineConfig(**engine_settings(paradigm, tokens, concurrency, device))
     with pipeline(str(path), config) as pipe:
         engine = pipe.engine
         freeze_startup_heap()  # as a Serve engine replica does
-        clock = engine.executor.execute = _ForwardClock(engine.executor.execute, device)
+        clock = engine.executor.execute = _ForwardClock(engine.executor.execute, device,
+                                                        bytecodes_by_function=top_functions > 0)
         for i in range(concurrency):
             params = request_params(paradigm, tokens, i, stop_strings)
             if unary:
@@ -346,6 +361,8 @@ def measure_paradigm(path: Path, paradigm: Paradigm, tokens: int, concurrency: i
             "engine_python_calls_per_seq_step": round(engine_calls, 2) if profiled_sequences else None,
             "engine_bytecodes_per_seq_step": round(clock.bytecodes.count / counted_sequences, 1)
             if counted_sequences else None,
+            **({"engine_bytecodes_by_function": clock.bytecodes.top(top_functions, counted_sequences)}
+               if top_functions and counted_sequences else {}),
             "profiled_steps": [profile_at, profile_at + profile_steps] if profile_at is not None else None,
             "forward_cpu_ms_per_step": round(forward_ms, 4) if forward_ms else None,
             # the same work on either side of an A/B, so it cancels the machine's speed of the moment
@@ -355,7 +372,7 @@ def measure_paradigm(path: Path, paradigm: Paradigm, tokens: int, concurrency: i
 
 
 def run_paradigms(names: list[str], tokens: int, concurrency: int, device: str, profile_steps: int,
-                  unary: bool = False, stop_strings: bool = True) -> dict:
+                  unary: bool = False, stop_strings: bool = True, top_functions: int = 0) -> dict:
     """`--paradigms`: each named paradigm once to warm up, then measured with its profiled steps in
     the middle of the warm-up run's step count. A paradigm's `rule` is null where its requests name
     none (the family's own: Fast-dLLM v2 low_confidence_dynamic, DiffusionGemma and AR have no rule)."""
@@ -379,7 +396,7 @@ def run_paradigms(names: list[str], tokens: int, concurrency: int, device: str, 
             print(f"[overhead] {name}: {warm['steps']} steps, profiling {middle}..{middle + profile_steps}",
                   file=sys.stderr, flush=True)
             result = measure_paradigm(path, paradigm, tokens, concurrency, device, middle, profile_steps, unary,
-                                      stop_strings)
+                                      stop_strings, top_functions)
             out["paradigms"][name] = {"family": paradigm.family, "rule": paradigm.rule, "layers": layers, **result}
     return out
 
@@ -403,6 +420,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="--paradigms: the requests wait for their whole result (no chunk a step), as RL rollouts do")
     ap.add_argument("--no-stop-strings", dest="stop_strings", action="store_false",
                     help="--paradigms: requests without stop strings (RL rollouts usually stop on ids only)")
+    ap.add_argument("--bytecode-functions", type=int, default=0, metavar="N",
+                    help="--paradigms: also list the N functions that ran the most of the engine's bytecodes")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                     help="cuda: the forward runs on the GPU (bf16) and leaves the CPU caches to the engine")
     args = ap.parse_args(argv)
@@ -410,11 +429,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.paradigms:
         command = "python -m bench.overhead " + " ".join(sys.argv[1:] if argv is None else argv)
         result = run_paradigms(select_paradigms(args.only), args.tokens, args.concurrency or 128, args.device,
-                               args.profile_steps, args.unary, args.stop_strings)
+                               args.profile_steps, args.unary, args.stop_strings, args.bytecode_functions)
         print(json.dumps({"command": command, **result}, indent=2))
         return
-    if args.only or args.unary or not args.stop_strings:
-        ap.error("--only, --unary and --no-stop-strings need --paradigms")
+    if args.only or args.unary or not args.stop_strings or args.bytecode_functions:
+        ap.error("--only, --unary, --no-stop-strings and --bytecode-functions need --paradigms")
     args.concurrency = args.concurrency or 32
     out: dict = {"device": args.device, "concurrency": args.concurrency, "short": args.short, "long": args.long}
     with tempfile.TemporaryDirectory() as tmp:

@@ -168,13 +168,16 @@ def test_overhead_paradigms():
     # unary requests without stop strings (an RL rollout's): the same steps, without a chunk a step or
     # a text a step (fewer engine calls in the profiled ones)
     unary = _run_module("bench.overhead", "--paradigms", "--concurrency", "4", "--tokens", "16", "--profile-steps", "2",
-                        "--only", "ar", "--unary", "--no-stop-strings")
+                        "--only", "ar", "--unary", "--no-stop-strings", "--bytecode-functions", "3")
     assert unary["unary"] and not r["unary"] and list(unary["paradigms"]) == ["ar"]
     assert r["stop_strings"] and not unary["stop_strings"]
     streamed, once = r["paradigms"]["ar"], unary["paradigms"]["ar"]
     assert once["steps"] == streamed["steps"] and once["generated_tokens"] == streamed["generated_tokens"]
     assert once["engine_python_calls_per_seq_step"] < streamed["engine_python_calls_per_seq_step"], (once, streamed)
     assert once["engine_bytecodes_per_seq_step"] < streamed["engine_bytecodes_per_seq_step"], (once, streamed)
+    top = once["engine_bytecodes_by_function"]  # the three functions that ran the most of them
+    assert len(top) == 3 and 0 < sum(top.values()) <= once["engine_bytecodes_per_seq_step"], top
+    assert "engine_bytecodes_by_function" not in streamed
 
 
 @pytest.mark.system  # the bench command as a user types it
