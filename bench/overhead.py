@@ -107,10 +107,13 @@ class BytecodeCounter:
         return self._trace
 
     def top(self, n: int, per: int) -> dict[str, float]:
-        """The `n` functions that ran the most instructions, each as `path:line name` -> its count / `per`."""
+        """The `n` functions that ran the most instructions, each as `path:line name` -> its count / `per`
+        (the constructors dataclasses generate share one name, `<string>:2 __init__`, and one count)."""
         root = str(Path(__file__).resolve().parent.parent) + "/"
-        return {f"{code.co_filename.removeprefix(root)}:{code.co_firstlineno} {code.co_name}": round(count / per, 1)
-                for code, count in (self.by_code or Counter()).most_common(n)}
+        by_name: Counter = Counter()
+        for code, count in (self.by_code or Counter()).items():
+            by_name[f"{code.co_filename.removeprefix(root)}:{code.co_firstlineno} {code.co_name}"] += count
+        return {name: round(count / per, 1) for name, count in by_name.most_common(n)}
 
     def start(self) -> None:
         self.on = True
