@@ -75,7 +75,7 @@ class OutputBuilder:
         if weight_version != self.version:
             self.version = weight_version
             self.pending_versions.append(weight_version)
-        if not (finished or self.streamed or self.first):
+        if self.quiet and not finished:
             return None  # not streamed: after the first chunk, only the last
         stop = seq.stop
         end = seq.num_output if seq.num_output is not None else stop.num_consumed

@@ -96,14 +96,13 @@ class Scheduler:
         sequences (None: no limit besides the batch size and the prefill budget)."""
         budget = self.config.max_prefill_token_num
         limit = _UNLIMITED if max_seqs is None else max_seqs
-        limited = max_seqs is not None
         self._busy = busy
         out: list[ScheduledSeq] = []
         page_size = self.kv.page_size
         candidates = [seq for seq in self.running if seq.request_id not in busy]
         for seq, feed in zip(candidates, self._plan_feeds(candidates)):
             target, sample, decoding, kv_final = feed
-            if limited and len(out) >= limit:
+            if max_seqs is not None and len(out) >= max_seqs:
                 break
             if seq.status is not SeqStatus.RUNNING:  # preempted by an earlier one of this loop
                 continue
