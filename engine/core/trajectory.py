@@ -59,13 +59,11 @@ def add_view_rows(batch: ForwardBatch, tables: StepTables, it: ScheduledSeq, pag
         private = [next(scratch) for _ in range(v.scratch_pages)]
         table = seq.table.pages[:shared] + private
         batch.input_ids += v.tokens
-        batch.positions += range(v.start, end)
         batch.q_lens.append(len(v.tokens))
         batch.kv_lens.append(end)
         if view_fields is not None:
             view_fields(batch)
-        batch.slot_mapping += [table[p // page_size] * page_size + p % page_size for p in range(v.start, end)]
-        tables.add_pages(table)
+        tables.add_pages(table)  # its rows' positions and slots follow (`batch.build_batch`)
         head = v.start % page_size  # context tokens sharing the block's first page
         if head:
             batch.kv_copy_src += [seq.table.pages[shared] * page_size + o for o in range(head)]

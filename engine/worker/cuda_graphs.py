@@ -22,6 +22,7 @@ import logging
 import weakref
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from engine.worker.forward_batch import ForwardBatch
@@ -52,10 +53,10 @@ def pad_tokens(batch: ForwardBatch, tokens: int, null_page: int, page_size: int)
     return dataclasses.replace(
         batch,
         input_ids=batch.input_ids + [0] * n,
-        positions=batch.positions + [0] * n,
+        positions=np.concatenate([batch.positions, np.zeros(n, dtype=np.int64)]),
         q_lens=batch.q_lens + [n],
         kv_lens=batch.kv_lens + [1],
-        slot_mapping=batch.slot_mapping + [null_page * page_size] * n,
+        slot_mapping=np.concatenate([batch.slot_mapping, np.full(n, null_page * page_size, dtype=np.int64)]),
     )
 
 

@@ -23,10 +23,13 @@ class ForwardBatch:
     rows in position order (`engine.core.batch.build_batch` makes it from the step's plan)."""
 
     input_ids: list[int]  # the token fed at every query row
-    positions: list[int]  # the absolute position of every query row
+    # the absolute position of every query row (int64; `build_batch` derives it from q_lens and kv_lens)
+    positions: np.ndarray | list[int]
     q_lens: list[int]  # per sequence: its query rows in this forward
     kv_lens: list[int]  # per sequence: the keys its queries see (its cached tokens plus its rows)
-    slot_mapping: list[int]  # per query row: the flat cache slot its K/V are written to
+    # per query row: the flat cache slot its K/V are written to (int64; derived from the page tables;
+    # empty for a network whose layer groups keep tables of their own)
+    slot_mapping: np.ndarray | list[int]
     # [sequences, width] int64: per sequence its pages, read up to its kv_lens; `width` is the pages the
     # longest one reads, later entries 0 (`page_table_array` makes one from lists)
     page_tables: np.ndarray

@@ -55,8 +55,8 @@ def test_padding_is_one_dummy_sequence_in_the_null_page():
     padded = pad_tokens(b, 16, null_page=99, page_size=16)
     assert padded.q_lens == [4, 7, 1, 4] and padded.kv_lens == [8, 23, 40, 1]
     assert padded.page_tables is b.page_tables, "the padding's table row is the upload's"
-    assert padded.slot_mapping == b.slot_mapping + [99 * 16] * 4
-    assert padded.positions == b.positions + [0] * 4 and padded.input_ids == b.input_ids + [0] * 4
+    assert padded.slot_mapping.tolist() == b.slot_mapping + [99 * 16] * 4
+    assert padded.positions.tolist() == b.positions + [0] * 4 and padded.input_ids == b.input_ids + [0] * 4
     assert (padded.sample_rows, padded.score_rows) == (b.sample_rows, b.score_rows)
     assert pad_tokens(b, 12, null_page=99, page_size=16) is b
     with pytest.raises(ValueError, match="does not fit"):

@@ -8,7 +8,7 @@ decision it reaches with the default limits, stop strings longer than the kept t
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -75,6 +75,23 @@ def test_settled_text_reads_as_one_string(tokenizer, data):
             assert detok.slice(old) == plain[old:]
         detok.flush()
     assert detok.text == tokenizer.decode(tokens[:at], skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+@pytest.mark.parametrize("tail", [None, (6, 2)])
+def test_long_runs_of_whole_characters_add_what_tokens_one_by_one_add(tokenizer, tail):
+    """A run of 16 tokens or more whose pieces the table holds as whole characters is looked up at once:
+    the same text and lengths as token by token, after text already added, with the tail settling
+    (`tail`: small limits) or not."""
+    ids = tokenizer.encode("ab ba\nbb a " * 40, add_special_tokens=False)
+    with _small_tail(*tail) if tail else nullcontext():
+        one = IncrementalDetokenizer(tokenizer, skip_special_tokens=True)  # fills the table too
+        expected = [end for token_id in ids for end in one.add([token_id])]
+        runs, got, at = IncrementalDetokenizer(tokenizer, skip_special_tokens=True), [], 0
+        for n in (1, 17, 3, 40, 16, len(ids)):
+            got += runs.add(ids[at: at + n])
+            at += n
+        assert got == expected and runs.length == one.length
+        assert runs.text == one.text == tokenizer.decode(ids, clean_up_tokenization_spaces=False)
 
 
 def _decide(checker: StopChecker, tokens: list[int], runs: list[int]):
