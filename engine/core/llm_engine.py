@@ -297,17 +297,22 @@ class LLMEngine:
         if fwd.batch.score_rows:
             take_score_rows(fwd.items, fwd.batch, fwd.result, self.outputs)
         take_view_rows(fwd.items, fwd.result, self.kv)
-        for it in fwd.items:  # K/V final up to here
-            it.seq.num_computed = it.kv_final if it.sample else it.end
-        self.kv.register_many([(it.seq.table, it.seq.tokens, it.seq.num_computed) for it in fwd.items])
+        committed = []  # K/V final up to here: (table, tokens, how far)
+        scoring_only = []  # requests that generate nothing: they end with their prefill
+        for it in fwd.items:
+            seq = it.seq
+            seq.num_computed = computed = it.kv_final if it.sample else it.end
+            committed += ((seq.table, seq.tokens, computed),)
+            if seq.params.max_new_tokens == 0:
+                scoring_only += (seq,)
+        self.kv.register_many(committed)
         chunks: list[OutputChunk] = []
         self.stats.unmasking_steps += self.is_dllm * len(fwd.slices)  # one step of each sequence it sampled
         for seq, error in self.decoding.apply([(sl.seq, rows) for sl, rows in zip(fwd.slices, fwd.rows)],
                                               self._finalize):
             chunks += self.isolation.fail_alone(seq, error)
-        for it in fwd.items:  # scoring-only requests end with their prefill
-            seq = it.seq
-            if seq.params.max_new_tokens == 0 and scoring_done(seq):
+        for seq in scoring_only:
+            if scoring_done(seq):
                 seq.finish("length", 0)
         return chunks + self._emit(fwd.items)
 
@@ -333,13 +338,13 @@ class LLMEngine:
 
     def _emit(self, items: list[ScheduledSeq]) -> list[OutputChunk]:
         chunks = []
-        seqs, outputs, version = self.seqs, self.outputs, self.weight_version
+        outputs, version = self.outputs, self.weight_version
         for it in items:
             seq = it.seq
-            if seq.request_id not in seqs:
+            output = outputs.get(seq.request_id)
+            if output is None:  # released already (failed alone)
                 continue
             done = seq.finish_reason is not None
-            output = outputs[seq.request_id]
             if output.quiet and not done and output.version == version:
                 continue  # between a unary request's first chunk and its last
             chunk = output.build(done, version)

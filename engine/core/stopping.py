@@ -83,8 +83,7 @@ class StopChecker:
                 end = start + (len(word) if p.include_stop_str_in_output else 0)
                 return self._decide(g + 1, "stop", word, end)
         if g + 1 >= p.max_new_tokens:
-            detok.flush()
-            return self._decide(g + 1, "length", None, detok.length)
+            return self._length_decision()
         return None
 
     def consume_final(self, tokens: list[int], offset: int, num_final: int) -> StopDecision | None:
@@ -99,8 +98,13 @@ class StopChecker:
             while self.decision is None and self.num_consumed < num_final:
                 self.consume(tokens[offset + self.num_consumed])
             return self.decision
-        first = self.num_consumed
-        new = tokens[offset + first: offset + min(num_final, p.max_new_tokens)]
+        first, limit = self.num_consumed, p.max_new_tokens
+        end = num_final if num_final < limit else limit
+        new = tokens[offset + first: offset + end]
+        if not self._words and self._stop_ids.isdisjoint(new):  # the common step: nothing to decide on
+            self._unread += new
+            self.num_consumed = end
+            return self._length_decision() if end >= limit else None
         stop_at = None
         if not self._stop_ids.isdisjoint(new):
             for i, token in enumerate(new):
@@ -122,11 +126,7 @@ class StopChecker:
         self.num_consumed = first + len(run)
         if stop_at is not None:
             return self.consume(new[stop_at])  # the stop id ends the output (the per-token rule)
-        if self.num_consumed >= p.max_new_tokens:
-            detok = self._text()
-            detok.flush()
-            return self._decide(self.num_consumed, "length", None, detok.length)
-        return None
+        return self._length_decision() if self.num_consumed >= limit else None
 
     def end_from_outside(self) -> None:
         """The request ends without a stop (abort / error): its text is everything consumed."""
@@ -150,6 +150,12 @@ class StopChecker:
             self._detok.add(self._unread)
             self._unread = []
         return self._detok
+
+    def _length_decision(self) -> StopDecision:
+        """The output ends at its `max_new_tokens`-th token, read just now."""
+        detok = self._text()
+        detok.flush()
+        return self._decide(self.num_consumed, "length", None, detok.length)
 
     def _decide(self, n: int, reason: str, matched: int | str | None, text_end: int) -> StopDecision:
         if reason == "length" and self._params.is_read:  # a read ends when its template's positions are final

@@ -182,9 +182,10 @@ class DecodingStrategy(ABC):
         (`Sequence.keep_row_group`); `row_group` makes the others'. A strategy that samples its raw rows
         itself (`samples_logits`) is never asked."""
         groups = [sl.seq.row_group for sl in slices]
-        for i in [i for i, group in enumerate(groups) if group is None]:  # one call a step, not one a sequence
-            groups[i] = group = self.row_group(slices[i])
-            slices[i].seq.keep_row_group(group)
+        if not all(groups):  # a group is always true: one is missing (`None in` would call __eq__ on each)
+            for i in [i for i, group in enumerate(groups) if group is None]:
+                groups[i] = group = self.row_group(slices[i])
+                slices[i].seq.keep_row_group(group)
         return groups
 
     def row_group(self, sl: SampleSlice) -> RowGroup:
