@@ -33,12 +33,18 @@ the rest of a shared machine move less than the mean), `python_calls_per_seq_ste
 over `--profile-steps` steps (cProfile; not timed) in the middle of the run (where the warm-up run,
 decoding the same requests, had its middle) and `engine_python_calls_per_seq_step`, the same without
 the calls inside the forward (on the CPU its attention backend's bucketing; on a GPU a graph replay
-makes none), `engine_bytecodes_per_seq_step`, the Python bytecode instructions the engine runs per
+makes none), `phase_us_per_seq_step_all_steps`, where the timed steps' overhead goes: the thread CPU time
+of the scheduler's plan, the batch's layout, the sampler's launch and read-back and the applying of the
+picks (with the strategy's own part and the output chunks within it), per sequence-step,
+`engine_bytecodes_per_seq_step`, the Python bytecode instructions the engine runs per
 sequence-step outside the forward, over as many steps right after the profiled ones (the finest of
 the deterministic figures: it counts the work inside a function as well as the calls between them,
 and like them it is the same on a busy machine as on a quiet one; `--bytecode-functions N` adds
 `engine_bytecodes_by_function`, the N functions that ran the most of them, each per sequence-step:
-a profile that noise cannot move either), steps, full_batch_steps,
+a profile that noise cannot move either; but a count, not a cost: an instruction the interpreter has
+specialised, an attribute read, costs a few nanoseconds and a call or a new object ten times that, so
+fewer instructions need not mean less time -- compare times side by side, `python -m bench.paired`),
+steps, full_batch_steps,
 generated_tokens (the engine's count: editing and canvas steps count every token they write),
 forward_cpu_ms_per_step and
 `overhead_us_per_seq_step_per_forward_ms`, the median divided by it: on a shared machine whose speed
@@ -165,6 +171,54 @@ class _ForwardClock:
             self.buffer.add_(1.0)
         self.seconds += time.thread_time() - t0
         return out
+
+
+class _PhaseClock:
+    """The thread CPU time of each phase of the engine's step over the steps it is `on` for: the
+    scheduler's plan (`schedule`), the batch laid out (`build_batch`), the sampler queued (`pick`), its
+    picks read back and cut per sequence (`read`) and the picks applied (`apply`, which holds the decoding
+    strategy's own call, `strategy_apply`, and the output chunks made, `emit`). Each phase is one call a
+    step, so timing them adds a few calls a step, none a sequence. A phase an older checkout lacks is left
+    out."""
+
+    #: (the engine's attribute holding the method, None: the engine itself; the method; the phase)
+    WRAPPED = (("scheduler", "schedule", "schedule"), ("sampling", "pick", "pick"), ("sampling", "read", "read"),
+               (None, "_apply", "apply"), ("decoding", "apply", "strategy_apply"), (None, "_emit", "emit"))
+    ORDER = ("schedule", "build_batch", "pick", "read", "apply", "strategy_apply", "emit")
+
+    def __init__(self, engine) -> None:
+        import engine.core.llm_engine as llm_engine  # its step calls the module's `build_batch`
+
+        self.on = False
+        self.seconds: Counter = Counter()  # per phase timed (0 for one that never ran, e.g. `pick` where a
+        # strategy samples its rows itself)
+        for owner, method, phase in self.WRAPPED:
+            target = engine if owner is None else getattr(engine, owner, None)
+            if target is not None and hasattr(target, method):
+                setattr(target, method, self._timed(getattr(target, method), phase))
+                self.seconds[phase] = 0.0
+        self._module, self._build_batch = llm_engine, llm_engine.build_batch
+        llm_engine.build_batch = self._timed(llm_engine.build_batch, "build_batch")
+        self.seconds["build_batch"] = 0.0
+
+    def _timed(self, fn: Callable, phase: str) -> Callable:
+        def timed(*args, **kwargs):
+            if not self.on:
+                return fn(*args, **kwargs)
+            t0 = time.thread_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[phase] += time.thread_time() - t0
+        return timed
+
+    def restore(self) -> None:
+        """Put the module's `build_batch` back (the wrappers on the engine's objects end with the engine)."""
+        self._module.build_batch = self._build_batch
+
+    def per_seq_step(self, sequences: int) -> dict[str, float]:
+        """µs per sequence-step of each phase timed."""
+        return {phase: round(1e6 * self.seconds[phase] / sequences, 2) for phase in self.ORDER if phase in self.seconds}
 
 
 def _calls_per_seq_step(engine, steps: int) -> float:
@@ -314,6 +368,7 @@ def measure_paradigm(path: Path, paradigm: Paradigm, tokens: int, concurrency: i
         freeze_startup_heap()  # as a Serve engine replica does
         clock = engine.executor.execute = _ForwardClock(engine.executor.execute, device,
                                                         bytecodes_by_function=top_functions > 0)
+        phases = _PhaseClock(engine)
         for i in range(concurrency):
             params = request_params(paradigm, tokens, i, stop_strings)
             if unary:
@@ -341,12 +396,15 @@ def measure_paradigm(path: Path, paradigm: Paradigm, tokens: int, concurrency: i
                 steps += 1
                 continue
             forward0, t0 = clock.seconds, time.thread_time()
+            phases.on = True
             engine.step()
+            phases.on = False
             overhead = (time.thread_time() - t0) - (clock.seconds - forward0)
             steps += 1
             seconds, sequences = seconds + overhead, sequences + running
             if running == concurrency:
                 full.append(overhead / running)
+        phases.restore()
         engine_calls = forward_calls = None
         forward_ms = 1e3 * clock.seconds / steps if steps else None
         if profiled_sequences:
@@ -360,6 +418,7 @@ def measure_paradigm(path: Path, paradigm: Paradigm, tokens: int, concurrency: i
             "overhead_us_per_seq_step": round(1e6 * statistics.fmean(full), 2) if full else None,
             "overhead_us_per_seq_step_median": round(1e6 * statistics.median(full), 2) if full else None,
             "overhead_us_per_seq_step_all_steps": round(1e6 * seconds / sequences, 2) if sequences else None,
+            "phase_us_per_seq_step_all_steps": phases.per_seq_step(sequences) if sequences else None,
             "python_calls_per_seq_step": round(engine_calls + forward_calls, 2) if profiled_sequences else None,
             "engine_python_calls_per_seq_step": round(engine_calls, 2) if profiled_sequences else None,
             "engine_bytecodes_per_seq_step": round(clock.bytecodes.count / counted_sequences, 1)

@@ -67,19 +67,9 @@ class IncrementalDetokenizer:
     def add(self, token_ids: list[int]) -> list[int]:
         """Add each token in turn; returns the text's length after each."""
         if len(token_ids) >= _RUN_IN_C and self._held is None and self._stream is None and self._pieces is not None:
-            # a long run (a text made when read) looked up in C: whole characters after whole characters,
-            # every token seen before (a miss, a part of a character or a token without bytes raises: the
-            # loop below)
-            try:
-                pieces = list(map(self._pieces.entries.__getitem__, token_ids))
-                added = "".join(pieces)
-            except (KeyError, TypeError):
-                pass
-            else:
-                if pieces:
-                    self._pending = 0
-                return self._append(token_ids, self._tail + added,
-                                    list(accumulate(map(len, pieces), initial=self.length))[1:])
+            ends = self._add_looked_up(token_ids)  # a long run (a text made when read), most often whole
+            if ends is not None:  # characters after whole characters
+                return ends
         backend, ends, tail, old = self._backend, [], self._tail, self.length
         entries = self._pieces.entries if self._pieces is not None else None
         length = old
@@ -106,14 +96,25 @@ class IncrementalDetokenizer:
                 tail += piece  # copies the tail only
                 length += len(piece)
             ends += (length,)
-        return self._append(token_ids, tail, ends)
-
-    def _append(self, token_ids: list[int], tail: str, ends: list[int]) -> list[int]:
-        """Record `token_ids` as added: `tail` is the recent text with theirs, `ends` the text's length
-        after each of them; returns `ends`."""
-        old = self.length
-        self._tail, self.length = tail, (ends[-1] if ends else old)
+        self._tail, self.length = tail, length
         if len(tail) > _TAIL_MAX:
+            self._settle(old - _TAIL_KEEP)
+        self._ids += token_ids
+        return ends
+
+    def _add_looked_up(self, token_ids: list[int]) -> list[int] | None:
+        """`add` for a run of whole characters whose pieces the table holds, looked up in C; None (nothing
+        added) when a token is not one: not seen yet, part of a character, or without bytes of its own."""
+        try:
+            pieces = list(map(self._pieces.entries.__getitem__, token_ids))
+            added = "".join(pieces)  # a part of a character (bytes) or a token without bytes (None) raises
+        except (KeyError, TypeError):
+            return None
+        old = self.length
+        ends = list(accumulate(map(len, pieces), initial=old))[1:]
+        self._pending = 0
+        self._tail, self.length = self._tail + added, ends[-1]
+        if len(self._tail) > _TAIL_MAX:
             self._settle(old - _TAIL_KEEP)
         self._ids += token_ids
         return ends

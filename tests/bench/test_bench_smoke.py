@@ -24,7 +24,7 @@ SMOKED_HERE = {"bench", "bench.memory", "bench.overhead", "bench.replica_overhea
                "bench.moe", "bench.weight_sync", "bench.prefix_routing",
                "bench.load", "bench.outputs", "bench.fused_elementwise", "bench.published_configs",
                "bench.diffusion_gemma", "bench.step_metadata", "bench.decisions",
-               "bench.nemotron", "bench.detokenize"}
+               "bench.nemotron", "bench.detokenize", "bench.paired"}
 SMOKED_ELSEWHERE = {"bench.gpu_check": "bench/test_gpu_check.py", "bench.gpu_check.collect": "bench/test_gpu_check.py",
                     "bench.trajectory_scoring": "engine/test_trajectory_scoring.py",
                     "bench.fast_dllm": "engine/families/test_fast_dllm.py", "bench.soak": "system/test_soak.py",
@@ -138,7 +138,7 @@ def test_overhead():
 
 PARADIGM_FIGURES = {"family", "rule", "layers", "tokens", "steps", "full_batch_steps", "generated_tokens",
                     "overhead_us_per_seq_step", "overhead_us_per_seq_step_all_steps",
-                    "overhead_us_per_seq_step_median", "python_calls_per_seq_step",
+                    "overhead_us_per_seq_step_median", "phase_us_per_seq_step_all_steps", "python_calls_per_seq_step",
                     "engine_python_calls_per_seq_step", "engine_bytecodes_per_seq_step", "profiled_steps",
                     "forward_cpu_ms_per_step",
                     "overhead_us_per_seq_step_per_forward_ms"}
@@ -165,6 +165,9 @@ def test_overhead_paradigms():
         # the forward's own calls (the CPU attention backend's) are counted apart from the engine's
         assert 0 < figures["engine_python_calls_per_seq_step"] < figures["python_calls_per_seq_step"], (name, figures)
         assert figures["engine_bytecodes_per_seq_step"] > figures["engine_python_calls_per_seq_step"], (name, figures)
+        phases = figures["phase_us_per_seq_step_all_steps"]  # every phase of the step, timed
+        assert list(phases) == ["schedule", "build_batch", "pick", "read", "apply", "strategy_apply", "emit"], name
+        assert min(phases.values()) >= 0, (name, phases)
     # unary requests without stop strings (an RL rollout's): the same steps, without a chunk a step or
     # a text a step (fewer engine calls in the profiled ones)
     unary = _run_module("bench.overhead", "--paradigms", "--concurrency", "4", "--tokens", "16", "--profile-steps", "2",
@@ -178,6 +181,19 @@ def test_overhead_paradigms():
     top = once["engine_bytecodes_by_function"]  # the three functions that ran the most of them
     assert len(top) == 3 and 0 < sum(top.values()) <= once["engine_bytecodes_per_seq_step"], top
     assert "engine_bytecodes_by_function" not in streamed
+
+
+@pytest.mark.system  # the bench command as a user types it, in a process of its own
+def test_paired_runs_both_checkouts_side_by_side():
+    """This checkout against itself as the baseline: every figure of both sides' output, per round, with
+    its ratios; `--fields` keeps the figures named."""
+    r = _run_module("bench.paired", "--base", str(ROOT), "--rounds", "2", "--fields", "english/engine", "--",
+                    "detokenize", "--tokens", "60")
+    assert r["rounds"] == 2 and r["figures"], r
+    for path, figure in r["figures"].items():
+        assert path.startswith("streams/english/engine/"), path
+        assert len(figure["base"]) == len(figure["this"]) == len(figure["ratio"]) == 2
+        assert figure["ratio_geometric_mean"] > 0 and figure["ratio_median"] > 0, figure
 
 
 @pytest.mark.system  # the bench command as a user types it
