@@ -79,7 +79,8 @@ def run_pairs(base: Path, module: str, args: list[str], rounds: int) -> tuple[li
 def ratios(runs: list[dict], fields: list[str] | None) -> dict[str, dict]:
     """Per numeric figure both sides printed every round: the values per round, this / base per round
     (None where the base value is 0), the geometric mean of the ratios (over an even number of rounds a
-    faster core's factor appears once on each side of the ratio and cancels) and their median (which one
+    faster core's factor appears once on each side of the ratio and cancels; None unless every ratio is
+    above 0) and their median (which one
     round disturbed by something else on the machine moves less)."""
     leaves = [{side: numeric_leaves(run[side]) for side in ("base", "this")} for run in runs]
     paths = set.intersection(*(set(run["base"]) & set(run["this"]) for run in leaves))
@@ -90,9 +91,10 @@ def ratios(runs: list[dict], fields: list[str] | None) -> dict[str, dict]:
         base = [run["base"][path] for run in leaves]
         this = [run["this"][path] for run in leaves]
         per_round = [t / b if b else None for b, t in zip(base, this)]
-        known = [r for r in per_round if r]
+        known = [r for r in per_round if r is not None]
+        positive = known and min(known) > 0  # a geometric mean needs every ratio above 0
         out[path] = {"base": base, "this": this, "ratio": [None if r is None else round(r, 4) for r in per_round],
-                     "ratio_geometric_mean": round(statistics.geometric_mean(known), 4) if known else None,
+                     "ratio_geometric_mean": round(statistics.geometric_mean(known), 4) if positive else None,
                      "ratio_median": round(statistics.median(known), 4) if known else None}
     return out
 
@@ -110,13 +112,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--runs", action="store_true", help="also print each side's whole output per round")
     if "-h" in argv or "--help" in argv:  # anywhere, the bench's arguments included: this help
         ap.parse_args(["--help"])
-    if "--" not in argv:
-        ap.error("name the bench after --, e.g. -- overhead --paradigms --only ar")
-    cut = argv.index("--")
+    cut = argv.index("--") if "--" in argv else len(argv)
     args = ap.parse_args(argv[:cut])
     bench = argv[cut + 1:]
     if not bench:
-        raise SystemExit("name the bench module after --, e.g. -- overhead --paradigms --only ar")
+        ap.error("name the bench after --, e.g. -- overhead --paradigms --only ar")
     if not (args.base / "bench" / f"{bench[0]}.py").exists() and not (args.base / "bench" / bench[0]).is_dir():
         raise SystemExit(f"--base {args.base}: no bench/{bench[0]} there; pass a checkout of this project")
     runs, cores = run_pairs(args.base.resolve(), bench[0], bench[1:], args.rounds)

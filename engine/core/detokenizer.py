@@ -112,6 +112,8 @@ class IncrementalDetokenizer:
             return None
         old = self.length
         ends = list(accumulate(map(len, pieces), initial=old))[1:]
+        # the same bookkeeping as the end of `add`, which keeps its own copy inline: a call there would
+        # cost a token added alone (a streamed step's) some 80 ns, a seventh of its time
         self._pending = 0
         self._tail, self.length = self._tail + added, ends[-1]
         if len(self._tail) > _TAIL_MAX:

@@ -101,12 +101,13 @@ class StopChecker:
         first, limit = self.num_consumed, p.max_new_tokens
         end = num_final if num_final < limit else limit
         new = tokens[offset + first: offset + end]
-        if not self._words and self._stop_ids.isdisjoint(new):  # the common step: nothing to decide on
+        no_stop_id = self._stop_ids.isdisjoint(new)
+        if no_stop_id and not self._words:  # the common step: nothing to decide on
             self._unread += new
             self.num_consumed = end
             return self._length_decision() if end >= limit else None
         stop_at = None
-        if not self._stop_ids.isdisjoint(new):
+        if not no_stop_id:
             for i, token in enumerate(new):
                 if token in self._stop_ids:
                     stop_at = i
