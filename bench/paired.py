@@ -72,7 +72,13 @@ def run_pairs(base: Path, module: str, args: list[str], rounds: int) -> tuple[li
         print(f"[paired] round {i + 1}/{rounds}: base on core {base_core}, this on core {this_core}",
               file=sys.stderr, flush=True)
         procs = {"base": _start(base, module, args, base_core), "this": _start(THIS, module, args, this_core)}
-        runs.append({side: _output(proc, side) for side, proc in procs.items()})
+        try:
+            runs.append({side: _output(proc, side) for side, proc in procs.items()})
+        finally:  # one side failed: the other is not left running on its core
+            for proc in procs.values():
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
     return runs, cores
 
 
@@ -80,8 +86,7 @@ def ratios(runs: list[dict], fields: list[str] | None) -> dict[str, dict]:
     """Per numeric figure both sides printed every round: the values per round, this / base per round
     (None where the base value is 0), the geometric mean of the ratios (over an even number of rounds a
     faster core's factor appears once on each side of the ratio and cancels; None unless every ratio is
-    above 0) and their median (which one
-    round disturbed by something else on the machine moves less)."""
+    above 0) and their median (which one round disturbed by something else on the machine moves less)."""
     leaves = [{side: numeric_leaves(run[side]) for side in ("base", "this")} for run in runs]
     paths = set.intersection(*(set(run["base"]) & set(run["this"]) for run in leaves))
     if fields:
