@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from contextlib import nullcontext
+from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
@@ -32,9 +34,7 @@ class TorchAttention(AttentionBackend):
     max_buckets = 4
 
     def prepare(self, meta: AttentionMetadata) -> None:
-        starts = [0]
-        for q_len in meta.q_lens:
-            starts.append(starts[-1] + q_len)
+        starts = [0, *accumulate(meta.q_lens)]
         groups = _buckets(meta.q_lens, meta.kv_lens, self.max_buckets)
         meta.extra = {"buckets": [self._bucket(meta, seqs, starts, len(groups) == 1) for seqs in groups]}
 
@@ -97,29 +97,36 @@ class TorchAttention(AttentionBackend):
 
 
 def _buckets(q_lens: list[int], kv_lens: list[int], max_buckets: int) -> list[list[int]]:
-    """Sequences grouped so that padding each group to its longest query and key costs little: a
-    sequence joins the group its padded box grows least, unless that costs more than half its own
-    work again and a new group may still be opened. One group (in order) when nothing is gained."""
+    """Sequences grouped so that padding each group to its longest query and key costs little. The
+    sequences of one (query, key) shape always share a group; a shape, largest first, joins the group
+    its padded box grows least, unless that costs more than half the shape's own work again and a new
+    group may still be opened. One group (in order) when nothing is gained.
+
+    The work is per distinct shape, not per sequence: a step's sequences share a few shapes (a block
+    being denoised, with or without the previous block's commit), so this costs the host no Python per
+    sequence."""
     n = len(q_lens)
     if n == 1 or (min(q_lens) == max(q_lens) and min(kv_lens) * 2 > max(kv_lens)):
         return [list(range(n))]
-    groups: list[list] = []  # [members, max_q, max_kv]
-    for s in sorted(range(n), key=lambda s: (q_lens[s] * kv_lens[s], s), reverse=True):
-        q, kv = q_lens[s], kv_lens[s]
+    shapes = Counter(zip(q_lens, kv_lens))
+    groups: list[list] = []  # [shapes, max_q, max_kv, sequences]
+    for (q, kv), count in sorted(shapes.items(), key=lambda item: (item[0][0] * item[0][1], item[0]), reverse=True):
         best, best_extra = None, None
         for g in groups:
             mq, mkv = max(g[1], q), max(g[2], kv)
-            extra = mq * mkv * (len(g[0]) + 1) - g[1] * g[2] * len(g[0])
+            extra = mq * mkv * (g[3] + count) - g[1] * g[2] * g[3]
             if best is None or extra < best_extra:
                 best, best_extra = g, extra
-        if best is None or (best_extra > 1.5 * q * kv and len(groups) < max_buckets):
-            groups.append([[s], q, kv])
+        if best is None or (best_extra > 1.5 * q * kv * count and len(groups) < max_buckets):
+            groups.append([[(q, kv)], q, kv, count])
         else:
-            best[0].append(s)
-            best[1], best[2] = max(best[1], q), max(best[2], kv)
+            best[0].append((q, kv))
+            best[1], best[2], best[3] = max(best[1], q), max(best[2], kv), best[3] + count
     if len(groups) == 1:
         return [list(range(n))]
-    return [sorted(g[0]) for g in groups]
+    group_of = {shape: i for i, g in enumerate(groups) for shape in g[0]}
+    of_seq = list(map(group_of.__getitem__, zip(q_lens, kv_lens)))
+    return [[s for s, i in enumerate(of_seq) if i == k] for k in range(len(groups))]
 
 
 def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bucket: dict,
