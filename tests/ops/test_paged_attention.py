@@ -202,6 +202,26 @@ def test_decode_rows_in_block_causal_batch_match_dense():
     run_case([(1, 5), (1, 12), (2, 14), (6, 6)], 4, 4, seed=11)
 
 
+# A denoising step of many sequences: a few shapes, each shared by several sequences in no order (blocks
+# with and without the previous block's commit, at two key lengths), and one long prefill chunk.
+STEP_OF_SHAPES = [(4, 24), (8, 24), (4, 40), (8, 24), (4, 24), (4, 40), (32, 32), (8, 24), (4, 24), (4, 40)]
+
+
+def test_a_step_of_repeated_shapes_is_bucketed_by_shape_and_equals_dense():
+    """The reference backend pads each bucket to its longest query and key: a shape's sequences share a
+    bucket, every sequence is in exactly one (in order within it), at most `max_buckets` of them, and the
+    long prefill does not pad the decoding rows to its length."""
+    q_lens, kv_lens = [q for q, _ in STEP_OF_SHAPES], [kv for _, kv in STEP_OF_SHAPES]
+    groups = attention.torch_reference._buckets(q_lens, kv_lens, TorchAttention.max_buckets)
+    assert sorted(s for g in groups for s in g) == list(range(len(STEP_OF_SHAPES)))
+    assert all(g == sorted(g) for g in groups) and 1 < len(groups) <= TorchAttention.max_buckets
+    bucket_of = {STEP_OF_SHAPES[s]: i for i, g in enumerate(groups) for s in g}
+    assert all(bucket_of[STEP_OF_SHAPES[s]] == i for i, g in enumerate(groups) for s in g)  # shapes whole
+    assert [s for g in groups if 6 in g for s in g] == [6]  # the prefill alone
+    for seed in range(2):
+        run_case(STEP_OF_SHAPES, 8, 4, seed)
+
+
 def test_gqa_heads_read_their_own_kv_head():
     """Query heads 0,1 read kv head 0; heads 2,3 read kv head 1 (Qwen3 / HF grouping)."""
     g = torch.Generator().manual_seed(3)
