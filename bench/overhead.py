@@ -57,6 +57,11 @@ revisions. `--unary` adds the requests as a caller that waits for the whole resu
 rollout, a unary HTTP call: the engine then builds their first and last chunks only, not one a step);
 it needs a checkout from 6909f75 on. `--no-stop-strings` leaves the stop string out (RL rollouts
 usually stop on token ids only, and then nothing decides on the text while a request runs).
+`--overlap` runs the engine under the overlap schedule: each step launches the forward of one half of
+the requests and applies the other half's, so its figures are per sequence *applied* (a step's host work
+is launching one half and landing the other). On a GPU that host work runs while the device computes;
+on this CPU the forward runs in the thread, so the figure says what an overlapped step's host work costs
+per sequence against a plain step's, not what it hides.
 """
 
 from __future__ import annotations
@@ -337,12 +342,30 @@ def select_paradigms(only: str | None) -> list[str]:
     return [n for n in PARADIGMS if any(n == item or n.startswith(item + "/") for item in items)]
 
 
-def engine_settings(paradigm: Paradigm, tokens: int, concurrency: int, device: str) -> dict[str, Any]:
+def engine_settings(paradigm: Paradigm, tokens: int, concurrency: int, device: str, overlap: bool = False
+                    ) -> dict[str, Any]:
     """The EngineConfig fields of a run of `concurrency` requests of `tokens` output tokens: pages for them
-    all (two blocks / canvases of slack each), all of them in one batch, and the paradigm's own settings."""
+    all (two blocks / canvases of slack each), all of them in one batch, the paradigm's own settings, and
+    the overlap schedule when `overlap` (left out otherwise, as older checkouts may lack the field)."""
     pages = concurrency * (-(-(PROMPT_LEN + tokens + 64) // 16) + 2)
     return {"device": device, "num_kv_blocks": pages, "kv_block_size": 16, "max_batch_size": concurrency,
-            **paradigm.engine}
+            **paradigm.engine, **({"overlap_schedule": True} if overlap else {})}
+
+
+class _AppliedSequences:
+    """Counts the sequences of the forwards the engine applies. Under the overlap schedule a step launches
+    one half of the requests and applies the other half's forward, so a step's work is per sequence
+    applied, not per sequence running."""
+
+    def __init__(self, engine) -> None:
+        self.count = 0
+        apply = engine._apply
+
+        def counted(fwd):
+            self.count += len(fwd.items)
+            return apply(fwd)
+
+        engine._apply = counted
 
 
 def request_params(paradigm: Paradigm, tokens: int, i: int, stop_strings: bool = True) -> GenerationConfig:
@@ -355,20 +378,22 @@ def request_params(paradigm: Paradigm, tokens: int, i: int, stop_strings: bool =
 
 def measure_paradigm(path: Path, paradigm: Paradigm, tokens: int, concurrency: int, device: str,
                      profile_at: int | None, profile_steps: int, unary: bool = False, stop_strings: bool = True,
-                     top_functions: int = 0) -> dict:
+                     top_functions: int = 0, overlap: bool = False) -> dict:
     """One run of `concurrency` requests of `tokens` output tokens (`unary`: added as unary requests;
-    `stop_strings`: with the never-matching stop string).
+    `stop_strings`: with the never-matching stop string; `overlap`: under the overlap schedule, where a
+    step's sequences are those it applied).
     The `profile_steps` steps from step `profile_at` run under cProfile (their calls counted per
     sequence-step), as many after them count the engine's bytecode instructions (`BytecodeCounter`;
     with `top_functions`, also the functions that ran the most of them), and both are left out of
     the timings; `profile_at=None` profiles none (the warm-up run)."""
-    config = EngineConfig(**engine_settings(paradigm, tokens, concurrency, device))
+    config = EngineConfig(**engine_settings(paradigm, tokens, concurrency, device, overlap))
     with pipeline(str(path), config) as pipe:
         engine = pipe.engine
         freeze_startup_heap()  # as a Serve engine replica does
         clock = engine.executor.execute = _ForwardClock(engine.executor.execute, device,
                                                         bytecodes_by_function=top_functions > 0)
         phases = _PhaseClock(engine)
+        applied = _AppliedSequences(engine) if overlap else None
         for i in range(concurrency):
             params = request_params(paradigm, tokens, i, stop_strings)
             if unary:
@@ -379,20 +404,21 @@ def measure_paradigm(path: Path, paradigm: Paradigm, tokens: int, concurrency: i
         profile, profiled_sequences, counted_sequences, steps = cProfile.Profile(), 0, 0, 0
         while engine.has_unfinished():
             running = len(engine.scheduler.running) + len(engine.scheduler.waiting)
+            applied0 = applied.count if applied is not None else 0
             if profile_at is not None and profile_at <= steps < profile_at + profile_steps:
                 clock.step_profile = profile
                 profile.enable()
                 engine.step()
                 profile.disable()
                 clock.step_profile = None
-                profiled_sequences += running
+                profiled_sequences += running if applied is None else applied.count - applied0
                 steps += 1
                 continue
             if profile_at is not None and profile_at + profile_steps <= steps < profile_at + 2 * profile_steps:
                 clock.bytecodes.start()  # the steps after the profiled ones, as many
                 engine.step()
                 clock.bytecodes.stop()
-                counted_sequences += running
+                counted_sequences += running if applied is None else applied.count - applied0
                 steps += 1
                 continue
             forward0, t0 = clock.seconds, time.thread_time()
@@ -401,9 +427,10 @@ def measure_paradigm(path: Path, paradigm: Paradigm, tokens: int, concurrency: i
             phases.on = False
             overhead = (time.thread_time() - t0) - (clock.seconds - forward0)
             steps += 1
-            seconds, sequences = seconds + overhead, sequences + running
-            if running == concurrency:
-                full.append(overhead / running)
+            stepped = running if applied is None else applied.count - applied0
+            seconds, sequences = seconds + overhead, sequences + stepped
+            if running == concurrency and stepped:
+                full.append(overhead / stepped)
         phases.restore()
         engine_calls = forward_calls = None
         forward_ms = 1e3 * clock.seconds / steps if steps else None
@@ -434,12 +461,13 @@ def measure_paradigm(path: Path, paradigm: Paradigm, tokens: int, concurrency: i
 
 
 def run_paradigms(names: list[str], tokens: int, concurrency: int, device: str, profile_steps: int,
-                  unary: bool = False, stop_strings: bool = True, top_functions: int = 0) -> dict:
+                  unary: bool = False, stop_strings: bool = True, top_functions: int = 0, overlap: bool = False
+                  ) -> dict:
     """`--paradigms`: each named paradigm once to warm up, then measured with its profiled steps in
     the middle of the warm-up run's step count. A paradigm's `rule` is null where its requests name
     none (the family's own: Fast-dLLM v2 low_confidence_dynamic, DiffusionGemma and AR have no rule)."""
     out: dict = {"mode": "paradigms", "device": device, "concurrency": concurrency, "tokens": tokens, "unary": unary,
-                 "stop_strings": stop_strings,
+                 "stop_strings": stop_strings, "overlap": overlap,
                  "prompt_len": PROMPT_LEN, "torch_threads": torch.get_num_threads(), "profile_steps": profile_steps,
                  "paradigms": {}}
     with tempfile.TemporaryDirectory() as tmp:
@@ -453,12 +481,12 @@ def run_paradigms(names: list[str], tokens: int, concurrency: int, device: str, 
             layers = config.get("num_hidden_layers") or config["text_config"]["num_hidden_layers"]
             print(f"[overhead] {name}: warm-up", file=sys.stderr, flush=True)
             warm = measure_paradigm(path, paradigm, tokens, concurrency, device, None, profile_steps, unary,
-                                    stop_strings)
+                                    stop_strings, overlap=overlap)
             middle = max(0, (warm["steps"] - profile_steps) // 2)
             print(f"[overhead] {name}: {warm['steps']} steps, profiling {middle}..{middle + profile_steps}",
                   file=sys.stderr, flush=True)
             result = measure_paradigm(path, paradigm, tokens, concurrency, device, middle, profile_steps, unary,
-                                      stop_strings, top_functions)
+                                      stop_strings, top_functions, overlap)
             out["paradigms"][name] = {"family": paradigm.family, "rule": paradigm.rule, "layers": layers, **result}
     return out
 
@@ -482,6 +510,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="--paradigms: the requests wait for their whole result (no chunk a step), as RL rollouts do")
     ap.add_argument("--no-stop-strings", dest="stop_strings", action="store_false",
                     help="--paradigms: requests without stop strings (RL rollouts usually stop on ids only)")
+    ap.add_argument("--overlap", action="store_true",
+                    help="--paradigms: under the overlap schedule (a step launches one half of the requests and "
+                         "applies the other half's forward); figures per sequence applied")
     ap.add_argument("--bytecode-functions", type=int, default=0, metavar="N",
                     help="--paradigms: also list the N functions that ran the most of the engine's bytecodes")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
@@ -491,11 +522,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.paradigms:
         command = "python -m bench.overhead " + " ".join(sys.argv[1:] if argv is None else argv)
         result = run_paradigms(select_paradigms(args.only), args.tokens, args.concurrency or 128, args.device,
-                               args.profile_steps, args.unary, args.stop_strings, args.bytecode_functions)
+                               args.profile_steps, args.unary, args.stop_strings, args.bytecode_functions,
+                               args.overlap)
         print(json.dumps({"command": command, **result}, indent=2))
         return
-    if args.only or args.unary or not args.stop_strings or args.bytecode_functions:
-        ap.error("--only, --unary, --no-stop-strings and --bytecode-functions need --paradigms")
+    if args.only or args.unary or not args.stop_strings or args.bytecode_functions or args.overlap:
+        ap.error("--only, --unary, --no-stop-strings, --overlap and --bytecode-functions need --paradigms")
     args.concurrency = args.concurrency or 32
     out: dict = {"device": args.device, "concurrency": args.concurrency, "short": args.short, "long": args.long}
     with tempfile.TemporaryDirectory() as tmp:

@@ -181,6 +181,13 @@ def test_overhead_paradigms():
     top = once["engine_bytecodes_by_function"]  # the three functions that ran the most of them
     assert len(top) == 3 and 0 < sum(top.values()) <= once["engine_bytecodes_per_seq_step"], top
     assert "engine_bytecodes_by_function" not in streamed
+    # under the overlap schedule: each step applies one half's forward, and the figures are per sequence applied
+    halves = _run_module("bench.overhead", "--paradigms", "--concurrency", "4", "--tokens", "16",
+                         "--profile-steps", "2", "--only", "ar", "--overlap")
+    overlapped = halves["paradigms"]["ar"]
+    assert halves["overlap"] and not r["overlap"] and set(overlapped) == PARADIGM_FIGURES
+    assert overlapped["generated_tokens"] == streamed["generated_tokens"] and overlapped["steps"] > streamed["steps"]
+    assert overlapped["full_batch_steps"] > 0 and overlapped["engine_python_calls_per_seq_step"] > 0, overlapped
 
 
 @pytest.mark.system  # the bench command as a user types it, in a process of its own
