@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 
@@ -37,10 +38,11 @@ class AttentionMetadata:
 
 @dataclass
 class StepPlan:
-    """What a backend derives from a batch on the host: flat int arrays (uploaded with the step's
-    other metadata) and host values (sizes, flags) that `prepare` needs without reading the device."""
+    """What a backend derives from a batch on the host: flat int arrays (lists or int64 numpy arrays,
+    uploaded with the step's other metadata) and host values (sizes, flags) that `prepare` needs without
+    reading the device."""
 
-    arrays: dict[str, list[int]] = field(default_factory=dict)
+    arrays: dict[str, list[int] | np.ndarray] = field(default_factory=dict)
     scalars: dict[str, object] = field(default_factory=dict)
 
 

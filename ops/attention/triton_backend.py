@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import os
 
+import numpy as np
 import torch
 
 from ops.attention.base import AttentionBackend, AttentionMetadata, StepPlan, planned
@@ -66,8 +67,8 @@ class TritonAttention(AttentionBackend):
                 raise ValueError("the triton backend attends bidirectional rows beside causal ones only: "
                                  f"block-causal rows (block length {block_length}) cannot share their forward")
             kernel, tiles = self.kernel, arrays["tile_seq"]
-            arrays["tile_kind"] = [kernel.PASS_CANVAS if bidirectional[s] else kernel.PASS_ENCODE for s in tiles]
-            arrays["tile_lo"] = arrays["tile_own_row0"] = arrays["tile_own_len"] = [0] * len(tiles)
+            arrays["tile_kind"] = np.where(np.asarray(bidirectional)[tiles], kernel.PASS_CANVAS, kernel.PASS_ENCODE)
+            arrays["tile_lo"] = arrays["tile_own_row0"] = arrays["tile_own_len"] = np.zeros(tiles.size, np.int64)
         return StepPlan(arrays=arrays)
 
     def prepare(self, meta: AttentionMetadata) -> None:

@@ -34,6 +34,7 @@ the storage dtype), and float32 dots are IEEE on every device (`IEEE`; a GPU wou
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -55,38 +56,24 @@ def max_tiles(tokens: int, max_seqs: int, rows_per_tile: int) -> int:
 
 
 def plan_tiles(q_lens: list[int], kv_lens: list[int], rows_per_tile: int, pad_to: int | None = None
-               ) -> dict[str, list[int]]:
+               ) -> dict[str, np.ndarray]:
     """Per tile: its sequence (the page-table row), first flat query row, row count and the sequence's
-    key count; `pad_to` appends empty tiles up to that many."""
-    seq: list[int] = []
-    row0: list[int] = []
-    rows: list[int] = []
-    kv: list[int] = []
-    start = 0
-    for s, (n, kv_len) in enumerate(zip(q_lens, kv_lens, strict=True)):
-        if n <= rows_per_tile:  # a decode row or a block: one tile (the common case, kept cheap)
-            if n:
-                seq.append(s)
-                row0.append(start)
-                rows.append(n)
-                kv.append(kv_len)
-            start += n
-            continue
-        starts = range(start, start + n, rows_per_tile)
-        seq += [s] * len(starts)
-        row0 += starts
-        rows += [min(rows_per_tile, start + n - r) for r in starts]
-        kv += [kv_len] * len(starts)
-        start += n
+    key count, as int64 arrays; `pad_to` appends empty tiles up to that many. A few array operations for
+    the whole step: the plan is host work of every forward, graphed or not."""
+    if len(q_lens) != len(kv_lens):
+        raise ValueError(f"{len(q_lens)} query lengths for {len(kv_lens)} key lengths")
+    q = np.asarray(q_lens, dtype=np.int64)
+    tiles = -(-q // rows_per_tile)  # per sequence (none for one that feeds no row)
+    seq = np.repeat(np.arange(q.size), tiles)
+    k = np.arange(seq.size) - (np.cumsum(tiles) - tiles)[seq]  # each tile's index within its sequence
+    plan = {"tile_seq": seq, "tile_row0": (np.cumsum(q) - q)[seq] + k * rows_per_tile,
+            "tile_rows": np.minimum(rows_per_tile, q[seq] - k * rows_per_tile),
+            "tile_kv_len": np.asarray(kv_lens, dtype=np.int64)[seq]}
     if pad_to is not None:
-        if len(seq) > pad_to:
-            raise ValueError(f"{len(seq)} tiles do not fit a plan of {pad_to}")
-        pad = pad_to - len(seq)
-        seq += [0] * pad
-        row0 += [0] * pad
-        rows += [0] * pad
-        kv += [0] * pad
-    return {"tile_seq": seq, "tile_row0": row0, "tile_rows": rows, "tile_kv_len": kv}
+        if seq.size > pad_to:
+            raise ValueError(f"{seq.size} tiles do not fit a plan of {pad_to}")
+        plan = {name: np.pad(values, (0, pad_to - seq.size)) for name, values in plan.items()}
+    return plan
 
 
 def _paged_attention(out_ptr, q_ptr, k_ptr, v_ptr, tables_ptr, pos_ptr,

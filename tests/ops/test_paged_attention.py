@@ -177,7 +177,8 @@ def test_bidirectional_rows_beside_causal_ones_equal_dense_sdpa(mix, bidirection
 
 def test_triton_plans_pass_kinds_padded_and_refuses_block_causal_rows_beside_bidirectional_ones():
     backend = attention.TritonAttention(HEADS // KV_HEADS)
-    plan = backend.plan([8, 1], [8, 9], [[0, 1], [2, 3]], 4, None, 16, [True, False]).arrays
+    plan = {name: list(values) for name, values in
+            backend.plan([8, 1], [8, 9], [[0, 1], [2, 3]], 4, None, 16, [True, False]).arrays.items()}
     assert len(plan["tile_kind"]) == 16 and plan["tile_kind"][:2] == [1, 0] and plan["tile_rows"][2:] == [0] * 14
     assert plan["tile_lo"] == plan["tile_own_len"] == [0] * 16
     with pytest.raises(ValueError, match="block-causal"):

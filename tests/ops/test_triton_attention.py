@@ -222,7 +222,7 @@ def test_a_padded_plan_gives_the_same_output(group: int) -> None:
     meta = batch.meta()
     meta.plan = backend.plan(batch.q_lens, batch.kv_lens, batch.tables, layout.page, 4, pad_tiles=pad)
     meta.planned = {name: torch.tensor(values, dtype=torch.long) for name, values in meta.plan.arrays.items()}
-    empty = meta.plan.arrays["tile_rows"].count(0)
+    empty = meta.plan.arrays["tile_rows"].tolist().count(0)
     assert len(meta.plan.arrays["tile_rows"]) == pad and empty >= pad // 2
     padded = backend_forward(backend, batch, meta)
     unpadded = triton(batch)
@@ -413,11 +413,12 @@ def test_plan_tiles_stay_within_a_sequence_and_fit_max_tiles() -> None:
         if trial % 3 == 0:  # decode-heavy: many one-row sequences
             q_lens = [1 if n % 2 else n for n in q_lens]
         kv_lens = [n + int(torch.randint(0, 300, (1,), generator=g)) for n in q_lens]
-        plan = plan_tiles(q_lens, kv_lens, rows_per_tile)
+        plan = {name: values.tolist() for name, values in plan_tiles(q_lens, kv_lens, rows_per_tile).items()}
         check_plan(plan, q_lens, kv_lens, rows_per_tile)
         bound = max_tiles(sum(q_lens), seqs, rows_per_tile)
         assert len(plan["tile_seq"]) <= bound
-        padded = plan_tiles(q_lens, kv_lens, rows_per_tile, pad_to=bound)
+        padded = {name: values.tolist() for name, values in plan_tiles(q_lens, kv_lens, rows_per_tile,
+                                                                       pad_to=bound).items()}
         assert len(padded["tile_rows"]) == bound
         assert {name: values[: len(plan["tile_seq"])] for name, values in padded.items()} == plan
         assert not any(padded["tile_rows"][len(plan["tile_seq"]):])

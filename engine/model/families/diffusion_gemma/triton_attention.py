@@ -42,7 +42,7 @@ class GemmaTritonAttention:
         arrays = self.kernel.plan_tiles([p.q_len for p in passes],
                                         [p.start if c else p.start + p.q_len for p, c in zip(passes, canvas)],
                                         per_tile)
-        seqs = arrays["tile_seq"]
+        seqs = arrays["tile_seq"].tolist()
         arrays["tile_kind"] = [self.kernel.PASS_CANVAS if canvas[s] else self.kernel.PASS_ENCODE for s in seqs]
         arrays["tile_lo"] = [plan.committed_from[s] if canvas[s] else 0 for s in seqs]
         arrays["tile_own_row0"] = [plan.rows[s] for s in seqs]
