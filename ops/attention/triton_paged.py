@@ -66,14 +66,15 @@ def plan_tiles(q_lens: list[int], kv_lens: list[int], rows_per_tile: int, pad_to
     tiles = -(-q // rows_per_tile)  # per sequence (none for one that feeds no row)
     seq = np.repeat(np.arange(q.size), tiles)
     k = np.arange(seq.size) - (np.cumsum(tiles) - tiles)[seq]  # each tile's index within its sequence
-    plan = {"tile_seq": seq, "tile_row0": (np.cumsum(q) - q)[seq] + k * rows_per_tile,
-            "tile_rows": np.minimum(rows_per_tile, q[seq] - k * rows_per_tile),
-            "tile_kv_len": np.asarray(kv_lens, dtype=np.int64)[seq]}
-    if pad_to is not None:
-        if seq.size > pad_to:
-            raise ValueError(f"{seq.size} tiles do not fit a plan of {pad_to}")
-        plan = {name: np.pad(values, (0, pad_to - seq.size)) for name, values in plan.items()}
-    return plan
+    n = seq.size
+    if pad_to is not None and n > pad_to:
+        raise ValueError(f"{n} tiles do not fit a plan of {pad_to}")
+    plan = np.zeros((4, n if pad_to is None else pad_to), dtype=np.int64)  # the padding tiles: all zero
+    plan[0, :n] = seq
+    plan[1, :n] = (np.cumsum(q) - q)[seq] + k * rows_per_tile
+    np.minimum(rows_per_tile, q[seq] - k * rows_per_tile, out=plan[2, :n])
+    plan[3, :n] = np.asarray(kv_lens, dtype=np.int64)[seq]
+    return {"tile_seq": plan[0], "tile_row0": plan[1], "tile_rows": plan[2], "tile_kv_len": plan[3]}
 
 
 def _paged_attention(out_ptr, q_ptr, k_ptr, v_ptr, tables_ptr, pos_ptr,
