@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The GPU check as one prepared command for a borrowed GPU machine (one command may run 10 minutes; the
-# session has about 15 in all): four runs of `python -m bench.gpu_check`, in order, each under `timeout`
+# session has about 15 in all): five runs of `python -m bench.gpu_check`, in order, each under `timeout`
 # with its own cap, all of them within GPU_CHECK_TOTAL_S seconds (default 480: a run whose cap no longer
 # fits is cut to what is left, and skipped under MIN_RUN_S). A run that fails or times out does not stop
-# the next.
+# the next. GPU_CHECK_RUNS names the runs to make (default all: "a b c d e"); the five caps add up to more
+# than 480 s, so the last ones are cut or skipped unless the first ones end early: `GPU_CHECK_RUNS="a b e"`
+# measures the SDAR-4B step with and without the overlap schedule first.
 #
 #   bench/gpu_check/device_run.sh [DIR]        DIR defaults to $OUT, else gpu-out; python is $PYTHON, else PATH's
 #
@@ -18,6 +20,10 @@ dir=${1:-${OUT:-gpu-out}}
 py=${PYTHON:-python}
 total=${GPU_CHECK_TOTAL_S:-480}
 MIN_RUN_S=20
+selected=" ${GPU_CHECK_RUNS:-a b c d e} "
+for name in $selected; do
+    [[ $name == [a-e] ]] || { echo "GPU_CHECK_RUNS: no run named '$name' (the runs: a b c d e)" >&2; exit 2; }
+done
 KILL_AFTER_S=5  # SIGKILL this long after timeout's SIGTERM, counted in the budget
 
 mkdir -p "$dir" && dir=$(cd "$dir" && pwd) || exit 2
@@ -29,6 +35,7 @@ status=0
 run_part() {
     local name=$1 cap=$2
     shift 2
+    [[ $selected == *" $name "* ]] || return 0
     local left=$((total - SECONDS - KILL_AFTER_S)) start=$SECONDS code
     ((cap > left)) && cap=$left
     mkdir -p "$dir/$name"
@@ -51,10 +58,11 @@ run_part a 90 --only machine flash
 run_part b 200 --only sdar_4b --attention triton
 run_part c 200 --only throughput --attention triton --throughput-seconds 120
 run_part d 60 --only seeded_sampling
+run_part e 150 --only sdar_4b --attention triton --set overlap_schedule=true
 
 timeout 60 "$py" -m bench.gpu_check.collect "$dir" || status=1
 if [[ ${GPU_CHECK_KEEP_FOLDERS:-0} != 1 ]]; then
-    runs=(a b c d)
+    read -ra runs <<<"$selected"
     tar -czf "$dir/runs.tar.gz" -C "$dir" "${runs[@]}" && (cd "$dir" && rm -rf "${runs[@]}")
 fi
 exit "$status"

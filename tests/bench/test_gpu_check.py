@@ -334,11 +334,14 @@ def test_device_script_parses_and_runs_every_part_with_flags_the_check_takes():
     assert os.access(DEVICE_RUN, os.X_OK)
     subprocess.run(["bash", "-n", str(DEVICE_RUN)], check=True)
     runs = device_runs()
-    assert [(name, cap) for name, cap, _ in runs] == [("a", 90), ("b", 200), ("c", 200), ("d", 60)]
+    assert [(name, cap) for name, cap, _ in runs] == [("a", 90), ("b", 200), ("c", 200), ("d", 60), ("e", 150)]
     parsed = {name: cli.parse_args([*flags, "--out", f"gpu-out/{name}"]) for name, _, flags in runs}
-    assert [parsed[n].only for n in "abcd"] == [["machine", "flash"], ["sdar_4b"], ["throughput"],
-                                                ["seeded_sampling"]]
-    assert parsed["b"].attention == parsed["c"].attention == "triton" and parsed["c"].throughput_seconds == 120
+    assert [parsed[n].only for n in "abcde"] == [["machine", "flash"], ["sdar_4b"], ["throughput"],
+                                                 ["seeded_sampling"], ["sdar_4b"]]
+    assert parsed["b"].attention == parsed["c"].attention == parsed["e"].attention == "triton"
+    assert parsed["c"].throughput_seconds == 120
+    # e is b under the overlap schedule
+    assert dict(parsed["e"].set) == {"overlap_schedule": True} and not parsed["b"].set
     assert all(set(args.only) <= set(cli.PARTS) for args in parsed.values())
 
 
@@ -358,7 +361,7 @@ def test_device_script_keeps_going_past_a_failed_run_and_leaves_a_summary_and_an
     out = tmp_path / "out"
     assert sorted(p.name for p in out.iterdir()) == ["exit_codes.txt", "runs.tar.gz", "summary.json"]
     codes = [line.split()[:2] for line in (out / "exit_codes.txt").read_text().splitlines()]
-    assert codes == [["a", "0"], ["b", "3"], ["c", "0"], ["d", "0"]]
+    assert codes == [["a", "0"], ["b", "3"], ["c", "0"], ["d", "0"], ["e", "3"]]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["b"]["exit_code"] == 3 and not summary["b"]["finished"] and summary["b"]["stderr_tail"] == ["boom"]
     for name in "acd":
@@ -371,13 +374,23 @@ def test_device_script_keeps_going_past_a_failed_run_and_leaves_a_summary_and_an
 
 def test_device_script_skips_the_runs_no_time_is_left_for(tmp_path):
     proc = run_device_script(tmp_path, sys.executable, GPU_CHECK_TOTAL_S="0", GPU_CHECK_KEEP_FOLDERS="1")
-    assert proc.returncode == 1 and proc.stderr.count("skipped") == 4, proc.stderr[-4000:]
+    assert proc.returncode == 1 and proc.stderr.count("skipped") == 5, proc.stderr[-4000:]
     out = tmp_path / "out"
     assert [line.split()[:2] for line in (out / "exit_codes.txt").read_text().splitlines()] == [
-        [name, "skipped"] for name in "abcd"]
+        [name, "skipped"] for name in "abcde"]
     assert (out / "a").is_dir() and not (out / "runs.tar.gz").exists()
     skipped = json.loads((out / "summary.json").read_text())["d"]
     assert skipped["exit_code"] == "skipped" and not skipped["finished"] and skipped["report"] == {}
+
+
+def test_device_script_makes_only_the_runs_named(tmp_path):
+    proc = run_device_script(tmp_path, sys.executable, GPU_CHECK_RUNS="b e", GPU_CHECK_TOTAL_S="0")
+    out = tmp_path / "out"
+    assert [line.split()[0] for line in (out / "exit_codes.txt").read_text().splitlines()] == ["b", "e"], proc.stderr
+    with tarfile.open(out / "runs.tar.gz") as archive:
+        assert {name.split("/")[0] for name in archive.getnames()} == {"b", "e"}
+    wrong = run_device_script(tmp_path, sys.executable, GPU_CHECK_RUNS="b f")
+    assert wrong.returncode == 2 and "no run named 'f'" in wrong.stderr
 
 
 def test_collect_reads_what_a_run_cut_short_left(tmp_path):
