@@ -50,17 +50,17 @@ engine, applied after the part's own settings and those three; VALUE is read as 
 and an unknown field or a value the field refuses stops the check before it starts:
 `python -m bench.gpu_check --only throughput --set enable_torch_compile=true`.
 
-On a borrowed machine, `bench/gpu_check/device_run.sh [DIR]` is the prepared command (DIR defaults to
-$OUT, else gpu-out; python is $PYTHON, else PATH's): five runs, in order, each under `timeout` with its
-own cap, within 480 s in all (GPU_CHECK_TOTAL_S; a run that no longer fits is cut to what is left or
-skipped) -- (a) `--only machine flash` 90 s, (b) `--only sdar_4b --attention triton` 200 s, (c)
-`--only throughput --attention triton --throughput-seconds 120` 200 s, (d) `--only seeded_sampling` 60 s,
-(e) `--only sdar_4b --attention triton --set overlap_schedule=true` 150 s; GPU_CHECK_RUNS (e.g. "a b e")
-makes only the runs it names. A run that fails or times out does not stop the next. Each writes DIR/<run>/ (stdout.log, stderr.log
-and its `--out` files) and a line of DIR/exit_codes.txt (`RUN EXIT_CODE SECONDS CAP_S`; 124: timed out);
-then `python -m bench.gpu_check.collect DIR` gathers every run's exit code, report (or the part files of
-a run cut short) and stderr tail into DIR/summary.json, and the run folders are packed into
-DIR/runs.tar.gz, since the machine hands back only a few files (GPU_CHECK_KEEP_FOLDERS=1 keeps them).
+On a borrowed machine, `bench/gpu_check/device_run.sh [DIR]` is the prepared command (DIR defaults to $OUT,
+else gpu-out; python is $PYTHON, else PATH's): five runs, in order, each under `timeout` with its own cap,
+within 480 s in all (GPU_CHECK_TOTAL_S; a run that no longer fits is cut to what is left or skipped) -- (a)
+`--only machine flash` 90 s, (b) `--only sdar_4b --attention triton` 200 s, (c) `--only throughput --attention
+triton --throughput-seconds 120` 200 s, (d) `--only seeded_sampling` 60 s, (e) `--only sdar_4b --attention
+triton --set overlap_schedule=true` 150 s; GPU_CHECK_RUNS (e.g. "a b e") makes only the runs it names. A run
+that fails or times out does not stop the next. Each writes DIR/<run>/ (stdout.log, stderr.log and its `--out`
+files) and a line of DIR/exit_codes.txt (`RUN EXIT_CODE SECONDS CAP_S`; 124: timed out); then `python -m
+bench.gpu_check.collect DIR` gathers every run's exit code, report (or the part files of a run cut short) and
+stderr tail into DIR/summary.json, and the run folders are packed into DIR/runs.tar.gz, since the machine
+hands back only a few files (GPU_CHECK_KEEP_FOLDERS=1 keeps them).
 
 Where CUDA is absent it prints why and exits 0. Every part is a function of (device, dtype, ...) so
 tests/bench/test_gpu_check.py runs them on the CPU in float32 with tiny shapes. One module per concern:
