@@ -102,9 +102,9 @@ def _buckets(q_lens: list[int], kv_lens: list[int], max_buckets: int) -> list[li
     its padded box grows least, unless that costs more than half the shape's own work again and a new
     group may still be opened. One group (in order) when nothing is gained.
 
-    The work is per distinct shape, not per sequence: a step's sequences share a few shapes (a block
-    being denoised, with or without the previous block's commit), so this costs the host no Python per
-    sequence."""
+    The greedy runs per distinct shape, not per sequence: a step's sequences share a few shapes (a
+    block being denoised, with or without the previous block's commit), and only the last pass, which
+    hands each sequence its group, walks the sequences."""
     n = len(q_lens)
     if n == 1 or (min(q_lens) == max(q_lens) and min(kv_lens) * 2 > max(kv_lens)):
         return [list(range(n))]
