@@ -205,6 +205,11 @@ def test_shape_part_at_toy_size(tmp_path):
     assert out["requests"] == 4 and out["output_tokens"] > 0 and out["forwards"] > 0
     assert out["profile"]["top_host_ops"] and out["kernel_launches_per_step"] == 0
     assert out["graph_replays"] is None and out["steps_after_prefill"] > 0
+    # the device script's run e: the same part under the overlap schedule (half the requests a forward)
+    overlapped = EngineChoice(overrides={"overlap_schedule": True})
+    halves = throughput.shape_throughput(path, TOY_SHAPE, "cpu", "float32", 4, Traffic(8, (8, 20), (8, 16)),
+                                        profile_steps_at_most=1, choice=overlapped)
+    assert halves["output_tokens"] == out["output_tokens"] and halves["forwards"] > out["forwards"], (halves, out)
 
 
 def test_batch_invariance_part_at_toy_size(tmp_path):
