@@ -352,20 +352,29 @@ def engine_settings(paradigm: Paradigm, tokens: int, concurrency: int, device: s
             **paradigm.engine, **({"overlap_schedule": True} if overlap else {})}
 
 
-class _AppliedSequences:
-    """Counts the sequences of the forwards the engine applies. Under the overlap schedule a step launches
-    one half of the requests and applies the other half's forward, so a step's work is per sequence
-    applied, not per sequence running."""
+class _StepSequences:
+    """The sequences a step's figures are divided by: those running, or under the overlap schedule those
+    whose forward the step applied (a step launches one half of the requests and applies the other
+    half's forward, so its work is per sequence applied, not per sequence running)."""
 
-    def __init__(self, engine) -> None:
-        self.count = 0
-        apply = engine._apply
+    def __init__(self, engine, overlap: bool) -> None:
+        self.applied: int | None = None  # sequences applied since the last `take` (None: not counted)
+        if overlap:
+            self.applied = 0
+            apply = engine._apply
 
-        def counted(fwd):
-            self.count += len(fwd.items)
-            return apply(fwd)
+            def counted(fwd):
+                self.applied += len(fwd.items)
+                return apply(fwd)
 
-        engine._apply = counted
+            engine._apply = counted
+
+    def take(self, running: int) -> int:
+        """The sequences of the step just taken, `running` of them when it began."""
+        if self.applied is None:
+            return running
+        applied, self.applied = self.applied, 0
+        return applied
 
 
 def request_params(paradigm: Paradigm, tokens: int, i: int, stop_strings: bool = True) -> GenerationConfig:
@@ -393,7 +402,7 @@ def measure_paradigm(path: Path, paradigm: Paradigm, tokens: int, concurrency: i
         clock = engine.executor.execute = _ForwardClock(engine.executor.execute, device,
                                                         bytecodes_by_function=top_functions > 0)
         phases = _PhaseClock(engine)
-        applied = _AppliedSequences(engine) if overlap else None
+        step_sequences = _StepSequences(engine, overlap)
         for i in range(concurrency):
             params = request_params(paradigm, tokens, i, stop_strings)
             if unary:
@@ -404,21 +413,20 @@ def measure_paradigm(path: Path, paradigm: Paradigm, tokens: int, concurrency: i
         profile, profiled_sequences, counted_sequences, steps = cProfile.Profile(), 0, 0, 0
         while engine.has_unfinished():
             running = len(engine.scheduler.running) + len(engine.scheduler.waiting)
-            applied0 = applied.count if applied is not None else 0
             if profile_at is not None and profile_at <= steps < profile_at + profile_steps:
                 clock.step_profile = profile
                 profile.enable()
                 engine.step()
                 profile.disable()
                 clock.step_profile = None
-                profiled_sequences += running if applied is None else applied.count - applied0
+                profiled_sequences += step_sequences.take(running)
                 steps += 1
                 continue
             if profile_at is not None and profile_at + profile_steps <= steps < profile_at + 2 * profile_steps:
                 clock.bytecodes.start()  # the steps after the profiled ones, as many
                 engine.step()
                 clock.bytecodes.stop()
-                counted_sequences += running if applied is None else applied.count - applied0
+                counted_sequences += step_sequences.take(running)
                 steps += 1
                 continue
             forward0, t0 = clock.seconds, time.thread_time()
@@ -427,7 +435,7 @@ def measure_paradigm(path: Path, paradigm: Paradigm, tokens: int, concurrency: i
             phases.on = False
             overhead = (time.thread_time() - t0) - (clock.seconds - forward0)
             steps += 1
-            stepped = running if applied is None else applied.count - applied0
+            stepped = step_sequences.take(running)
             seconds, sequences = seconds + overhead, sequences + stepped
             if running == concurrency and stepped:
                 full.append(overhead / stepped)
