@@ -3,9 +3,10 @@
 # session has about 15 in all): five runs of `python -m bench.gpu_check`, in order, each under `timeout`
 # with its own cap, all of them within GPU_CHECK_TOTAL_S seconds (default 480: a run whose cap no longer
 # fits is cut to what is left, and skipped under MIN_RUN_S). A run that fails or times out does not stop
-# the next. GPU_CHECK_RUNS names the runs to make (default all: "a b c d e"); the five caps add up to more
-# than 480 s, so the last ones are cut or skipped unless the first ones end early: `GPU_CHECK_RUNS="a b e"`
-# measures the SDAR-4B step with and without the overlap schedule first.
+# the next. The runs are listed once, in `each_run` below. GPU_CHECK_RUNS names the runs to make (default
+# all: "a b c d e"); the five caps add up to more than 480 s, so the last ones are cut or skipped unless the
+# first ones end early: `GPU_CHECK_RUNS="a b e"` measures the SDAR-4B step with and without the overlap
+# schedule first.
 #
 #   bench/gpu_check/device_run.sh [DIR]        DIR defaults to $OUT, else gpu-out; python is $PYTHON, else PATH's
 #
@@ -20,9 +21,21 @@ dir=${1:-${OUT:-gpu-out}}
 py=${PYTHON:-python}
 total=${GPU_CHECK_TOTAL_S:-480}
 MIN_RUN_S=20
-selected=" ${GPU_CHECK_RUNS:-a b c d e} "
+
+# each_run FUNCTION: FUNCTION NAME CAP_S ARGS... for every run, in order (the one list of the runs)
+each_run() {
+    "$1" a 90 --only machine flash
+    "$1" b 200 --only sdar_4b --attention triton
+    "$1" c 200 --only throughput --attention triton --throughput-seconds 120
+    "$1" d 60 --only seeded_sampling
+    "$1" e 150 --only sdar_4b --attention triton --set overlap_schedule=true
+}
+known=" "
+know_run() { known+="$1 "; }
+each_run know_run
+selected=" ${GPU_CHECK_RUNS:-$known} "
 for name in $selected; do
-    [[ $name == [a-e] ]] || { echo "GPU_CHECK_RUNS: no run named '$name' (the runs: a b c d e)" >&2; exit 2; }
+    [[ $known == *" $name "* ]] || { echo "GPU_CHECK_RUNS: no run named '$name' (the runs:$known)" >&2; exit 2; }
 done
 KILL_AFTER_S=5  # SIGKILL this long after timeout's SIGTERM, counted in the budget
 
@@ -54,11 +67,7 @@ run_part() {
     ((code == 0)) || status=1
 }
 
-run_part a 90 --only machine flash
-run_part b 200 --only sdar_4b --attention triton
-run_part c 200 --only throughput --attention triton --throughput-seconds 120
-run_part d 60 --only seeded_sampling
-run_part e 150 --only sdar_4b --attention triton --set overlap_schedule=true
+each_run run_part
 
 timeout 60 "$py" -m bench.gpu_check.collect "$dir" || status=1
 if [[ ${GPU_CHECK_KEEP_FOLDERS:-0} != 1 ]]; then

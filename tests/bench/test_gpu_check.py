@@ -330,9 +330,10 @@ def test_module_runs_and_skips_without_cuda():
 
 # ---- the prepared device script and its summary ----------------------------------------------------------------
 def device_runs() -> list[tuple[str, int, list[str]]]:
-    """device_run.sh's runs: (name, cap in seconds, the flags before the `--out` it adds)."""
+    """device_run.sh's runs, as its `each_run` lists them: (name, cap in seconds, the flags before the `--out`
+    it adds)."""
     return [(name, int(cap), shlex.split(flags))
-            for name, cap, flags in re.findall(r"^run_part (\w+) (\d+) (.*)$", DEVICE_RUN.read_text(), re.M)]
+            for name, cap, flags in re.findall(r'^ +"\$1" (\w+) (\d+) (.*)$', DEVICE_RUN.read_text(), re.M)]
 
 
 def test_device_script_parses_and_runs_every_part_with_flags_the_check_takes():
