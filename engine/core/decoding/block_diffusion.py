@@ -33,13 +33,15 @@ forward: no block spends a forward only to end or to persist.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from configs import EngineConfig, GenerationConfig
 from engine.carrier import StepEvent
 from engine.core.decisions import Decisions
 from engine.core.decoding.base import DecodingStrategy, Finalize, PickedRows
 from engine.core.decoding.block_state import BlockState
 from engine.core.decoding.indel import special_ids
-from engine.core.decoding.rules import RULES, DecodingRule, write_pinned
+from engine.core.decoding.rules import RULES, DecodingRule, StepResult, write_pinned
 from engine.core.decoding.unmasking import SpecialIds, UnmaskingSettings
 from engine.core.input_processing import check_knobs
 from engine.core.sampler import RowGroup
@@ -53,6 +55,9 @@ class BlockDiffusionDecoding(DecodingStrategy):
     paradigm = "block"
     #: the logits at position p decide position p + row_shift (0: the position itself)
     row_shift = 0
+    #: (sequence, its picks, the request's rule) -> the rule's `StepResult`, for a paradigm that decides a
+    #: step's writes itself (sub-blocks); None: the request's rule writes the step (`DecodingRule.step`)
+    write_step: Callable[[Sequence, PickedRows, DecodingRule], StepResult] | None = None
 
     def __init__(self, block_length: int, mask_id: int, commit_fusion: bool = True, ids: SpecialIds | None = None):
         self.block_length = block_length
@@ -140,11 +145,6 @@ class BlockDiffusionDecoding(DecodingStrategy):
     def trace_event(self, seq: Sequence, shown: list[int]) -> StepEvent | None:
         return self.rule(seq).trace_event(seq, shown)
 
-    def write_step(self, seq: Sequence, rows: PickedRows, rule: DecodingRule) -> list[int]:
-        """Write one sequence's picks (the request's rule decides which); returns the generated indices
-        written, ascending."""
-        return rule.advance(seq, rows, self.ids)
-
     # ---- the step, over all its sequences ------------------------------------------------------
     def plan_feeds(self, seqs: list[Sequence]) -> list[Feed]:
         """The block being denoised, with the commit of the previous one (without commit fusion, a
@@ -180,13 +180,15 @@ class BlockDiffusionDecoding(DecodingStrategy):
               ) -> list[tuple[Sequence, Exception]]:
         """The request's rule writes the step; a block the rule ends is followed by the next one."""
         failed = []
+        ids = self.ids
+        own_step = self.write_step
         for seq, rows in picked:
             try:
                 seq.num_draws += len(rows.positions)
                 rule = RULES[seq.state.settings.strategy]
-                written = self.write_step(seq, rows, rule)
-                if not finalize(seq, written, rule.num_final(seq)) and rule.block_done(seq) \
-                        and self._open_block(seq):
+                written, num_final, block_done = rule.step(seq, rows, ids) if own_step is None \
+                    else own_step(seq, rows, rule)
+                if not finalize(seq, written, num_final) and block_done and self._open_block(seq):
                     finalize(seq, [], rule.num_final(seq))  # pinned tokens may be final at once
             except Exception as e:  # noqa: BLE001 - ends this request only
                 failed.append((seq, e))

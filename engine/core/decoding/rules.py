@@ -8,8 +8,10 @@ between rules:
 
 - `sample_positions`: the block positions whose logits this step samples;
 - `lowered_logits`: what it does to the logits before the sampler picks (token editing's λ);
-- `advance`: which picked tokens it writes (reveals, and for an editing rule rewrites);
-- `num_final` / `block_done`: when tokens become final and when the block ends;
+- `step`: a sequence's step in one call: which picked tokens it writes (reveals, and for an editing
+  rule rewrites), how many tokens are final after it and whether the block ended -- by default `advance`,
+  then `num_final` and `block_done`, which a rule may answer apart (a reveal-only rule answers all three
+  as it writes);
 - `check_request` / `missing`: what a request may not combine with it (beyond the knob table's
   refusals), and what a model lacks for it (a special token);
 - `decoding_params`: the settings an accepted request decodes with (greedy under a greedy-only rule);
@@ -25,7 +27,6 @@ when the block ends, on a step that writes nothing or past its post-edit budget)
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -49,6 +50,10 @@ from engine.core.decoding.unmasking import (
 )
 from engine.core.sequence import Sequence
 from engine.errors import RequestError
+
+#: What a rule's step did to one sequence: the generated indices it wrote (ascending), how many leading
+#: generated tokens are final after it, and whether its block ended.
+StepResult = tuple[list[int], int, bool]
 
 
 def step_seed(seq: Sequence) -> int:
@@ -114,7 +119,7 @@ def end_block(seq: Sequence, fed_final: bool) -> None:
 
 
 @dataclass(frozen=True)
-class DecodingRule(ABC):
+class DecodingRule:
     """The hooks every rule has; `spec` is its declaration, `knobs` the request knobs it reads."""
 
     spec: RuleSpec
@@ -163,9 +168,15 @@ class DecodingRule(ABC):
     def lowered_logits(self, seq: Sequence, positions: list[int]) -> tuple[float, list[int]] | None:
         return None
 
-    @abstractmethod
+    def step(self, seq: Sequence, rows: PickedRows, ids: SpecialIds) -> StepResult:
+        """Apply the step's picked tokens to one sequence: `advance`, then where the sequence stands."""
+        written = self.advance(seq, rows, ids)
+        return written, self.num_final(seq), self.block_done(seq)
+
     def advance(self, seq: Sequence, rows: PickedRows, ids: SpecialIds) -> list[int]:
-        """Apply the step's picked tokens; returns the generated indices written, ascending."""
+        """Apply the step's picked tokens; returns the generated indices written, ascending. (A rule that
+        overrides `step` need not have it.)"""
+        raise NotImplementedError(f"{type(self).__name__} applies its steps in step")
 
     def trace_event(self, seq: Sequence, shown: list[int]) -> StepEvent | None:
         """The trace event of the step just applied (`shown`: the generated indices it wrote that the
@@ -192,7 +203,9 @@ class RevealRule(DecodingRule):
     #: whether `choose` draws (it is then given the request's `step_seed`; others get 0)
     draws: bool = False
 
-    def advance(self, seq: Sequence, rows: PickedRows, ids: SpecialIds) -> list[int]:
+    def step(self, seq: Sequence, rows: PickedRows, ids: SpecialIds) -> StepResult:
+        """Reveal the chosen candidates; the tokens before the block's first mask are final (`num_final`), and
+        the block ends with its last mask (`block_done`), both read off the masks the step leaves."""
         block = seq.state
         settings, positions = block.settings, rows.positions
         count = len(positions)
@@ -207,7 +220,9 @@ class RevealRule(DecodingRule):
         masked = block.masked  # equal to `positions` (the step sampled the masked ones): the chosen leave it
         for i in reversed(chosen):
             del masked[i]
-        return revealed
+        if masked:
+            return revealed, masked[0] - seq.prompt_len, False
+        return revealed, block.end - seq.prompt_len, True
 
 
 @dataclass(frozen=True)
@@ -230,8 +245,8 @@ class EditRule(DecodingRule):
             return None
         return amount, [seq.tokens[p - 1] if p > seq.state.start else -1 for p in positions]
 
-    def advance(self, seq: Sequence, rows: PickedRows, ids: SpecialIds) -> list[int]:
-        """Write what the rule picks, or end the block."""
+    def step(self, seq: Sequence, rows: PickedRows, ids: SpecialIds) -> StepResult:
+        """Write what the rule picks, or end the block; its tokens are final once it ended (`num_final`)."""
         block, positions, mask_id = seq.state, rows.positions, ids.mask_id
         # the positions are one stretch of the block unless a template pinned some of it
         now = [seq.tokens[p] for p in positions] if block.pinned else seq.tokens[positions[0]: positions[-1] + 1]
@@ -242,7 +257,7 @@ class EditRule(DecodingRule):
         writes = self.pick(view, block.post_edit_steps, seq.state.settings)
         if writes is None:
             end_block(seq, fed_final=True)
-            return []
+            return [], self.num_final(seq), True
         last_read = block.read_left == 1
         writes = read_slots(block, positions, writes, masked)  # `pick` gives them ascending
         seq.step_counter += 1
@@ -255,7 +270,7 @@ class EditRule(DecodingRule):
             # the next step could only end the block: its tokens are final now, and their K/V ride on
             # the next block's first forward (as after a last reveal), which spares that step's forward
             block.ended = True
-        return written
+        return written, self.num_final(seq), block.ended
 
     def num_final(self, seq: Sequence) -> int:
         """A block's tokens are final when it ends."""
@@ -279,6 +294,8 @@ class InDelRule(EditRule):
 
     wants_logits: bool = True
     moves_tokens: bool = True
+    # its writes are `advance`'s below, with editing's finality and block end (not `EditRule.step`'s writes)
+    step = DecodingRule.step
 
     def missing(self, ids: SpecialIds) -> str | None:
         if ids.delete_id is None or ids.split_id is None:

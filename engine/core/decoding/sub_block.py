@@ -23,7 +23,7 @@ from __future__ import annotations
 from configs import EngineConfig, GenerationConfig
 from engine.core.decoding.base import PickedRows
 from engine.core.decoding.block_diffusion import BlockDiffusionDecoding
-from engine.core.decoding.rules import DecodingRule, write_tokens
+from engine.core.decoding.rules import DecodingRule, StepResult, write_tokens
 from engine.core.decoding.unmasking import above_threshold_or_best
 from engine.core.sequence import Sequence
 from engine.core.step_plan import Feed
@@ -88,9 +88,10 @@ class SubBlockDecoding(BlockDiffusionDecoding):
             return params.model_copy(update={"do_sample": False})
         return params
 
-    def write_step(self, seq: Sequence, rows: PickedRows, rule: DecodingRule) -> list[int]:
+    def write_step(self, seq: Sequence, rows: PickedRows, rule: DecodingRule) -> StepResult:
         """The inherited token, or the current sub-block's candidates above the threshold (else its most
-        confident one); the rule is `low_confidence_dynamic`, whose threshold this reads."""
+        confident one); the rule is `low_confidence_dynamic`, whose threshold this reads, and whose finality
+        and block end (reveal-only) the step keeps."""
         block = seq.state
         if self._inheriting(seq):
             chosen = [0]
@@ -103,4 +104,4 @@ class SubBlockDecoding(BlockDiffusionDecoding):
         revealed = write_tokens(seq, rows.positions, rows, chosen, shift=1)
         written = {seq.prompt_len + g for g in revealed}
         block.masked = [p for p in block.masked if p not in written]
-        return revealed
+        return revealed, rule.num_final(seq), rule.block_done(seq)
