@@ -9,9 +9,9 @@ between rules:
 - `sample_positions`: the block positions whose logits this step samples;
 - `lowered_logits`: what it does to the logits before the sampler picks (token editing's λ);
 - `step`: a sequence's step in one call: which picked tokens it writes (reveals, and for an editing
-  rule rewrites), how many tokens are final after it and whether the block ended -- by default `advance`,
-  then `num_final` and `block_done`, which a rule may answer apart (a reveal-only rule answers all three
-  as it writes);
+  rule rewrites), how many tokens are final after it and whether the block ended. By default it asks
+  `advance`, `num_final` and `block_done` in turn, three hooks a rule may implement instead; the reveal
+  and editing rules answer all three as they write;
 - `check_request` / `missing`: what a request may not combine with it (beyond the knob table's
   refusals), and what a model lacks for it (a special token);
 - `decoding_params`: the settings an accepted request decodes with (greedy under a greedy-only rule);
