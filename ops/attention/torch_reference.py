@@ -108,20 +108,27 @@ def _buckets(q_lens: list[int], kv_lens: list[int], max_buckets: int) -> list[li
     n = len(q_lens)
     if n == 1 or (min(q_lens) == max(q_lens) and min(kv_lens) * 2 > max(kv_lens)):
         return [list(range(n))]
-    shapes = Counter(zip(q_lens, kv_lens))
+    # largest work first (ties: the larger shape); a step has about as many shapes as sequences (their
+    # contexts differ), so the loop below is written without calls per shape
+    shapes = sorted([(q * kv, q, kv, count) for (q, kv), count in Counter(zip(q_lens, kv_lens)).items()],
+                    reverse=True)
     groups: list[list] = []  # [shapes, max_q, max_kv, sequences]
-    for (q, kv), count in sorted(shapes.items(), key=lambda item: (item[0][0] * item[0][1], item[0]), reverse=True):
+    for work, q, kv, count in shapes:
         best, best_extra = None, None
         for g in groups:
-            mq, mkv = max(g[1], q), max(g[2], kv)
-            extra = mq * mkv * (g[3] + count) - g[1] * g[2] * g[3]
+            gq, gkv = g[1], g[2]
+            extra = (q if q > gq else gq) * (kv if kv > gkv else gkv) * (g[3] + count) - gq * gkv * g[3]
             if best is None or extra < best_extra:
                 best, best_extra = g, extra
-        if best is None or (best_extra > 1.5 * q * kv * count and len(groups) < max_buckets):
+        if best is None or (best_extra > 1.5 * work * count and len(groups) < max_buckets):
             groups.append([[(q, kv)], q, kv, count])
         else:
             best[0].append((q, kv))
-            best[1], best[2], best[3] = max(best[1], q), max(best[2], kv), best[3] + count
+            if q > best[1]:
+                best[1] = q
+            if kv > best[2]:
+                best[2] = kv
+            best[3] += count
     if len(groups) == 1:
         return [list(range(n))]
     group_of = {shape: i for i, g in enumerate(groups) for shape in g[0]}
