@@ -102,14 +102,14 @@ def _buckets(q_lens: list[int], kv_lens: list[int], max_buckets: int) -> list[li
     its padded box grows least, unless that costs more than half the shape's own work again and a new
     group may still be opened. One group (in order) when nothing is gained.
 
-    The greedy runs per distinct shape, not per sequence: a step's sequences share a few shapes (a
-    block being denoised, with or without the previous block's commit), and only the last pass, which
-    hands each sequence its group, walks the sequences."""
+    The greedy runs per distinct shape, not per sequence: sequences of one query and key length (a batch
+    admitted together, one prompt length) are placed once, and only the last pass, which hands each
+    sequence its group, walks the sequences. Where contexts differ, most sequences are a shape of their
+    own, so the greedy's loop makes no function calls per shape."""
     n = len(q_lens)
     if n == 1 or (min(q_lens) == max(q_lens) and min(kv_lens) * 2 > max(kv_lens)):
         return [list(range(n))]
-    # largest work first (ties: the larger shape); a step has about as many shapes as sequences (their
-    # contexts differ), so the loop below is written without calls per shape
+    # largest work first (ties: the larger shape)
     shapes = sorted([(q * kv, q, kv, count) for (q, kv), count in Counter(zip(q_lens, kv_lens)).items()],
                     reverse=True)
     groups: list[list] = []  # [shapes, max_q, max_kv, sequences]
